@@ -1,0 +1,116 @@
+// safetensors files: a bounds-checked, mmap-based reader (one file, or an HF
+// directory with model.safetensors.index.json) and a streaming writer.
+//
+// Format: 8-byte little-endian header length N, N bytes of JSON
+// {"key": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
+// then the data section; offsets are relative to the data section.
+#pragma once
+
+#include <weightsync/tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace weightsync {
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::U8;
+  Shape shape;
+  uint64_t begin = 0;  // byte offsets inside the data section
+  uint64_t end = 0;
+};
+
+struct SafetensorsHeader {
+  std::vector<TensorInfo> tensors;  // sorted by begin offset
+  std::map<std::string, std::string> metadata;
+};
+
+// Parses and validates header JSON for a data section of `data_size` bytes.
+// Every malformed input is Errc::format naming `file` and the key: not JSON,
+// not an object, unknown dtype, bad shape, offsets out of range, overlapping
+// or with gaps, shape x itemsize != byte length, duplicate key.
+SafetensorsHeader parse_safetensors_header(std::string_view json, uint64_t data_size,
+                                           std::string_view file);
+
+// One mmapped .safetensors file. Views point into the mapping (read-only pages:
+// never write through them) and live as long as the file object.
+class SafetensorsFile {
+ public:
+  static std::shared_ptr<SafetensorsFile> open(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::vector<TensorInfo>& tensors() const { return header_.tensors; }
+  const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
+  const TensorInfo* find(std::string_view name) const;
+  // Throws Errc::not_found naming the key and the file.
+  TensorView view(std::string_view name) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  SafetensorsHeader header_;
+  std::map<std::string, size_t, std::less<>> index_;
+  const char* map_ = nullptr;
+  uint64_t map_size_ = 0;
+  const char* data_ = nullptr;
+};
+
+// A checkpoint: a single .safetensors file, or a directory holding either
+// model.safetensors.index.json (its weight_map names the files) or exactly one
+// .safetensors file.
+class Checkpoint {
+ public:
+  static Checkpoint open(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  std::vector<std::string> keys() const;  // sorted
+  bool contains(std::string_view key) const;
+  // Throw Errc::not_found naming the key and the checkpoint.
+  const TensorInfo& info(std::string_view key) const;
+  TensorView view(std::string_view key) const;
+
+ private:
+  std::string path_;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::map<std::string, std::pair<size_t, const TensorInfo*>, std::less<>> keys_;
+};
+
+// Streams a .safetensors file to disk: the tensors are declared up front, then
+// their bytes are written in declaration order, in as many chunks as wanted.
+// Data goes to `path`.tmp and is renamed to `path` by finish(); a writer
+// destroyed before finish() removes the temporary file, leaving `path` as it was.
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name;
+    DType dtype = DType::U8;
+    Shape shape;
+  };
+
+  SafetensorsWriter(std::string path, std::vector<Entry> entries,
+                    std::map<std::string, std::string> metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // Appends bytes to the data section (Errc::invalid_argument past the end).
+  void write(const void* data, std::size_t bytes);
+  // Writes the whole of the next declared tensor; `name` must be that tensor.
+  void write_tensor(std::string_view name, const void* data, std::size_t bytes);
+  // Checks that every declared byte was written, flushes, renames into place.
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weightsync

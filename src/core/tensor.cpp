@@ -1,0 +1,54 @@
+#include <weightsync/error.h>
+#include <weightsync/tensor.h>
+
+#include <utility>
+
+namespace weightsync {
+
+int64_t numel(const Shape& shape) noexcept {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= shape[i];
+  }
+  return strides;
+}
+
+bool TensorView::is_contiguous() const {
+  if (strides.empty()) return true;
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] != 1 && strides[i] != s) return false;
+    s *= shape[i];
+  }
+  return true;
+}
+
+TensorView host_view(void* data, DType dtype, Shape shape) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.shape = std::move(shape);
+  return v;
+}
+
+TensorView transposed(const TensorView& view, int d0, int d1) {
+  const int rank = static_cast<int>(view.shape.size());
+  if (d0 < 0 || d1 < 0 || d0 >= rank || d1 >= rank)
+    fail(Errc::invalid_argument, "transposed: dims ", d0, ", ", d1, " out of range for shape ",
+         shape_str(view.shape));
+  TensorView out = view;
+  out.strides = view.effective_strides();
+  std::swap(out.shape[d0], out.shape[d1]);
+  std::swap(out.strides[d0], out.strides[d1]);
+  return out;
+}
+
+}  // namespace weightsync

@@ -1,0 +1,51 @@
+// The `weightsync` command: a registry of subcommands and a small option parser.
+// Each cmd_*.cpp registers one subcommand with a static CommandRegistrar.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace weightsync::cli {
+
+// Parsed "--name value", "--flag" and positional arguments. Unknown options
+// and missing values are errors (Errc::invalid_argument), never ignored.
+class Args {
+ public:
+  // `flags`: options without a value; `options`: options that take one.
+  Args(std::vector<std::string> argv, std::set<std::string> flags, std::set<std::string> options);
+
+  bool flag(const std::string& name) const { return flags_.count(name) > 0; }
+  bool has(const std::string& name) const { return values_.count(name) > 0; }
+  std::optional<std::string> get(const std::string& name) const;
+  std::string require(const std::string& name) const;  // Errc::invalid_argument if absent
+  std::string get_or(const std::string& name, const std::string& fallback) const;
+  int64_t get_int(const std::string& name, int64_t fallback) const;  // checks it is an integer
+  double get_double(const std::string& name, double fallback) const;
+  const std::vector<std::string>& positional() const { return positional_; }
+  bool help() const { return help_; }
+
+ private:
+  std::set<std::string> flags_;
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> positional_;
+  bool help_ = false;
+};
+
+struct Command {
+  std::string name;
+  std::string summary;  // one line for `weightsync --help`
+  std::string usage;    // full text for `weightsync NAME --help`
+  std::function<int(const std::vector<std::string>& argv)> run;  // argv after the name
+};
+
+std::map<std::string, Command>& registry();
+
+struct CommandRegistrar {
+  explicit CommandRegistrar(Command command);
+};
+
+}  // namespace weightsync::cli
