@@ -86,3 +86,16 @@ CommandRegistrar::CommandRegistrar(Command command) {
 }
 
 }  // namespace weightsync::cli
+
+namespace weightsync::cli {
+
+std::map<std::string, Bench>& bench_registry() {
+  static std::map<std::string, Bench> benches;
+  return benches;
+}
+
+BenchRegistrar::BenchRegistrar(Bench bench) {
+  bench_registry().emplace(bench.name, std::move(bench));
+}
+
+}  // namespace weightsync::cli

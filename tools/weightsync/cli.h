@@ -38,7 +38,7 @@ class Args {
 struct Command {
   std::string name;
   std::string summary;  // one line for `weightsync --help`
-  std::string usage;    // full text for `weightsync NAME --help`
+  std::string usage;    // full text for `weightsync NAME --help` ("": the command handles --help)
   std::function<int(const std::vector<std::string>& argv)> run;  // argv after the name
 };
 
@@ -46,6 +46,25 @@ std::map<std::string, Command>& registry();
 
 struct CommandRegistrar {
   explicit CommandRegistrar(Command command);
+};
+
+}  // namespace weightsync::cli
+
+namespace weightsync::cli {
+
+// `weightsync bench NAME ...` runs a registered benchmark; `weightsync bench`
+// without a name runs the sync-latency benchmark (registered as "sync").
+struct Bench {
+  std::string name;
+  std::string summary;
+  std::string usage;
+  std::function<int(const std::vector<std::string>& argv)> run;
+};
+
+std::map<std::string, Bench>& bench_registry();
+
+struct BenchRegistrar {
+  explicit BenchRegistrar(Bench bench);
 };
 
 }  // namespace weightsync::cli

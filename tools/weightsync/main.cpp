@@ -36,8 +36,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<std::string> rest(argv + 2, argv + argc);
+  // A command with an empty usage handles --help itself (e.g. bench's sub-benchmarks).
   for (const auto& a : rest) {
-    if (a == "--help" || a == "-h") {
+    if (!it->second.usage.empty() && (a == "--help" || a == "-h")) {
       std::cout << it->second.usage;
       return 0;
     }
