@@ -1,0 +1,201 @@
+// The control plane: a TCP coordinator and its clients.
+//
+// One Coordinator serves a job (standalone: `weightsync coordinator`, or
+// embedded, e.g. in trainer rank 0). Every trainer rank, engine rank and
+// observer connects a Client. The coordinator keeps membership (with
+// heartbeats), a key/value store for transport bootstrap (Client implements
+// Store), barriers, plan blobs, and drives the step protocol:
+//
+//   trainers: begin_step(step, plan_id) ... data moves ... sent(step, ok)
+//   engines:  receive StepBegin, apply, ack(step, ok, bytes, checksum)
+//   coordinator, once every trainer sent and every engine acked (or died or
+//   timed out): Commit to engines that acked ok, Abort to the others; if any
+//   trainer failed or died, Abort to every engine. Trainers receive a
+//   StepResult. An engine's committed version only moves on Commit.
+//
+// Wire: frames of a 4-byte big-endian length + a UTF-8 JSON object carrying
+// "v" (protocol version) and "kind". A connection that breaks the protocol
+// is closed (after an error frame where possible); the others keep being
+// served. Every blocking call takes or has a timeout and throws
+// Errc::timeout naming what it waited for; a lost coordinator connection is
+// Errc::peer_failure; an error reply is Errc::protocol (or the code the
+// coordinator sent, e.g. invalid_argument).
+#pragma once
+
+#include <weightsync/store.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace weightsync::control {
+
+using Millis = std::chrono::milliseconds;
+
+inline constexpr int kProtocolVersion = 1;
+inline constexpr size_t kDefaultMaxFrameBytes = size_t{16} << 20;
+
+enum class Role { trainer, engine, observer };
+std::string_view role_name(Role role) noexcept;
+Role parse_role(std::string_view name);  // Errc::invalid_argument for anything else
+
+// A registered process, as the coordinator sees it.
+struct Member {
+  uint64_t id = 0;  // unique for the coordinator's lifetime, never reused
+  Role role = Role::observer;
+  int rank = 0;      // global rank within the role
+  int world = 1;     // size of the role's world, as the member declared it
+  int replica = -1;  // engine replica, -1 when not given
+  std::string layout_hash;
+  std::vector<uint8_t> transport_address;  // opaque (e.g. a UCX worker address)
+};
+
+// ---------------------------------------------------------------- coordinator
+
+struct CoordinatorOptions {
+  std::string host = "127.0.0.1";  // listen address; "0.0.0.0" to serve other hosts
+  uint16_t port = 0;               // 0: any free port (read it back with port())
+  std::string token;               // non-empty: every hello must carry it
+  size_t max_frame_bytes = kDefaultMaxFrameBytes;
+  size_t max_connections = 4096;
+  size_t max_outgoing_bytes = size_t{64} << 20;  // per connection; a slower reader is dropped
+  size_t max_store_bytes = size_t{256} << 20;    // keys + values + plan blobs, all together
+  size_t max_plan_bytes = size_t{64} << 20;      // one plan blob
+  Millis hello_timeout{5000};                    // a connection must say hello within this
+  Millis heartbeat_timeout{10000};               // a member silent for this long is dropped
+  Millis step_timeout{300000};  // engines not acked by then failed; trainers not sent: abort
+  int expect_trainers = 0;      // informational (printed, and in members replies)
+  int expect_engines = 0;
+};
+
+class Coordinator {
+ public:
+  // Binds and starts serving on its own thread; Errc::io if it cannot bind.
+  explicit Coordinator(CoordinatorOptions options);
+  ~Coordinator();  // stops and joins
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  uint16_t port() const;
+  std::string address() const;  // "HOST:PORT" as bound
+  void stop();                  // idempotent
+  std::vector<Member> members() const;
+  // Committed version of the engine of global rank `engine_rank`; -1 if none.
+  int64_t committed_version(int engine_rank) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// --------------------------------------------------------------------- events
+
+struct StepBegin {  // to engines (and observers) when a trainer begins a step
+  int64_t step = 0;
+  std::string plan_id;
+};
+struct Commit {  // to an engine: make `step` visible
+  int64_t step = 0;
+};
+struct Abort {  // to an engine: drop `step`, keep the previous version
+  int64_t step = 0;
+  std::string reason;
+};
+struct MemberLeft {  // to everyone: a member left, died or was dropped
+  Member member;
+  std::string reason;  // "left", "heartbeat timeout", "connection lost", ...
+};
+struct EngineFailure {
+  int rank = 0;
+  std::string reason;
+};
+struct StepResult {  // to trainers (and observers) once a step is decided
+  int64_t step = 0;
+  bool trainers_ok = false;           // false: every engine was told to abort
+  std::vector<int> committed;         // engine ranks that committed, ascending
+  std::vector<EngineFailure> failed;  // engine ranks that aborted, with reasons
+};
+using Event = std::variant<StepBegin, Commit, Abort, MemberLeft, StepResult>;
+
+// -------------------------------------------------------------------- client
+
+struct ClientOptions {
+  std::string address;  // "HOST:PORT" of the coordinator
+  std::string token;
+  Role role = Role::observer;
+  int rank = 0;
+  int world = 1;
+  int replica = -1;
+  std::string layout_hash;
+  std::vector<uint8_t> transport_address;
+  Millis connect_timeout{10000};  // retries refused connections until then
+  Millis request_timeout{30000};  // for replies that need no waiting
+  Millis heartbeat_interval{1000};
+  size_t max_frame_bytes = kDefaultMaxFrameBytes;
+};
+
+struct StepAck {
+  int64_t step = 0;
+  bool ok = true;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+  std::string error;  // why, when !ok
+};
+
+class Client final : public Store {
+ public:
+  // Connects, registers (hello) and starts the background I/O thread.
+  // Errc::timeout if the coordinator is not reachable within connect_timeout;
+  // Errc::protocol (or the coordinator's code) if registration is refused.
+  explicit Client(ClientOptions options);
+  ~Client() override;  // leaves gracefully if still connected
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  uint64_t member_id() const;
+  const Member& self() const;
+  std::vector<Member> members_at_join() const;  // membership in the hello reply
+  std::vector<Member> members();                // current membership
+
+  // Store (keys are any string; plan blobs live in the same byte budget).
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::vector<uint8_t> get(const std::string& key, Millis timeout) override;
+
+  // Returns when `count` members have entered barrier `name`.
+  void barrier(const std::string& name, int count, Millis timeout);
+  // Returns the membership once >= trainers trainers and >= engines engines are live.
+  std::vector<Member> wait_members(int trainers, int engines, Millis timeout);
+
+  void put_plan(const std::string& plan_id, const std::vector<uint8_t>& blob);
+  std::vector<uint8_t> get_plan(const std::string& plan_id, Millis timeout);
+
+  // Trainers. begin_step: Errc::protocol if another step is still open or
+  // `step` is not above the last decided one.
+  void begin_step(int64_t step, const std::string& plan_id);
+  void sent(int64_t step, bool ok, const std::string& error = {});
+  StepResult wait_step_result(int64_t step, Millis timeout);
+
+  // Engines.
+  void ack(const StepAck& ack);
+
+  // Next queued event, in arrival order. A StepResult already taken by
+  // wait_step_result is not returned again (and vice versa). Errc::timeout if none arrives in time;
+  // Errc::peer_failure once the connection is lost and the queue is empty.
+  Event wait_event(Millis timeout);
+  std::optional<Event> poll_event();
+
+  int64_t committed_version(int engine_rank);  // -1 if none
+  void leave();                                // idempotent
+  bool connected() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weightsync::control
