@@ -1,0 +1,221 @@
+// Transport: moves byte buffers between the ranks of one world, point to point
+// with 64-bit tags, plus an optional broadcast. Backends: "ucx" (host memory
+// everywhere, CUDA memory where UCX was built with CUDA), "nccl" (CUDA memory),
+// and wrappers such as "fault:<inner>" (fault injection for tests).
+//
+// Contract (every backend; the conformance suite in tests/transport checks it):
+// - Created by name through a registry: make_transport(options). Each rank of a
+//   world creates its transport with the same `name`, `store` and `prefix`,
+//   its own `rank` and the common `world`. Ranks exchange their addresses
+//   through the Store under `prefix` (UCX worker addresses; NCCL's unique id,
+//   set by rank 0). The first operation with a peer may wait up to
+//   `bootstrap_timeout` for the peer's address; connect() does it eagerly.
+// - send() and recv() are non-blocking: they post the operation and return a
+//   Request. The buffer must stay valid and untouched until the request is
+//   complete (test() true or wait() returned) or its destructor ran.
+// - Ordering: messages from one sender to one receiver with the same tag are
+//   matched in posting order. Messages with different tags are independent.
+// - A receive accepts a message of at most its buffer's size; a larger message
+//   fails the receive with Errc::mismatch naming peer, tag and both sizes. A
+//   smaller one completes; Request::transferred() says how many bytes came.
+// - Failures surface as weightsync::Error from test()/wait() (or from send/recv
+//   for errors found at posting time): Errc::timeout from wait() naming the
+//   peer, tag and bytes; Errc::peer_failure naming the peer rank when the peer
+//   died or became unreachable (every pending operation with it fails);
+//   Errc::transport carrying the library's own status string; Errc::unsupported
+//   when a capability is missing (e.g. host memory on NCCL, or no GPU).
+// - Thread-safety: a Transport and its Requests are used from one thread at a
+//   time (the caller's thread drives progress: test(), wait(), progress()).
+//   Different Transport objects are independent.
+// - Lifetime: Requests and MemoryRegions must be destroyed before their
+//   Transport. Destroying an incomplete Request cancels it and waits (bounded)
+//   for the library to release the buffer.
+#pragma once
+
+#include <weightsync/store.h>
+#include <weightsync/tensor.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace weightsync {
+
+using Tag = uint64_t;
+
+struct TransportOptions {
+  // Registry name: "ucx", "nccl", or "<wrapper>:<inner>" such as "fault:ucx".
+  // Options may follow the name after '?' as k=v pairs joined by '&'
+  // ("fault:ucx?corrupt_recv=1&count=1"); they are merged into `params`.
+  std::string name = "ucx";
+  Store* store = nullptr;  // not owned; used during creation and first contacts
+  std::string prefix = "weightsync/transport";  // key prefix in the store, one per world
+  int rank = 0;
+  int world = 1;
+  int device = -1;  // CUDA ordinal for GPU backends (-1: current device)
+  std::chrono::milliseconds bootstrap_timeout{30000};
+  // Backend- and wrapper-specific settings (see each backend's section below).
+  std::map<std::string, std::string> params;
+};
+
+struct Capabilities {
+  bool host_memory = false;       // buffers in host memory may be sent/received
+  bool cuda_memory = false;       // buffers in CUDA device memory may be sent/received
+  bool native_broadcast = false;  // broadcast() is a collective of the library, not p2p fan-out
+  std::size_t max_message_bytes = 0;
+  int tag_bits = 64;  // tags must be < 2^tag_bits (UCX reserves high bits for the sender rank)
+};
+
+class MemoryRegion;
+
+// A contiguous buffer to send from or receive into. `region`, when set, is a
+// registered region containing [data, data + bytes): the backend may then
+// skip per-message registration (UCX passes its ucp_mem_h).
+struct Buffer {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  MemoryKind memory = MemoryKind::host;
+  int device = -1;
+  const MemoryRegion* region = nullptr;
+};
+
+inline Buffer host_buffer(const void* data, std::size_t bytes,
+                          const MemoryRegion* region = nullptr) {
+  return Buffer{const_cast<void*>(data), bytes, MemoryKind::host, -1, region};
+}
+
+// Memory registered with a transport (ucp_mem_map for UCX; a no-op for NCCL).
+// Deregistered by the destructor.
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+  void* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+  MemoryKind memory() const { return memory_; }
+  int device() const { return device_; }
+  bool contains(const Buffer& b) const;
+
+ protected:
+  MemoryRegion(void* data, std::size_t bytes, MemoryKind memory, int device)
+      : data_(data), bytes_(bytes), memory_(memory), device_(device) {}
+
+ private:
+  void* data_;
+  std::size_t bytes_;
+  MemoryKind memory_;
+  int device_;
+};
+
+// A posted operation. test() and wait() drive the transport's progress.
+class Request {
+ public:
+  enum class Kind { send, recv, broadcast };
+  virtual ~Request() = default;
+
+  // True once the operation completed; throws its Error if it failed (again on
+  // every later call).
+  virtual bool test() = 0;
+  // Drives progress until complete; returns transferred(). Errc::timeout after
+  // `timeout`, naming the transport, peer, tag and bytes; the request stays
+  // posted (wait again, or cancel()).
+  virtual std::size_t wait(std::chrono::milliseconds timeout);
+  // Asks the library to abandon the operation; it then completes with
+  // Errc::cancelled (unless it had already finished).
+  virtual void cancel() = 0;
+  // Bytes moved: the posted size for a send, the arrived size for a receive.
+  virtual std::size_t transferred() const = 0;
+
+  Kind kind() const { return kind_; }
+  int peer() const { return peer_; }  // the root for a broadcast
+  Tag tag() const { return tag_; }
+  std::size_t bytes() const { return bytes_; }  // as posted
+  // "receive from rank 3, tag 0x2a, 1048576 bytes, over ucx" (for messages).
+  std::string describe() const;
+
+ protected:
+  Request(std::string transport, Kind kind, int peer, Tag tag, std::size_t bytes)
+      : transport_(std::move(transport)), kind_(kind), peer_(peer), tag_(tag), bytes_(bytes) {}
+
+ private:
+  std::string transport_;
+  Kind kind_;
+  int peer_;
+  Tag tag_;
+  std::size_t bytes_;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string name() const = 0;  // e.g. "ucx", "fault:ucx"
+  virtual int rank() const = 0;
+  virtual int world() const = 0;
+  virtual Capabilities capabilities() const = 0;
+
+  // Registers memory for repeated use as (part of) a Buffer's region.
+  virtual std::unique_ptr<MemoryRegion> register_memory(const Buffer& buffer) = 0;
+  // Posts a send of `buffer` to `peer` (non-blocking).
+  virtual std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) = 0;
+  // Posts a receive into `buffer` of a message from `peer` with `tag`.
+  virtual std::unique_ptr<Request> recv(int peer, Tag tag, const Buffer& buffer) = 0;
+  // Advances every outstanding operation without blocking.
+  virtual void progress() = 0;
+  // Eagerly connects to `peer` (waits for its address up to bootstrap_timeout).
+  virtual void connect(int peer) = 0;
+  // True once the transport learned that `peer` died or became unreachable.
+  virtual bool peer_failed(int peer) const = 0;
+
+  // Broadcast of `buffer` from `root` to every rank of `ranks` (which includes
+  // root); called by each of those ranks with the same arguments and a buffer
+  // of the same size. The default fans out point to point with `tag`;
+  // backends with capabilities().native_broadcast override it.
+  virtual std::unique_ptr<Request> broadcast(const Buffer& buffer, int root,
+                                             const std::vector<int>& ranks, Tag tag);
+};
+
+// Waits for every request (in order, each with what is left of `timeout`).
+void wait_all(const std::vector<std::unique_ptr<Request>>& requests,
+              std::chrono::milliseconds timeout);
+
+// The registry. A factory receives the options with `name` as requested; a
+// wrapper registered as "fault" is found for "fault:ucx" and creates its inner
+// transport with make_transport() on the rest of the name.
+using TransportFactory = std::function<std::unique_ptr<Transport>(const TransportOptions&)>;
+void register_transport(const std::string& name, TransportFactory factory);
+std::vector<std::string> transport_names();
+// Errc::invalid_argument for an unknown name (listing the known ones);
+// Errc::unsupported when the backend cannot run here (e.g. NCCL without GPU).
+std::unique_ptr<Transport> make_transport(TransportOptions options);
+
+// ---- backend settings (TransportOptions::params) ----------------------------
+//
+// ucx: tags < 2^48 (the sender rank rides in the high 16 bits; world <= 65536).
+//   The UCX transports used follow UCX_TLS from the environment, or
+//   params["tls"] (e.g. "tcp,self" or "posix,sysv,cma,self") when given.
+// nccl: CUDA memory only; tags are not matched by NCCL, so both sides must post
+//   operations with a peer in the same order. On a wait timeout the
+//   communicator is aborted (ncclCommAbort) and the transport is unusable.
+// fault:<inner> (deterministic: the same seed and the same sequence of calls
+//   inject the same faults). Each fault applies to an operation chosen with
+//   probability P from a generator seeded with `seed`, among operations whose
+//   index (per kind: sends or receives, counted from 0) is >= `after`, whose
+//   tag equals `tag` when given, at most `count` times in total when given:
+//     seed=N           generator seed (default 1)
+//     drop_send=P      the send completes locally but nothing is sent
+//     corrupt_send=P   a copy of the payload with one byte flipped is sent
+//     corrupt_recv=P   one byte of the received buffer is flipped
+//     delay_ms=D       every operation completes no sooner than D ms after posting
+//     fail_after=N     operations after the first N (sends+receives) fail with
+//                      Errc::transport "injected failure"
+//     dead=R1,R2       every operation to/from these ranks fails with
+//                      Errc::peer_failure
+//     after=N, tag=T, count=K  as described above
+//   With no fault set the wrapper passes everything through unchanged.
+
+}  // namespace weightsync
