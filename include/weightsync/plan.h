@@ -1,0 +1,211 @@
+// Plan: which trainer rank sends which bytes to which engine rank, grouped
+// into buckets and scheduled (DESIGN.md "The plan").
+//
+// The plan is the intersection, in HF space, of the trainer's pieces
+// (local_pieces over every trainer rank) with the engine's segments (every
+// parameter of every engine rank). It is NOT shipped between processes: every
+// process recomputes it from the same layouts, topology and options; the
+// computation is deterministic (no hashing of pointers, no unordered
+// iteration, no threads), so equal inputs give equal plans and an equal
+// plan_id, which the coordinator compares to catch a process that disagrees.
+//
+// Two modes:
+// - p2p: a bucket belongs to one link (trainer rank -> global engine rank) and
+//   carries exactly the bytes that engine rank needs from that trainer rank.
+//   Each item is packed at `offset` in its bucket as a contiguous row-major
+//   tensor of hf_box.lengths (view_box == hf_box). The sender packs
+//   (copy_box from its local tensor, src_box) and the receiver applies
+//   (copy_box into param dst_box, through a transposed view when `transpose`).
+// - broadcast: a bucket is gathered at a root trainer rank and broadcast to all
+//   engine ranks. Its items are the gather: holders pack their items (each at
+//   its own offset; one holder's items are contiguous, see gather_parts) and
+//   send that range to the root. Every engine rank then extracts its segments
+//   with apply_items(bucket, rank inside the replica): each names the packed
+//   view (offset, view_box) it reads from and the sub-box hf_box of it.
+//
+// Items are stored compactly (indices into tables of pieces and segments that
+// the plan keeps); `resolve` turns one into boxes.
+#pragma once
+
+#include <weightsync/box.h>
+#include <weightsync/dtype.h>
+#include <weightsync/engine_layout.h>
+#include <weightsync/load_spec.h>
+#include <weightsync/topology.h>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <iosfwd>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace weightsync {
+
+enum class PlanMode : uint8_t { p2p, broadcast };
+std::string_view plan_mode_name(PlanMode mode) noexcept;
+PlanMode parse_plan_mode(std::string_view name);  // Errc::invalid_argument
+
+struct PlanOptions {
+  PlanMode mode = PlanMode::p2p;
+  int64_t bucket_bytes = int64_t{256} << 20;  // 1 KiB .. 4 GiB - 1
+};
+
+// An HF tensor the plan moves (interned: items refer to it by index).
+struct PlanKey {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::BF16;
+};
+
+// One copy, compact (32 bytes). Use Plan::resolve for its boxes.
+struct PlanItem {
+  int32_t piece = -1;     // index into the plan's trainer pieces
+  int32_t segment = -1;   // index into the plan's engine segments; -1: broadcast gather
+  int32_t dst_rank = -1;  // global engine rank; -1: broadcast gather (dst = the root)
+  int32_t bucket = -1;
+  uint32_t offset = 0;    // byte offset of the packed item inside its bucket
+  int32_t split_lo = 0;   // when split_len > 0, the item covers only
+  int32_t split_len = 0;  // [split_lo, split_lo+split_len) of HF dim split_dim
+  uint8_t split_dim = 0;
+};
+
+// Broadcast mode: engine rank (inside a replica) `tp_rank` copies the part of
+// gather item `item` that its segment `segment` needs.
+struct ApplyItem {
+  int32_t item = -1;
+  int32_t segment = -1;
+};
+
+// Everything about one copy, in boxes.
+struct Copy {
+  int src_rank = -1;   // trainer rank holding the data
+  int src_param = -1;  // index into TrainerLayout::params
+  Box src_box;         // in src_rank's local tensor of that param
+  int dst_rank = -1;   // global engine rank (replica * tp + rank); -1: broadcast root
+  int dst_param = -1;  // index into EngineRankLayout::params; -1: broadcast gather
+  Box dst_box;         // in the engine param
+  bool transpose = false;
+  int key = -1;        // index into Plan::keys()
+  Box hf_box;          // the HF box moved
+  int64_t offset = 0;  // byte offset in the bucket of the packed view
+  Box view_box;        // HF box packed row-major at offset (== hf_box except apply items)
+  DType dtype = DType::BF16;
+  int64_t bytes = 0;  // hf_box.numel() * itemsize
+};
+
+struct Bucket {
+  int32_t id = 0;
+  int32_t src_rank = 0;   // sender trainer rank (broadcast: the root)
+  int32_t dst_rank = -1;  // global engine rank; -1: broadcast to every engine rank
+  int64_t bytes = 0;
+  uint32_t first_item = 0;  // items()[first_item, first_item + num_items)
+  uint32_t num_items = 0;
+  int32_t send_seq = 0;  // position in the sender's order
+  int32_t recv_seq = 0;  // position in the receiver's order (p2p)
+  uint8_t slot = 0;      // double buffer slot on the sender: send_seq % 2
+  double start_s = 0;    // predicted start and end on the wire
+  double end_s = 0;
+};
+
+// Contiguous part of a broadcast bucket packed by one holder and sent to the root.
+struct GatherPart {
+  int src_rank = 0;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+
+struct MinMax {
+  int64_t min = 0;
+  int64_t max = 0;
+};
+
+struct PlanStats {
+  int64_t bytes_total = 0;                      // bytes received by all engine ranks together
+  std::vector<int64_t> bytes_per_engine_rank;   // received, by global engine rank
+  std::vector<int64_t> bytes_per_trainer_rank;  // sent (p2p, gather and broadcast)
+  double predicted_s = 0;                       // simulated schedule (docs/planner.md)
+  double lower_bound_s = 0;                     // busiest endpoint's bytes over its link + latency
+  double plan_s = 0;                            // wall time make_plan took
+};
+
+class Plan {
+ public:
+  PlanMode mode() const noexcept { return options_.mode; }
+  const PlanOptions& options() const noexcept { return options_; }
+  uint64_t plan_id() const noexcept { return plan_id_; }
+  std::string plan_id_hex() const;  // 16 lowercase hex digits
+  int trainer_world() const noexcept { return trainer_world_; }
+  int engine_world() const noexcept { return engine_world_; }
+  int engine_tp() const noexcept { return engine_tp_; }
+
+  const std::vector<PlanKey>& keys() const noexcept { return keys_; }
+  const std::vector<Bucket>& buckets() const noexcept { return buckets_; }
+  const std::vector<PlanItem>& items() const noexcept { return items_; }
+  std::span<const PlanItem> items(int32_t bucket) const;
+  Copy resolve(const PlanItem& item) const;
+  // Broadcast: what engine rank `tp_rank` (of every replica) extracts from a bucket.
+  std::span<const ApplyItem> apply_items(int32_t bucket, int tp_rank) const;
+  Copy resolve(const ApplyItem& item, int global_engine_rank) const;
+  // Broadcast: the holders' contiguous ranges of a bucket, by src_rank.
+  std::vector<GatherPart> gather_parts(int32_t bucket) const;
+
+  // Bucket ids in schedule order. p2p: sent by trainer rank t / received by
+  // global engine rank g. Broadcast: buckets rooted at t / every bucket.
+  const std::vector<int32_t>& buckets_sent_by(int trainer_rank) const;
+  const std::vector<int32_t>& buckets_received_by(int global_engine_rank) const;
+  // Broadcast: buckets trainer rank t contributes gather parts to (in order).
+  std::vector<int32_t> buckets_gathered_from(int trainer_rank) const;
+
+  const PlanStats& stats() const noexcept { return stats_; }
+  // The summary object of `weightsync plan --json` (without plan_s when 0).
+  nlohmann::json summary_json() const;
+  // One JSON object per item (p2p and gather items; apply items in broadcast).
+  void write_items_jsonl(std::ostream& out) const;
+
+  // The tables items index (internal to the planner and its tests).
+  struct PieceRef {
+    int32_t rank = 0, param = 0, key = 0;
+    Box hf_box, local_box;
+  };
+  struct SegmentRef {
+    int32_t tp_rank = 0, param = 0, key = 0;
+    bool transpose = false;
+    Box hf_box, param_box;
+  };
+  const std::vector<PieceRef>& pieces() const noexcept { return pieces_; }
+  const std::vector<SegmentRef>& segments() const noexcept { return segments_; }
+
+ private:
+  friend class PlanBuilder;
+  PlanOptions options_;
+  uint64_t plan_id_ = 0;
+  int trainer_world_ = 0, engine_world_ = 0, engine_tp_ = 1;
+  std::vector<PlanKey> keys_;
+  std::vector<PieceRef> pieces_;
+  std::vector<SegmentRef> segments_;
+  std::vector<PlanItem> items_;  // sorted by bucket
+  std::vector<Bucket> buckets_;
+  std::vector<ApplyItem> apply_;               // broadcast, sorted by (bucket, tp rank)
+  std::vector<uint32_t> apply_index_;          // (bucket * tp + tp_rank) -> first apply item
+  std::vector<std::vector<int32_t>> sent_by_;  // by trainer rank
+  std::vector<std::vector<int32_t>> recv_by_;  // by global engine rank
+  PlanStats stats_;
+};
+
+// Plans the transfer. Errc::invalid_layout when the engine needs a key or an
+// element no trainer rank holds (naming key, engine rank, param and box), or
+// when shapes or dtypes of a key disagree between the sides.
+Plan make_plan(const TrainerLayout& trainer, const EngineLayout& engine, const Topology& topology,
+               const PlanOptions& options = {});
+
+// Checks the plan independently of how it was built (Errc::internal naming the
+// engine rank, param and key on failure): every engine element that comes
+// from the checkpoint is written exactly once, by an item whose source piece
+// holds that HF data; buckets respect bucket_bytes; bytes per engine rank are
+// its params' bytes (p2p) or the model bytes (broadcast); items lie inside
+// their bucket.
+void verify_plan(const Plan& plan, const TrainerLayout& trainer, const EngineLayout& engine);
+
+}  // namespace weightsync
