@@ -1,0 +1,103 @@
+#include "fault_config.h"
+
+#include <weightsync/error.h>
+
+#include <charconv>
+
+namespace weightsync::transport::fault {
+namespace {
+
+uint64_t parse_uint(const std::string& key, const std::string& value) {
+  uint64_t out = 0;
+  const int base = value.rfind("0x", 0) == 0 ? 16 : 10;
+  const char* begin = value.data() + (base == 16 ? 2 : 0);
+  auto [p, ec] = std::from_chars(begin, value.data() + value.size(), out, base);
+  if (value.empty() || ec != std::errc() || p != value.data() + value.size())
+    fail(Errc::invalid_argument, "fault transport: ", key, "=", value,
+         " is not a non-negative integer");
+  return out;
+}
+
+double parse_probability(const std::string& key, const std::string& value) {
+  double p = -1;
+  try {
+    size_t used = 0;
+    p = std::stod(value, &used);
+    if (used != value.size()) p = -1;
+  } catch (const std::exception&) {
+  }
+  if (!(p >= 0 && p <= 1))
+    fail(Errc::invalid_argument, "fault transport: ", key, "=", value,
+         " is not a probability in [0, 1]");
+  return p;
+}
+
+std::set<int> parse_ranks(const std::string& key, const std::string& value) {
+  std::set<int> ranks;
+  size_t start = 0;
+  while (start < value.size()) {
+    size_t end = value.find(',', start);
+    if (end == std::string::npos) end = value.size();
+    ranks.insert(static_cast<int>(parse_uint(key, value.substr(start, end - start))));
+    start = end + 1;
+  }
+  return ranks;
+}
+
+}  // namespace
+
+bool FaultConfig::is_fault_key(const std::string& key) {
+  static const std::set<std::string> keys{"seed",     "drop_send",  "corrupt_send", "corrupt_recv",
+                                          "delay_ms", "fail_after", "dead",         "after",
+                                          "tag",      "count"};
+  return keys.count(key) > 0;
+}
+
+FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params) {
+  FaultConfig c;
+  for (const auto& [key, value] : params) {
+    if (key == "seed") c.seed = parse_uint(key, value);
+    if (key == "drop_send") c.drop_send = parse_probability(key, value);
+    if (key == "corrupt_send") c.corrupt_send = parse_probability(key, value);
+    if (key == "corrupt_recv") c.corrupt_recv = parse_probability(key, value);
+    if (key == "delay_ms") c.delay_ms = static_cast<int64_t>(parse_uint(key, value));
+    if (key == "fail_after") c.fail_after = parse_uint(key, value);
+    if (key == "dead") c.dead = parse_ranks(key, value);
+    if (key == "after") c.after = parse_uint(key, value);
+    if (key == "tag") c.tag = parse_uint(key, value);
+    if (key == "count") c.count = parse_uint(key, value);
+  }
+  return c;
+}
+
+bool FaultPlan::chosen(double probability, uint64_t index, Tag tag) {
+  if (probability <= 0) return false;
+  if (index < config_.after) return false;
+  if (config_.tag && *config_.tag != tag) return false;
+  if (config_.count && injected_ >= *config_.count) return false;
+  // Always draw, so that which operations are hit depends only on the seed
+  // and the order of calls.
+  const double draw = std::uniform_real_distribution<double>(0, 1)(random_);
+  if (probability < 1 && draw >= probability) return false;
+  ++injected_;
+  return true;
+}
+
+FaultPlan::Fault FaultPlan::next_send(Tag tag) {
+  const uint64_t index = sends_++;
+  if (chosen(config_.drop_send, index, tag)) return Fault::drop;
+  if (chosen(config_.corrupt_send, index, tag)) return Fault::corrupt;
+  return Fault::none;
+}
+
+FaultPlan::Fault FaultPlan::next_recv(Tag tag) {
+  const uint64_t index = recvs_++;
+  return chosen(config_.corrupt_recv, index, tag) ? Fault::corrupt : Fault::none;
+}
+
+bool FaultPlan::next_fails() {
+  const uint64_t index = ops_++;
+  return config_.fail_after && index >= *config_.fail_after;
+}
+
+}  // namespace weightsync::transport::fault

@@ -1,0 +1,176 @@
+// "fault:<inner>": wraps any transport and injects the faults its settings ask
+// for (drop, corrupt, delay, fail after N, dead peers), deterministically, so
+// that failure paths are tested on real transports without real failures.
+#include <weightsync/error.h>
+#include <weightsync/transport.h>
+
+#include "builtin.h"
+#include "fault_config.h"
+
+#include <cstring>
+
+namespace weightsync::transport::fault {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One wrapped operation: the inner request (none for a dropped send), an owned
+// corrupted copy for a corrupted send, a byte to flip after a receive, and the
+// earliest completion time for delays.
+class FaultRequest final : public Request {
+ public:
+  struct Setup {
+    std::unique_ptr<Request> inner;
+    std::vector<uint8_t> payload_copy;  // keeps a corrupted send's payload alive
+    uint8_t* flip_base = nullptr;       // receive buffer to corrupt on completion
+    std::size_t flip_seed = 0;
+    Clock::time_point not_before;
+    std::optional<Error> error;  // an injected failure reported by test()
+  };
+
+  FaultRequest(const std::string& name, Kind kind, int peer, Tag tag, std::size_t bytes,
+               Transport& inner_transport, Setup setup)
+      : Request(name, kind, peer, tag, bytes),
+        inner_transport_(inner_transport),
+        s_(std::move(setup)) {}
+
+  bool test() override {
+    if (s_.error) throw *s_.error;
+    if (Clock::now() < s_.not_before) {
+      inner_transport_.progress();
+      return false;
+    }
+    if (s_.inner && !s_.inner->test()) return false;
+    if (s_.flip_base && !flipped_) {
+      flipped_ = true;
+      const std::size_t n = transferred();
+      if (n > 0) s_.flip_base[s_.flip_seed % n] ^= 0xFF;
+    }
+    return true;
+  }
+  void cancel() override {
+    if (s_.inner) s_.inner->cancel();
+  }
+  std::size_t transferred() const override {
+    return s_.inner ? s_.inner->transferred() : (kind() == Kind::send ? bytes() : 0);
+  }
+
+ private:
+  Transport& inner_transport_;
+  Setup s_;
+  bool flipped_ = false;
+};
+
+class FaultTransport final : public Transport {
+ public:
+  FaultTransport(std::unique_ptr<Transport> inner, const FaultConfig& config)
+      : inner_(std::move(inner)), plan_(config) {}
+
+  std::string name() const override { return "fault:" + inner_->name(); }
+  int rank() const override { return inner_->rank(); }
+  int world() const override { return inner_->world(); }
+  Capabilities capabilities() const override {
+    Capabilities c = inner_->capabilities();
+    c.native_broadcast = false;  // broadcasts fan out here so that faults apply per message
+    return c;
+  }
+  std::unique_ptr<MemoryRegion> register_memory(const Buffer& buffer) override {
+    return inner_->register_memory(buffer);
+  }
+  void progress() override { inner_->progress(); }
+  void connect(int peer) override {
+    if (plan_.dead(peer))
+      fail(Errc::peer_failure, name(), ": connect to rank ", peer, ": peer rank ", peer,
+           " failed (injected)");
+    inner_->connect(peer);
+  }
+  bool peer_failed(int peer) const override {
+    return plan_.dead(peer) || inner_->peer_failed(peer);
+  }
+
+  std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override {
+    FaultRequest::Setup s;
+    s.not_before = Clock::now() + plan_.delay();
+    if (!injected_failure(Request::Kind::send, peer, tag, buffer, s)) {
+      const auto fault = plan_.next_send(tag);
+      if (fault == FaultPlan::Fault::corrupt) {
+        require_host(buffer, "corrupt_send");
+        const auto* p = static_cast<const uint8_t*>(buffer.data);
+        s.payload_copy.assign(p, p + buffer.bytes);
+        if (buffer.bytes) s.payload_copy[plan_.position(buffer.bytes)] ^= 0xFF;
+        s.inner = inner_->send(peer, tag, host_buffer(s.payload_copy.data(), buffer.bytes));
+      } else if (fault == FaultPlan::Fault::none) {
+        s.inner = inner_->send(peer, tag, buffer);
+      }  // dropped: nothing goes out, the send completes locally
+    }
+    return wrap(Request::Kind::send, peer, tag, buffer.bytes, std::move(s));
+  }
+
+  std::unique_ptr<Request> recv(int peer, Tag tag, const Buffer& buffer) override {
+    FaultRequest::Setup s;
+    s.not_before = Clock::now() + plan_.delay();
+    if (!injected_failure(Request::Kind::recv, peer, tag, buffer, s)) {
+      if (plan_.next_recv(tag) == FaultPlan::Fault::corrupt) {
+        require_host(buffer, "corrupt_recv");
+        s.flip_base = static_cast<uint8_t*>(buffer.data);
+        s.flip_seed = plan_.position(std::numeric_limits<std::size_t>::max());
+      }
+      s.inner = inner_->recv(peer, tag, buffer);
+    }
+    return wrap(Request::Kind::recv, peer, tag, buffer.bytes, std::move(s));
+  }
+
+ private:
+  std::unique_ptr<Request> wrap(Request::Kind kind, int peer, Tag tag, std::size_t bytes,
+                                FaultRequest::Setup s) {
+    return std::make_unique<FaultRequest>(name(), kind, peer, tag, bytes, *inner_, std::move(s));
+  }
+
+  // Dead peers and fail_after: the operation is not posted and its request
+  // reports the injected error.
+  bool injected_failure(Request::Kind kind, int peer, Tag tag, const Buffer& b,
+                        FaultRequest::Setup& s) {
+    const char* what = kind == Request::Kind::send ? "send to" : "receive from";
+    if (plan_.dead(peer)) {
+      s.error =
+          Error(Errc::peer_failure, cat(name(), ": ", what, " rank ", peer, ", tag ", tag, ", ",
+                                        b.bytes, " bytes: peer rank ", peer, " failed (injected)"));
+      return true;
+    }
+    if (plan_.next_fails()) {
+      s.error = Error(Errc::transport, cat(name(), ": ", what, " rank ", peer, ", tag ", tag, ", ",
+                                           b.bytes, " bytes: injected failure"));
+      return true;
+    }
+    return false;
+  }
+
+  void require_host(const Buffer& b, const char* what) const {
+    if (b.memory != MemoryKind::host)
+      fail(Errc::unsupported, name(), ": ", what, " needs host memory");
+  }
+
+  std::unique_ptr<Transport> inner_;
+  FaultPlan plan_;
+};
+
+}  // namespace
+}  // namespace weightsync::transport::fault
+
+namespace weightsync::transport {
+
+std::unique_ptr<Transport> make_fault_transport(const TransportOptions& options) {
+  const auto colon = options.name.find(':');
+  if (colon == std::string::npos || colon + 1 == options.name.size())
+    fail(Errc::invalid_argument, "transport '", options.name,
+         "': the fault wrapper needs an inner transport, as in fault:ucx");
+  const auto config = fault::FaultConfig::parse(options.params);
+  TransportOptions inner = options;
+  inner.name = options.name.substr(colon + 1);
+  inner.params.clear();
+  for (const auto& [k, v] : options.params)
+    if (!fault::FaultConfig::is_fault_key(k)) inner.params[k] = v;
+  return std::make_unique<fault::FaultTransport>(make_transport(inner), config);
+}
+
+}  // namespace weightsync::transport

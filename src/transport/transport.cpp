@@ -1,0 +1,176 @@
+// The transport registry and the parts of the interface every backend shares:
+// bounded waits, request descriptions and the point-to-point broadcast.
+#include <weightsync/error.h>
+#include <weightsync/transport.h>
+
+#include "builtin.h"
+
+#include <algorithm>
+#include <mutex>
+#include <thread>
+
+namespace weightsync {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::map<std::string, TransportFactory> factories;
+};
+
+// Backends live in a static library, so self-registering globals in their
+// files could be dropped by the linker; the registry adds the built-in ones
+// from one table on first use instead.
+Registry& registry() {
+  static Registry* r = [] {
+    auto* reg = new Registry;
+    for (const auto& builtin : transport::builtin_transports())
+      reg->factories.emplace(builtin.name, builtin.factory);
+    return reg;
+  }();
+  return *r;
+}
+
+std::string hex(Tag tag) {
+  std::ostringstream out;
+  out << "0x" << std::hex << tag;
+  return out.str();
+}
+
+// "fault:ucx?seed=3&corrupt_recv=1" -> name "fault:ucx", params {seed: 3, ...}.
+void split_name_params(TransportOptions& options) {
+  const auto q = options.name.find('?');
+  if (q == std::string::npos) return;
+  const std::string query = options.name.substr(q + 1);
+  options.name.resize(q);
+  size_t start = 0;
+  while (start <= query.size()) {
+    size_t end = query.find('&', start);
+    if (end == std::string::npos) end = query.size();
+    const std::string pair = query.substr(start, end - start);
+    if (!pair.empty()) {
+      const auto eq = pair.find('=');
+      if (eq == std::string::npos || eq == 0)
+        fail(Errc::invalid_argument, "transport '", options.name, "': option '", pair,
+             "' is not key=value");
+      options.params[pair.substr(0, eq)] = pair.substr(eq + 1);
+    }
+    start = end + 1;
+  }
+}
+
+// Fan-out broadcast for backends without a collective: the root sends to every
+// other rank, the others receive from the root.
+class FanoutBroadcast final : public Request {
+ public:
+  FanoutBroadcast(Transport& t, const Buffer& buffer, int root, const std::vector<int>& ranks,
+                  Tag tag)
+      : Request(t.name(), Kind::broadcast, root, tag, buffer.bytes) {
+    if (std::find(ranks.begin(), ranks.end(), root) == ranks.end())
+      fail(Errc::invalid_argument, "broadcast over ", t.name(), ": root rank ", root,
+           " is not among the ", ranks.size(), " ranks");
+    if (t.rank() == root) {
+      for (int r : ranks)
+        if (r != root) parts_.push_back(t.send(r, tag, buffer));
+    } else if (std::find(ranks.begin(), ranks.end(), t.rank()) != ranks.end()) {
+      parts_.push_back(t.recv(root, tag, buffer));
+    } else {
+      fail(Errc::invalid_argument, "broadcast over ", t.name(), ": rank ", t.rank(),
+           " is not among the ranks of the broadcast");
+    }
+  }
+  bool test() override {
+    bool done = true;
+    for (auto& p : parts_) done = p->test() && done;
+    return done;
+  }
+  void cancel() override {
+    for (auto& p : parts_) p->cancel();
+  }
+  std::size_t transferred() const override { return bytes(); }
+
+ private:
+  std::vector<std::unique_ptr<Request>> parts_;
+};
+
+}  // namespace
+
+bool MemoryRegion::contains(const Buffer& b) const {
+  const auto* base = static_cast<const char*>(data_);
+  const auto* p = static_cast<const char*>(b.data);
+  return p >= base && b.bytes <= bytes_ && static_cast<std::size_t>(p - base) <= bytes_ - b.bytes;
+}
+
+std::string Request::describe() const {
+  const char* what = kind_ == Kind::send   ? "send to"
+                     : kind_ == Kind::recv ? "receive from"
+                                           : "broadcast from";
+  return cat(what, " rank ", peer_, ", tag ", hex(tag_), ", ", bytes_, " bytes, over ", transport_);
+}
+
+std::size_t Request::wait(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  uint64_t spins = 0;
+  while (!test()) {
+    if (std::chrono::steady_clock::now() >= deadline)
+      fail(Errc::timeout, describe(), ": not complete after ", timeout.count(), " ms");
+    // Busy polling gives the lowest latency; yield now and then so that a peer
+    // process sharing the core can run.
+    if (++spins % 64 == 0) std::this_thread::yield();
+  }
+  return transferred();
+}
+
+std::unique_ptr<Request> Transport::broadcast(const Buffer& buffer, int root,
+                                              const std::vector<int>& ranks, Tag tag) {
+  return std::make_unique<FanoutBroadcast>(*this, buffer, root, ranks, tag);
+}
+
+void wait_all(const std::vector<std::unique_ptr<Request>>& requests,
+              std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (const auto& r : requests) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    r->wait(std::max(left, std::chrono::milliseconds(0)));
+  }
+}
+
+void register_transport(const std::string& name, TransportFactory factory) {
+  auto& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.factories[name] = std::move(factory);
+}
+
+std::vector<std::string> transport_names() {
+  auto& r = registry();
+  std::lock_guard lock(r.mutex);
+  std::vector<std::string> names;
+  for (const auto& [name, f] : r.factories) names.push_back(name);
+  return names;
+}
+
+std::unique_ptr<Transport> make_transport(TransportOptions options) {
+  split_name_params(options);
+  if (!options.store)
+    fail(Errc::invalid_argument, "transport '", options.name, "': no Store given for bootstrap");
+  if (options.world < 1 || options.rank < 0 || options.rank >= options.world)
+    fail(Errc::invalid_argument, "transport '", options.name, "': rank ", options.rank,
+         " outside world of size ", options.world);
+  // A wrapper is registered under the part before the first ':'.
+  const std::string key = options.name.substr(0, options.name.find(':'));
+  TransportFactory factory;
+  {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    auto it = r.factories.find(key);
+    if (it == r.factories.end()) {
+      std::string known;
+      for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
+      fail(Errc::invalid_argument, "unknown transport '", options.name, "' (built: ", known, ")");
+    }
+    factory = it->second;
+  }
+  return factory(options);
+}
+
+}  // namespace weightsync

@@ -1,0 +1,389 @@
+#include "ucx_transport.h"
+
+#include <weightsync/error.h>
+
+#include "builtin.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <limits>
+#include <thread>
+
+namespace weightsync::transport::ucx {
+namespace {
+
+constexpr int kRankBits = 16;
+constexpr int kTagBits = 64 - kRankBits;
+constexpr Tag kTagLimit = Tag{1} << kTagBits;
+// How long a destructor waits for UCX to let go of a buffer.
+constexpr auto kReleaseWait = std::chrono::seconds(10);
+
+ucp_tag_t wire_tag(int sender, Tag tag) {
+  return (ucp_tag_t(sender) << kTagBits) | tag;
+}
+
+std::string address_key(const std::string& prefix, int rank) {
+  return cat(prefix, "/ucx/address/", rank);
+}
+
+// UCX settings from the options; the environment (UCX_*) still applies to
+// everything not set here.
+std::map<std::string, std::string> ucx_settings(const TransportOptions& options) {
+  std::map<std::string, std::string> s;
+  if (auto it = options.params.find("tls"); it != options.params.end()) s["TLS"] = it->second;
+  // UCX checks idle peers every 20 s by default; a dead shared-memory peer is
+  // only noticed by that check, so look more often unless told otherwise.
+  if (auto it = options.params.find("keepalive_interval"); it != options.params.end())
+    s["KEEPALIVE_INTERVAL"] = it->second;
+  else if (!std::getenv("UCX_KEEPALIVE_INTERVAL"))
+    s["KEEPALIVE_INTERVAL"] = "1s";
+  return s;
+}
+
+void send_callback(void* request, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<UcxOp*>(user_data);
+  op->transport->on_complete(op, status);
+}
+
+void recv_callback(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                   void* user_data) {
+  auto* op = static_cast<UcxOp*>(user_data);
+  if (info) op->info = *info;
+  op->transport->on_complete(op, status);
+}
+
+void peer_error_callback(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* peer = static_cast<UcxPeer*>(arg);
+  peer->transport->on_peer_error(*peer, status);
+}
+
+class UcxRegion final : public MemoryRegion {
+ public:
+  UcxRegion(ucp_context_h context, const Buffer& b)
+      : MemoryRegion(b.data, b.bytes, b.memory, b.device), context_(context) {
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    p.address = b.data;
+    p.length = b.bytes;
+    p.memory_type = b.memory == MemoryKind::cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    check(ucp_mem_map(context, &p, &memh_), cat("UCX: ucp_mem_map of ", b.bytes, " bytes"));
+  }
+  ~UcxRegion() override { ucp_mem_unmap(context_, memh_); }
+  ucp_mem_h memh() const { return memh_; }
+
+ private:
+  ucp_context_h context_;
+  ucp_mem_h memh_ = nullptr;
+};
+
+class UcxRequest final : public Request {
+ public:
+  UcxRequest(UcxTransport& t, UcxOp* op)
+      : Request("ucx", op->kind, op->peer, op->tag, op->bytes), transport_(t), op_(op) {}
+  ~UcxRequest() override { transport_.release(op_); }
+
+  bool test() override {
+    if (!op_->done) transport_.progress();
+    if (!op_->done) return false;
+    if (op_->status != UCS_OK) raise();
+    return true;
+  }
+  void cancel() override { transport_.cancel(*op_); }
+  std::size_t transferred() const override {
+    return op_->kind == Kind::recv ? op_->info.length : op_->bytes;
+  }
+
+ private:
+  [[noreturn]] void raise() const {
+    if (op_->peer_failed)
+      fail(Errc::peer_failure, describe(), ": peer rank ", peer(), " failed (",
+           transport_.peer_failure(peer()), ")");
+    if (op_->status == UCS_ERR_MESSAGE_TRUNCATED)
+      fail(Errc::mismatch, describe(), ": the message is larger than the ", bytes(),
+           "-byte receive buffer");
+    if (op_->user_cancelled) fail(Errc::cancelled, describe(), ": cancelled");
+    fail(Errc::transport, describe(), ": ", ucs_status_string(op_->status));
+  }
+
+  UcxTransport& transport_;
+  UcxOp* op_;
+};
+
+}  // namespace
+
+UcxTransport::UcxTransport(const TransportOptions& options)
+    : options_(options), rank_(options.rank), world_(options.world) {
+  if (world_ > (1 << kRankBits))
+    fail(Errc::invalid_argument, "ucx transport: world of ", world_, " ranks exceeds ",
+         1 << kRankBits);
+  worker_ = std::make_unique<UcxWorker>(ucx_settings(options));
+  peers_.resize(static_cast<std::size_t>(world_));
+  for (int r = 0; r < world_; ++r) {
+    peers_[r].transport = this;
+    peers_[r].rank = r;
+  }
+  options_.store->set(address_key(options_.prefix, rank_), worker_->address());
+}
+
+UcxTransport::~UcxTransport() {
+  // A cancel may complete (and free, if orphaned) an op at once: iterate a copy.
+  const std::vector<UcxOp*> pending(ops_.begin(), ops_.end());
+  for (UcxOp* op : pending)
+    if (ops_.count(op) && !op->done && op->kind == Request::Kind::recv && op->ucx_request)
+      ucp_request_cancel(worker_->worker(), op->ucx_request);
+  close_endpoints();
+  // Operations UCX still holds are completed (with errors) by now; whatever
+  // is left was orphaned and is freed with the worker.
+  for (UcxOp* op : ops_) {
+    if (op->ucx_request) ucp_request_free(op->ucx_request);
+    delete op;
+  }
+}
+
+// Graceful close first (flushes what was sent, so the last message of a
+// sender that exits at once still arrives), forced after a bounded wait.
+void UcxTransport::close_endpoints() {
+  std::vector<void*> closing;
+  for (auto& p : peers_) {
+    if (!p.ep) continue;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = p.failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
+    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+    p.ep = nullptr;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + kReleaseWait;
+  for (void* r : closing) {
+    while (ucp_request_check_status(r) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < deadline)
+      ucp_worker_progress(worker_->worker());
+    ucp_request_free(r);
+  }
+}
+
+Capabilities UcxTransport::capabilities() const {
+  Capabilities c;
+  c.host_memory = true;
+  c.cuda_memory = worker_->cuda_memory();
+  c.native_broadcast = false;
+  c.max_message_bytes = std::numeric_limits<std::size_t>::max();
+  c.tag_bits = kTagBits;
+  return c;
+}
+
+std::unique_ptr<MemoryRegion> UcxTransport::register_memory(const Buffer& buffer) {
+  if (buffer.memory == MemoryKind::cuda && !worker_->cuda_memory())
+    fail(Errc::unsupported, "ucx transport: this UCX has no CUDA support; cannot register ",
+         buffer.bytes, " bytes of CUDA memory");
+  if (!buffer.data || buffer.bytes == 0)
+    fail(Errc::invalid_argument, "ucx transport: cannot register an empty buffer");
+  return std::make_unique<UcxRegion>(worker_->context(), buffer);
+}
+
+void UcxTransport::check_post(int peer, Tag tag, const Buffer& buffer, const char* what) const {
+  if (peer < 0 || peer >= world_)
+    fail(Errc::invalid_argument, "ucx transport: ", what, " rank ", peer, " outside world of ",
+         world_);
+  if (tag >= kTagLimit)
+    fail(Errc::invalid_argument, "ucx transport: tag ", tag, " exceeds the ", kTagBits,
+         "-bit limit");
+  if (!buffer.data && buffer.bytes > 0)
+    fail(Errc::invalid_argument, "ucx transport: ", what, " rank ", peer, ": null buffer of ",
+         buffer.bytes, " bytes");
+  if (buffer.memory == MemoryKind::cuda && !worker_->cuda_memory())
+    fail(Errc::unsupported, "ucx transport: ", what, " rank ", peer,
+         ": CUDA memory needs a UCX built with CUDA (this one has none)");
+  if (buffer.region && !buffer.region->contains(buffer))
+    fail(Errc::invalid_argument, "ucx transport: ", what, " rank ", peer,
+         ": buffer lies outside its registered region");
+  if (peers_[peer].failed)
+    fail(Errc::peer_failure, "ucx transport: ", what, " rank ", peer, ": peer rank ", peer,
+         " failed (", peers_[peer].failure, ")");
+}
+
+ucp_ep_h UcxTransport::endpoint(int peer) {
+  UcxPeer& p = peers_[peer];
+  if (p.ep) return p.ep;
+  const auto address =
+      options_.store->get(address_key(options_.prefix, peer), options_.bootstrap_timeout);
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_handler.cb = peer_error_callback;
+  params.err_handler.arg = &p;
+  check(ucp_ep_create(worker_->worker(), &params, &p.ep),
+        cat("ucx transport: connecting to rank ", peer));
+  return p.ep;
+}
+
+void UcxTransport::connect(int peer) {
+  check_post(peer, 0, Buffer{}, "connect to");
+  endpoint(peer);
+}
+
+bool UcxTransport::peer_failed(int peer) const {
+  return peer >= 0 && peer < world_ && peers_[peer].failed;
+}
+
+UcxOp* UcxTransport::new_op(Request::Kind kind, int peer, Tag tag, std::size_t bytes) {
+  auto* op = new UcxOp;
+  op->transport = this;
+  op->kind = kind;
+  op->peer = peer;
+  op->tag = tag;
+  op->bytes = bytes;
+  ops_.insert(op);
+  return op;
+}
+
+std::unique_ptr<Request> UcxTransport::finish_post(UcxOp* op, ucs_status_ptr_t posted,
+                                                   const char* what) {
+  if (UCS_PTR_IS_ERR(posted)) {
+    const ucs_status_t status = UCS_PTR_STATUS(posted);
+    ops_.erase(op);
+    delete op;
+    check(status, cat("ucx transport: ", what));
+  }
+  if (posted == nullptr) {
+    op->done = true;  // completed in place; no callback follows
+  } else {
+    op->ucx_request = posted;
+  }
+  return std::make_unique<UcxRequest>(*this, op);
+}
+
+std::unique_ptr<Request> UcxTransport::send(int peer, Tag tag, const Buffer& buffer) {
+  check_post(peer, tag, buffer, "send to");
+  ucp_ep_h ep = endpoint(peer);
+  UcxOp* op = new_op(Request::Kind::send, peer, tag, buffer.bytes);
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = send_callback;
+  param.user_data = op;
+  if (buffer.region) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();
+  }
+  auto posted = ucp_tag_send_nbx(ep, buffer.data, buffer.bytes, wire_tag(rank_, tag), &param);
+  return finish_post(op, posted, cat("send to rank ", peer).c_str());
+}
+
+std::unique_ptr<Request> UcxTransport::recv(int peer, Tag tag, const Buffer& buffer) {
+  check_post(peer, tag, buffer, "receive from");
+  endpoint(peer);  // so that the sender's death is noticed
+  UcxOp* op = new_op(Request::Kind::recv, peer, tag, buffer.bytes);
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_RECV_INFO;
+  param.cb.recv = recv_callback;
+  param.user_data = op;
+  param.recv_info.tag_info = &op->info;
+  if (buffer.region) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();
+  }
+  auto posted = ucp_tag_recv_nbx(worker_->worker(), buffer.data, buffer.bytes, wire_tag(peer, tag),
+                                 ~ucp_tag_t{0}, &param);
+  return finish_post(op, posted, cat("receive from rank ", peer).c_str());
+}
+
+void UcxTransport::progress() {
+  // Drain what is ready now, bounded so one call never spins for long.
+  for (int i = 0; i < 64 && ucp_worker_progress(worker_->worker()) != 0; ++i) {
+  }
+  if (failures_pending_) handle_failures();
+}
+
+void UcxTransport::on_complete(UcxOp* op, ucs_status_t status) {
+  op->done = true;
+  op->status = status;
+  if (op->ucx_request) ucp_request_free(op->ucx_request);
+  op->ucx_request = nullptr;
+  if (status != UCS_OK && peers_[op->peer].failed) op->peer_failed = true;
+  if (op->orphaned) {
+    ops_.erase(op);
+    delete op;
+  }
+}
+
+void UcxTransport::on_peer_error(UcxPeer& peer, ucs_status_t status) {
+  mark_failed(peer, cat("UCX: ", ucs_status_string(status)));
+}
+
+void UcxTransport::mark_failed(UcxPeer& peer, const std::string& why) {
+  if (peer.failed) return;
+  peer.failed = true;
+  peer.failure = why;
+  failures_pending_ = true;
+}
+
+// Outside the error callback (UCX forbids closing endpoints inside it): close
+// the failed endpoints and cancel the receives waiting on those peers.
+void UcxTransport::handle_failures() {
+  failures_pending_ = false;
+  for (auto& p : peers_) {
+    if (!p.failed || p.failure_handled) continue;
+    p.failure_handled = true;
+    // A cancel may complete (and free, if orphaned) an op at once: iterate a copy.
+    const std::vector<UcxOp*> pending(ops_.begin(), ops_.end());
+    for (UcxOp* op : pending) {
+      if (!ops_.count(op) || op->peer != p.rank || op->done) continue;
+      op->peer_failed = true;
+      if (op->kind == Request::Kind::recv && op->ucx_request)
+        ucp_request_cancel(worker_->worker(), op->ucx_request);
+    }
+    if (p.ep) {
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
+      p.ep = nullptr;
+      if (UCS_PTR_IS_PTR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS)
+          ucp_worker_progress(worker_->worker());
+        ucp_request_free(r);
+      }
+    }
+  }
+}
+
+void UcxTransport::cancel(UcxOp& op) {
+  if (op.done) return;
+  op.user_cancelled = true;
+  if (op.kind == Request::Kind::recv) {
+    ucp_request_cancel(worker_->worker(), op.ucx_request);
+    return;
+  }
+  // UCX cannot withdraw a send that may be partly on the wire; closing the
+  // connection is the only way to get the buffer back, and the peer is lost.
+  mark_failed(peers_[op.peer], cat("a send of ", op.bytes, " bytes to it was cancelled"));
+  handle_failures();
+}
+
+void UcxTransport::release(UcxOp* op) {
+  if (!op->done) {
+    cancel(*op);
+    const auto deadline = std::chrono::steady_clock::now() + kReleaseWait;
+    while (!op->done && std::chrono::steady_clock::now() < deadline) progress();
+  }
+  if (op->done) {
+    ops_.erase(op);
+    delete op;
+  } else {
+    op->orphaned = true;  // freed by its completion callback or the destructor
+  }
+}
+
+}  // namespace weightsync::transport::ucx
+
+namespace weightsync::transport {
+
+std::unique_ptr<Transport> make_ucx_transport(const TransportOptions& options) {
+  return std::make_unique<ucx::UcxTransport>(options);
+}
+
+}  // namespace weightsync::transport
