@@ -37,6 +37,21 @@ struct SafetensorsHeader {
 SafetensorsHeader parse_safetensors_header(std::string_view json, uint64_t data_size,
                                            std::string_view file);
 
+// Largest header accepted, as in the reference implementation (100 MB): a
+// corrupt length prefix must not make a reader allocate or scan gigabytes.
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
+
+struct SafetensorsLayout {
+  SafetensorsHeader header;
+  uint64_t data_offset = 0;  // 8 + header length: where the data section starts
+};
+
+// Parses a whole file image: the 8-byte length prefix, the header, and checks
+// the header against the data section that follows. Errc::format naming
+// `file` when it is shorter than 8 bytes, the header length is absurd or runs
+// past the end, or the header is malformed (see parse_safetensors_header).
+SafetensorsLayout parse_safetensors_image(std::string_view bytes, std::string_view file);
+
 // One mmapped .safetensors file. Views point into the mapping (read-only pages:
 // never write through them) and live as long as the file object.
 class SafetensorsFile {
@@ -76,9 +91,15 @@ class Checkpoint {
   // Throw Errc::not_found naming the key and the checkpoint.
   const TensorInfo& info(std::string_view key) const;
   TensorView view(std::string_view key) const;
+  // The files behind the checkpoint, in path order.
+  const std::vector<std::shared_ptr<SafetensorsFile>>& files() const { return files_; }
+  // A single file's __metadata__, or the index's "metadata" (values that are
+  // not strings, like total_size, as their JSON text).
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:
   std::string path_;
+  std::map<std::string, std::string> metadata_;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, std::pair<size_t, const TensorInfo*>, std::less<>> keys_;
 };
