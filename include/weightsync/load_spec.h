@@ -82,4 +82,25 @@ Shape local_shape(const LoadSpec& spec, const Mesh& mesh, int64_t rank);
 // local tensor exactly; padding elements are in no piece.
 std::vector<Piece> local_pieces(const LoadSpec& spec, const Mesh& mesh, int64_t rank);
 
+class Checkpoint;
+
+// Checks that `checkpoint` holds every key of `layout` with the shape
+// (hf_key_shape) and dtype its LoadSpec expects: Errc::not_found naming a
+// missing key, Errc::mismatch naming the key and both shapes or dtypes.
+void check_checkpoint(const Checkpoint& checkpoint, const TrainerLayout& layout);
+
+// Fills `dst` (contiguous host memory of local_shape(spec, mesh, rank) in
+// spec.dtype) with the rank's local tensor read from `checkpoint`; padding is
+// zero.
+void fill_local_tensor(const Checkpoint& checkpoint, const LoadSpec& spec, const Mesh& mesh,
+                       int64_t rank, const TensorView& dst);
+
+// `weightsync shard`: writes rank `rank`'s local tensors, each under its
+// LoadSpec name and dtype, to the safetensors file `out_path`. Streams through
+// one buffer of at most about `buffer_bytes` (never the whole rank in memory);
+// checks the checkpoint first (check_checkpoint) and the rank
+// (Errc::invalid_argument when out of range).
+void write_rank_shard(const Checkpoint& checkpoint, const TrainerLayout& layout, int64_t rank,
+                      const std::string& out_path, std::size_t buffer_bytes = 64u << 20);
+
 }  // namespace weightsync
