@@ -1,0 +1,233 @@
+// Plan accessors: resolving compact items into boxes, queries, JSON output.
+#include "plan_builder.h"
+
+#include <weightsync/error.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <ostream>
+
+namespace weightsync {
+
+std::string_view plan_mode_name(PlanMode mode) noexcept {
+  return mode == PlanMode::p2p ? "p2p" : "broadcast";
+}
+
+PlanMode parse_plan_mode(std::string_view name) {
+  if (name == "p2p") return PlanMode::p2p;
+  if (name == "broadcast") return PlanMode::broadcast;
+  fail(Errc::invalid_argument, "unknown plan mode '", name, "' (expected p2p or broadcast)");
+}
+
+Box item_hf_box(const Plan& plan, const PlanItem& item) {
+  Box hf = plan.pieces()[static_cast<size_t>(item.piece)].hf_box;
+  if (item.segment >= 0) {
+    auto cut = intersect(hf, plan.segments()[static_cast<size_t>(item.segment)].hf_box);
+    if (!cut) fail(Errc::internal, "plan item: piece and segment do not meet");
+    hf = *cut;
+  }
+  if (item.split_len > 0) {
+    const size_t d = item.split_dim;
+    const int64_t lo = std::max<int64_t>(hf.offsets[d], item.split_lo);
+    const int64_t hi = std::min<int64_t>(hf.end(d), int64_t{item.split_lo} + item.split_len);
+    hf.offsets[d] = lo;
+    hf.lengths[d] = std::max<int64_t>(0, hi - lo);
+  }
+  return hf;
+}
+
+Box map_to_param(const Plan::SegmentRef& seg, const Box& hf) {
+  const size_t n = hf.rank(), m = seg.param_box.rank();
+  Box out = seg.param_box;
+  Shape rel(n), len(n);
+  for (size_t d = 0; d < n; ++d) {
+    rel[d] = hf.offsets[d] - seg.hf_box.offsets[d];
+    len[d] = hf.lengths[d];
+  }
+  if (seg.transpose && n >= 2) {
+    std::swap(rel[n - 2], rel[n - 1]);
+    std::swap(len[n - 2], len[n - 1]);
+  }
+  // A parameter may have more (leading, length-1) dims than the HF tensor.
+  for (size_t d = 0; d < n; ++d) {
+    out.offsets[m - n + d] += rel[d];
+    out.lengths[m - n + d] = len[d];
+  }
+  return out;
+}
+
+std::string Plan::plan_id_hex() const {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(plan_id_));
+  return buf;
+}
+
+std::span<const PlanItem> Plan::items(int32_t bucket) const {
+  const Bucket& b = buckets_.at(static_cast<size_t>(bucket));
+  return {items_.data() + b.first_item, b.num_items};
+}
+
+Copy Plan::resolve(const PlanItem& item) const {
+  const PieceRef& piece = pieces_.at(static_cast<size_t>(item.piece));
+  Copy c;
+  c.src_rank = piece.rank;
+  c.src_param = piece.param;
+  c.key = piece.key;
+  c.hf_box = item_hf_box(*this, item);
+  c.src_box = c.hf_box.relative_to(piece.hf_box);
+  for (size_t d = 0; d < c.src_box.rank(); ++d) c.src_box.offsets[d] += piece.local_box.offsets[d];
+  c.dst_rank = item.dst_rank;
+  if (item.segment >= 0) {
+    const SegmentRef& seg = segments_[static_cast<size_t>(item.segment)];
+    c.dst_param = seg.param;
+    c.transpose = seg.transpose;
+    c.dst_box = map_to_param(seg, c.hf_box);
+  }
+  c.offset = item.offset;
+  c.view_box = c.hf_box;
+  c.dtype = keys_[static_cast<size_t>(c.key)].dtype;
+  c.bytes = c.hf_box.numel() * static_cast<int64_t>(itemsize(c.dtype));
+  return c;
+}
+
+std::span<const ApplyItem> Plan::apply_items(int32_t bucket, int tp_rank) const {
+  if (mode() != PlanMode::broadcast) return {};
+  if (bucket < 0 || static_cast<size_t>(bucket) >= buckets_.size() || tp_rank < 0 ||
+      tp_rank >= engine_tp_)
+    fail(Errc::invalid_argument, "apply_items: bucket ", bucket, " / rank ", tp_rank,
+         " out of range");
+  const size_t i =
+      static_cast<size_t>(bucket) * static_cast<size_t>(engine_tp_) + static_cast<size_t>(tp_rank);
+  return {apply_.data() + apply_index_[i], apply_index_[i + 1] - apply_index_[i]};
+}
+
+Copy Plan::resolve(const ApplyItem& apply, int global_engine_rank) const {
+  const PlanItem& gather = items_.at(static_cast<size_t>(apply.item));
+  const Copy src = resolve(gather);
+  const SegmentRef& seg = segments_.at(static_cast<size_t>(apply.segment));
+  Copy c = src;
+  auto cut = intersect(src.hf_box, seg.hf_box);
+  if (!cut) fail(Errc::internal, "apply item: gather item and segment do not meet");
+  c.hf_box = *cut;
+  c.view_box = src.hf_box;
+  c.src_box = c.hf_box.relative_to(src.hf_box);  // inside the packed view
+  c.dst_rank = global_engine_rank;
+  c.dst_param = seg.param;
+  c.transpose = seg.transpose;
+  c.dst_box = map_to_param(seg, c.hf_box);
+  c.bytes = c.hf_box.numel() * static_cast<int64_t>(itemsize(c.dtype));
+  return c;
+}
+
+std::vector<GatherPart> Plan::gather_parts(int32_t bucket) const {
+  std::vector<GatherPart> parts;
+  for (const PlanItem& item : items(bucket)) {
+    const int src = pieces_[static_cast<size_t>(item.piece)].rank;
+    const int64_t bytes = item_hf_box(*this, item).numel() *
+                          static_cast<int64_t>(itemsize(keys_[pieces_[item.piece].key].dtype));
+    if (!parts.empty() && parts.back().src_rank == src) {
+      parts.back().bytes = int64_t{item.offset} + bytes - parts.back().offset;
+    } else {
+      parts.push_back({src, int64_t{item.offset}, bytes});
+    }
+  }
+  return parts;
+}
+
+const std::vector<int32_t>& Plan::buckets_sent_by(int trainer_rank) const {
+  if (trainer_rank < 0 || trainer_rank >= trainer_world_)
+    fail(Errc::invalid_argument, "buckets_sent_by: trainer rank ", trainer_rank, " outside 0..",
+         trainer_world_ - 1);
+  return sent_by_[static_cast<size_t>(trainer_rank)];
+}
+
+const std::vector<int32_t>& Plan::buckets_received_by(int global_engine_rank) const {
+  if (global_engine_rank < 0 || global_engine_rank >= engine_world_)
+    fail(Errc::invalid_argument, "buckets_received_by: engine rank ", global_engine_rank,
+         " outside 0..", engine_world_ - 1);
+  return recv_by_[static_cast<size_t>(global_engine_rank)];
+}
+
+std::vector<int32_t> Plan::buckets_gathered_from(int trainer_rank) const {
+  std::vector<int32_t> out;
+  if (mode() != PlanMode::broadcast) return out;
+  for (const Bucket& b : buckets_)
+    for (const GatherPart& p : gather_parts(b.id))
+      if (p.src_rank == trainer_rank && b.src_rank != trainer_rank) {
+        out.push_back(b.id);
+        break;
+      }
+  return out;
+}
+
+namespace {
+
+nlohmann::json min_max(const std::vector<int64_t>& v) {
+  if (v.empty()) return {{"min", 0}, {"max", 0}};
+  auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+  return {{"min", *lo}, {"max", *hi}};
+}
+
+nlohmann::json box_json(const Box& b) {
+  return {{"offsets", b.offsets}, {"lengths", b.lengths}};
+}
+
+}  // namespace
+
+nlohmann::json Plan::summary_json() const {
+  int64_t max_bucket = 0;
+  for (const Bucket& b : buckets_) max_bucket = std::max(max_bucket, b.bytes);
+  nlohmann::json j = {{"plan_id", plan_id_hex()},
+                      {"mode", plan_mode_name(mode())},
+                      {"trainer_ranks", trainer_world_},
+                      {"engine_ranks", engine_world_},
+                      {"bucket_bytes", options_.bucket_bytes},
+                      {"bytes_total", stats_.bytes_total},
+                      {"bytes_per_engine_rank", min_max(stats_.bytes_per_engine_rank)},
+                      {"bytes_per_trainer_rank", min_max(stats_.bytes_per_trainer_rank)},
+                      {"buckets", buckets_.size()},
+                      {"max_bucket_bytes", max_bucket},
+                      {"items", items_.size() + apply_.size()},
+                      {"keys", keys_.size()},
+                      {"predicted_s", stats_.predicted_s},
+                      {"lower_bound_s", stats_.lower_bound_s},
+                      {"plan_s", stats_.plan_s}};
+  return j;
+}
+
+void Plan::write_items_jsonl(std::ostream& out) const {
+  auto emit = [&](const Copy& c, const char* kind, int32_t bucket) {
+    nlohmann::json j = {{"kind", kind},
+                        {"bucket", bucket},
+                        {"offset", c.offset},
+                        {"bytes", c.bytes},
+                        {"key", keys_[static_cast<size_t>(c.key)].name},
+                        {"hf_box", box_json(c.hf_box)},
+                        {"src_rank", c.src_rank},
+                        {"src_param", c.src_param},
+                        {"src_box", box_json(c.src_box)},
+                        {"dst_rank", c.dst_rank},
+                        {"dst_param", c.dst_param},
+                        {"transpose", c.transpose}};
+    if (c.dst_param >= 0) j["dst_box"] = box_json(c.dst_box);
+    if (c.view_box != c.hf_box) j["view_box"] = box_json(c.view_box);
+    out << j.dump() << '\n';
+  };
+  for (const Bucket& b : buckets_) {
+    for (const PlanItem& item : items(b.id))
+      emit(resolve(item), mode() == PlanMode::p2p ? "copy" : "gather", b.id);
+    if (mode() != PlanMode::broadcast) continue;
+    // Apply items are the same for every replica: print them for replica 0.
+    for (int r = 0; r < engine_tp_; ++r)
+      for (const ApplyItem& a : apply_items(b.id, r)) emit(resolve(a, r), "apply", b.id);
+  }
+}
+
+Plan make_plan(const TrainerLayout& trainer, const EngineLayout& engine, const Topology& topology,
+               const PlanOptions& options) {
+  return PlanBuilder(trainer, engine, topology, options).build();
+}
+
+}  // namespace weightsync

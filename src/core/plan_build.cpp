@@ -1,0 +1,311 @@
+// The planner: trainer pieces meet engine segments in HF space (per key, by a
+// sweep over dim 0), senders are chosen among replicas, items are packed into
+// buckets per link. See docs/planner.md.
+#include "plan_builder.h"
+
+#include <weightsync/error.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <map>
+#include <unordered_map>
+
+namespace weightsync {
+namespace {
+
+constexpr int64_t kMaxCoord = std::numeric_limits<int32_t>::max();
+
+bool box_less(const Box& a, const Box& b) {
+  if (a.offsets != b.offsets) return a.offsets < b.offsets;
+  return a.lengths < b.lengths;
+}
+
+// A segment's param box may add leading length-1 dims to its HF box.
+void check_segment_shape(const Segment& s, const EngineParam& p, int rank) {
+  const size_t n = s.hf_box.rank(), m = s.param_box.rank();
+  bool ok = m >= n && n >= 1;
+  for (size_t d = 0; ok && d + n < m; ++d) ok = s.param_box.lengths[d] == 1;
+  Shape expect(s.hf_box.lengths);
+  if (s.transpose && n >= 2) std::swap(expect[n - 2], expect[n - 1]);
+  for (size_t d = 0; ok && d < n; ++d) ok = s.param_box.lengths[m - n + d] == expect[d];
+  if (!ok || !s.param_box.fits(p.shape))
+    fail(Errc::invalid_layout, "engine rank ", rank, " param '", p.name, "': segment of '",
+         s.hf_key, "' ", box_str(s.hf_box), " -> ", box_str(s.param_box),
+         s.transpose ? " (transposed)" : "", " does not map box to box inside ",
+         shape_str(p.shape));
+}
+
+}  // namespace
+
+PlanBuilder::PlanBuilder(const TrainerLayout& trainer, const EngineLayout& engine,
+                         const Topology& topology, const PlanOptions& options)
+    : trainer_(trainer), engine_(engine), topology_(topology) {
+  if (options.bucket_bytes < 1024 || options.bucket_bytes > int64_t{0xFFFFFFFF})
+    fail(Errc::invalid_argument, "bucket_bytes must be in [1 KiB, 4 GiB), got ",
+         options.bucket_bytes);
+  if (engine.config.tp < 1 || static_cast<int>(engine.ranks.size()) != engine.config.tp ||
+      engine.config.replicas < 1)
+    fail(Errc::invalid_layout, "engine layout: ", engine.ranks.size(), " rank layouts for tp ",
+         engine.config.tp, " and ", engine.config.replicas, " replicas");
+  topology.validate();
+  plan_.options_ = options;
+  plan_.trainer_world_ = static_cast<int>(trainer.mesh.world());
+  plan_.engine_tp_ = engine.config.tp;
+  plan_.engine_world_ = engine.world();
+}
+
+void PlanBuilder::intern_keys() {
+  for (const LoadSpec& spec : trainer_.params) {
+    const Shape shape = spec.hf_key_shape();
+    for (int64_t v : shape)
+      if (v > kMaxCoord)
+        fail(Errc::unsupported, "param '", spec.name, "': dim of ", v, " exceeds 2^31-1");
+    for (const std::string& k : spec.hf_keys) plan_.keys_.push_back({k, shape, spec.dtype});
+  }
+}
+
+void PlanBuilder::collect_pieces() {
+  const int world = plan_.trainer_world_;
+  int32_t key_base = 0;
+  for (size_t p = 0; p < trainer_.params.size(); ++p) {
+    const LoadSpec& spec = trainer_.params[p];
+    for (int r = 0; r < world; ++r) {
+      for (Piece& piece : local_pieces(spec, trainer_.mesh, r)) {
+        if (piece.hf_box.empty()) continue;
+        plan_.pieces_.push_back({r, static_cast<int32_t>(p), key_base + piece.key,
+                                 std::move(piece.hf_box), std::move(piece.local_box)});
+      }
+    }
+    key_base += static_cast<int32_t>(spec.hf_keys.size());
+  }
+  if (plan_.pieces_.size() > static_cast<size_t>(kMaxCoord))
+    fail(Errc::unsupported, "trainer layout has more than 2^31 pieces");
+}
+
+void PlanBuilder::collect_segments() {
+  std::unordered_map<std::string_view, int32_t> key_ids;
+  key_ids.reserve(plan_.keys_.size());
+  for (size_t k = 0; k < plan_.keys_.size(); ++k)
+    if (!key_ids.emplace(plan_.keys_[k].name, static_cast<int32_t>(k)).second)
+      fail(Errc::invalid_layout, "trainer layout: HF key '", plan_.keys_[k].name,
+           "' appears in two parameters");
+  key_segments_.assign(plan_.keys_.size(), {});
+  for (int r = 0; r < engine_.config.tp; ++r) {
+    const EngineRankLayout& rank = engine_.ranks[static_cast<size_t>(r)];
+    for (size_t q = 0; q < rank.params.size(); ++q) {
+      const EngineParam& param = rank.params[q];
+      for (const Segment& s : param.segments) {
+        auto it = key_ids.find(s.hf_key);
+        if (it == key_ids.end())
+          fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name, "' needs HF key '",
+               s.hf_key, "', which no trainer parameter holds");
+        const PlanKey& key = plan_.keys_[static_cast<size_t>(it->second)];
+        if (!s.hf_box.fits(key.shape))
+          fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name, "': box ",
+               box_str(s.hf_box), " of '", s.hf_key, "' outside its trainer shape ",
+               shape_str(key.shape));
+        if (param.dtype != key.dtype)
+          fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name, "' is ",
+               dtype_name(param.dtype), " but the trainer holds '", s.hf_key, "' as ",
+               dtype_name(key.dtype));
+        check_segment_shape(s, param, r);
+        if (s.hf_box.empty()) continue;
+        key_segments_[static_cast<size_t>(it->second)].push_back(
+            static_cast<int32_t>(plan_.segments_.size()));
+        plan_.segments_.push_back(
+            {r, static_cast<int32_t>(q), it->second, s.transpose, s.hf_box, s.param_box});
+      }
+    }
+  }
+}
+
+void PlanBuilder::group_pieces() {
+  const auto& pieces = plan_.pieces_;
+  sorted_pieces_.resize(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) sorted_pieces_[i] = static_cast<uint32_t>(i);
+  std::sort(sorted_pieces_.begin(), sorted_pieces_.end(), [&](uint32_t a, uint32_t b) {
+    const auto &pa = pieces[a], &pb = pieces[b];
+    if (pa.key != pb.key) return pa.key < pb.key;
+    if (pa.hf_box != pb.hf_box) return box_less(pa.hf_box, pb.hf_box);
+    return pa.rank < pb.rank;
+  });
+  key_groups_.assign(plan_.keys_.size() + 1, 0);
+  key_max_len0_.assign(plan_.keys_.size(), 0);
+  for (size_t i = 0; i < sorted_pieces_.size(); ++i) {
+    const auto& p = pieces[sorted_pieces_[i]];
+    if (i > 0) {
+      const auto& prev = pieces[sorted_pieces_[i - 1]];
+      if (prev.key == p.key && prev.hf_box == p.hf_box) {
+        ++groups_.back().count;
+        continue;
+      }
+    }
+    groups_.push_back({p.key, static_cast<uint32_t>(i), 1});
+    key_max_len0_[static_cast<size_t>(p.key)] = std::max<int32_t>(
+        key_max_len0_[static_cast<size_t>(p.key)], static_cast<int32_t>(p.hf_box.lengths[0]));
+  }
+  // key_groups_[k] = first group of key k (groups are sorted by key).
+  size_t g = 0;
+  for (size_t k = 0; k <= plan_.keys_.size(); ++k) {
+    while (g < groups_.size() && static_cast<size_t>(groups_[g].key) < k) ++g;
+    key_groups_[k] = static_cast<uint32_t>(g);
+  }
+}
+
+// The piece groups meeting each segment of `key`; checks that they tile it.
+std::vector<Overlap> PlanBuilder::overlaps_of_key(int32_t key,
+                                                  const std::vector<int32_t>& segs) const {
+  std::vector<Overlap> out;
+  const uint32_t first = key_groups_[static_cast<size_t>(key)];
+  const uint32_t last = key_groups_[static_cast<size_t>(key) + 1];
+  const size_t item = itemsize(plan_.keys_[static_cast<size_t>(key)].dtype);
+  auto group_box = [&](uint32_t g) -> const Box& {
+    return plan_.pieces_[sorted_pieces_[groups_[g].first]].hf_box;
+  };
+  for (int32_t s : segs) {
+    const Plan::SegmentRef& seg = plan_.segments_[static_cast<size_t>(s)];
+    const auto [a, b] = dim0_window(first, last, seg.hf_box.offsets[0], seg.hf_box.end(0),
+                                    key_max_len0_[static_cast<size_t>(key)],
+                                    [&](uint32_t g) { return group_box(g).offsets[0]; });
+    int64_t covered = 0;
+    for (uint32_t g = a; g < b; ++g) {
+      auto cut = intersect(group_box(g), seg.hf_box);
+      if (!cut) continue;
+      covered += cut->numel();
+      out.push_back({static_cast<int32_t>(g), s, cut->numel() * static_cast<int64_t>(item)});
+    }
+    if (covered != seg.hf_box.numel()) {
+      const auto& rank = engine_.ranks[static_cast<size_t>(seg.tp_rank)];
+      fail(Errc::invalid_layout, "engine rank ", seg.tp_rank, " param '",
+           rank.params[static_cast<size_t>(seg.param)].name, "' needs ", box_str(seg.hf_box),
+           " of '", plan_.keys_[static_cast<size_t>(key)].name, "': ",
+           covered < seg.hf_box.numel() ? "the trainer ranks hold only "
+                                        : "the trainer pieces overlap, covering ",
+           covered, " of its ", seg.hf_box.numel(), " elements");
+    }
+  }
+  return out;
+}
+
+std::vector<Overlap> PlanBuilder::all_overlaps() const {
+  std::vector<Overlap> out;
+  for (size_t k = 0; k < plan_.keys_.size(); ++k) {
+    if (key_segments_[k].empty()) continue;
+    auto part = overlaps_of_key(static_cast<int32_t>(k), key_segments_[k]);
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
+// Least-loaded holder: by its NIC's bytes, then its own, then the lowest rank.
+int32_t PlanBuilder::choose_holder(const PieceGroup& group, int64_t bytes) {
+  uint32_t best = sorted_pieces_[group.first];
+  for (uint32_t i = 1; i < group.count; ++i) {
+    const uint32_t cand = sorted_pieces_[group.first + i];
+    const int rc = plan_.pieces_[cand].rank, rb = plan_.pieces_[best].rank;
+    const int64_t nc = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rc)])];
+    const int64_t nb = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rb)])];
+    if (nc < nb ||
+        (nc == nb && rank_load_[static_cast<size_t>(rc)] < rank_load_[static_cast<size_t>(rb)]))
+      best = cand;
+  }
+  const int r = plan_.pieces_[best].rank;
+  rank_load_[static_cast<size_t>(r)] += bytes;
+  nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(r)])] += bytes;
+  return static_cast<int32_t>(best);
+}
+
+int64_t PlanBuilder::item_bytes(const PlanItem& item) const {
+  const auto& piece = plan_.pieces_[static_cast<size_t>(item.piece)];
+  return item_hf_box(plan_, item).numel() *
+         static_cast<int64_t>(itemsize(plan_.keys_[static_cast<size_t>(piece.key)].dtype));
+}
+
+void PlanBuilder::build_p2p() {
+  const std::vector<Overlap> overlaps = all_overlaps();
+  std::vector<PlanItem> items;
+  items.reserve(overlaps.size() * static_cast<size_t>(engine_.config.replicas));
+  const int tp = engine_.config.tp;
+  // Replica-major so that each replica spreads over the holders the previous
+  // ones left least loaded.
+  for (int rep = 0; rep < engine_.config.replicas; ++rep) {
+    for (const Overlap& o : overlaps) {
+      PlanItem item;
+      item.piece = choose_holder(groups_[static_cast<size_t>(o.group)], o.bytes);
+      item.segment = o.segment;
+      item.dst_rank = rep * tp + plan_.segments_[static_cast<size_t>(o.segment)].tp_rank;
+      items.push_back(item);
+    }
+  }
+  pack_p2p_links(items);
+}
+
+uint64_t PlanBuilder::hash_inputs() const {
+  // A word-wise multiply-xorshift hash over the tables the plan is computed
+  // from (stable across runs and machines of the same endianness).
+  uint64_t h = 0x9e3779b97f4a7c15ull;
+  auto mix = [&](uint64_t v) {
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 31;
+  };
+  auto mix_box = [&](const Box& b) {
+    mix(b.rank());
+    for (size_t d = 0; d < b.rank(); ++d)
+      mix(static_cast<uint64_t>(b.offsets[d])), mix(b.lengths[d]);
+  };
+  mix(static_cast<uint64_t>(plan_.options_.mode));
+  mix(static_cast<uint64_t>(plan_.options_.bucket_bytes));
+  mix(plan_.trainer_world_), mix(plan_.engine_world_), mix(plan_.engine_tp_);
+  for (const PlanKey& k : plan_.keys_) {
+    for (char c : k.name) mix(static_cast<uint8_t>(c));
+    mix(static_cast<uint64_t>(k.dtype));
+    mix_box(Box::full(k.shape));
+  }
+  for (const auto& p : plan_.pieces_) {
+    mix(p.rank), mix(p.param), mix(p.key), mix_box(p.hf_box), mix_box(p.local_box);
+  }
+  for (const auto& s : plan_.segments_) {
+    mix(s.tp_rank), mix(s.param), mix(s.key), mix(s.transpose), mix_box(s.hf_box),
+        mix_box(s.param_box);
+  }
+  const std::string topo = topology_.to_json().dump();
+  for (char c : topo) mix(static_cast<uint8_t>(c));
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdull;
+  h ^= h >> 33;
+  return h;
+}
+
+Plan PlanBuilder::build() {
+  const auto t0 = std::chrono::steady_clock::now();
+  intern_keys();
+  collect_pieces();
+  collect_segments();
+  group_pieces();
+  // Trainer NIC ids, so that senders sharing a NIC are balanced as one.
+  const int world = plan_.trainer_world_;
+  rank_nic_.resize(static_cast<size_t>(world));
+  rank_load_.assign(static_cast<size_t>(world), 0);
+  nic_load_.assign(static_cast<size_t>(world), 0);
+  std::map<std::pair<int, int>, int32_t> nic_ids;
+  for (int r = 0; r < world; ++r) {
+    const std::pair<int, int> nic{topology_.trainer_node(r, world),
+                                  topology_.trainer_slot(r, world) / topology_.gpus_per_nic};
+    rank_nic_[static_cast<size_t>(r)] = nic_ids.emplace(nic, r).first->second;
+  }
+  plan_.plan_id_ = hash_inputs();
+  if (plan_.mode() == PlanMode::p2p) {
+    build_p2p();
+    schedule_p2p(plan_, topology_);
+  } else {
+    build_broadcast();
+    schedule_broadcast(plan_, topology_);
+  }
+  plan_.stats_.plan_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return std::move(plan_);
+}
+
+}  // namespace weightsync

@@ -1,0 +1,99 @@
+// Internals of the planner shared by plan_build.cpp, plan_broadcast.cpp and
+// schedule.cpp. Not installed.
+#pragma once
+
+#include <weightsync/plan.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace weightsync {
+
+// Trainer pieces with the same key and HF box: replicas of one piece of data.
+struct PieceGroup {
+  int32_t key = 0;
+  uint32_t first = 0;  // into PlanBuilder::sorted_pieces_
+  uint32_t count = 0;
+};
+
+// A piece group meets a segment (one per replica-template, before a sender is chosen).
+struct Overlap {
+  int32_t group = 0;
+  int32_t segment = 0;
+  int64_t bytes = 0;
+};
+
+class PlanBuilder {
+ public:
+  PlanBuilder(const TrainerLayout& trainer, const EngineLayout& engine, const Topology& topology,
+              const PlanOptions& options);
+  Plan build();
+
+  // Public for schedule.cpp: orders the buckets, predicts the time and the
+  // lower bound, and fills the per-rank byte totals.
+  static void schedule_p2p(Plan& plan, const Topology& topology);
+  static void schedule_broadcast(Plan& plan, const Topology& topology);
+
+ private:
+  void intern_keys();
+  void collect_pieces();
+  void collect_segments();
+  void group_pieces();
+  std::vector<Overlap> overlaps_of_key(int32_t key, const std::vector<int32_t>& segs) const;
+  std::vector<Overlap> all_overlaps() const;
+  int32_t choose_holder(const PieceGroup& group, int64_t bytes);
+  void build_p2p();
+  void pack_p2p_links(std::vector<PlanItem>& items);
+  void build_broadcast();
+  void build_apply_items();
+  uint64_t hash_inputs() const;
+  int64_t item_bytes(const PlanItem& item) const;
+
+  const TrainerLayout& trainer_;
+  const EngineLayout& engine_;
+  const Topology& topology_;
+  Plan plan_;
+  std::vector<uint32_t> sorted_pieces_;             // piece indices by (key, hf box, rank)
+  std::vector<PieceGroup> groups_;                  // by (key, hf box)
+  std::vector<uint32_t> key_groups_;                // key -> first group (size keys + 1)
+  std::vector<int32_t> key_max_len0_;               // key -> longest group extent on dim 0
+  std::vector<std::vector<int32_t>> key_segments_;  // key -> segment indices
+  std::vector<int64_t> rank_load_;                  // bytes sent per trainer rank so far
+  std::vector<int64_t> nic_load_;                   // bytes sent per trainer NIC so far
+  std::vector<int32_t> rank_nic_;                   // trainer rank -> NIC id
+};
+
+// Pieces of groups sorted by offset on dim 0 whose extent on dim 0 meets [lo, hi).
+// `max_len0` is the longest such extent, which bounds how far back to look.
+template <class OffsetOf>
+std::pair<uint32_t, uint32_t> dim0_window(uint32_t first, uint32_t last, int64_t lo, int64_t hi,
+                                          int64_t max_len0, OffsetOf offset_of) {
+  uint32_t a = first, b = last;
+  // First index whose offset > lo - max_len0 (earlier ones end before lo).
+  uint32_t l = first, r = last;
+  while (l < r) {
+    const uint32_t m = l + (r - l) / 2;
+    if (offset_of(m) <= lo - max_len0)
+      l = m + 1;
+    else
+      r = m;
+  }
+  a = l;
+  l = a, r = last;
+  while (l < r) {
+    const uint32_t m = l + (r - l) / 2;
+    if (offset_of(m) < hi)
+      l = m + 1;
+    else
+      r = m;
+  }
+  b = l;
+  return {a, b};
+}
+
+// The HF box an item moves: its piece's box, cut by its segment and its split.
+Box item_hf_box(const Plan& plan, const PlanItem& item);
+// Maps a sub-box of a segment's HF box into the parameter (transpose, rank).
+Box map_to_param(const Plan::SegmentRef& seg, const Box& hf);
+
+}  // namespace weightsync

@@ -1,0 +1,214 @@
+// Packing items into buckets: per link for p2p, per run of HF keys for
+// broadcast (gathered at a root, then extracted by every engine rank).
+#include "plan_builder.h"
+
+#include <weightsync/error.h>
+
+#include <algorithm>
+
+namespace weightsync {
+namespace {
+
+// The dim along which an oversized box is cut: its outermost non-trivial one.
+size_t split_dim_of(const Box& box) {
+  for (size_t d = 0; d < box.rank(); ++d)
+    if (box.lengths[d] > 1) return d;
+  return 0;
+}
+
+// Fills buckets in order; opens a new one when the next slab does not fit.
+class BucketFiller {
+ public:
+  BucketFiller(Plan& plan, std::vector<Bucket>& buckets, int64_t limit)
+      : plan_(plan), buckets_(buckets), limit_(limit) {}
+
+  // Places `box` (of `key`): whole when it fits, else cut along its outer dim
+  // into slabs that fill buckets. `emit(bucket, offset, lo, len, d)` receives
+  // each slab (len 0: uncut).
+  template <class Emit>
+  void place(int32_t src, int32_t dst, int32_t key, const Box& box, Emit emit) {
+    const int64_t item = static_cast<int64_t>(itemsize(plan_.keys()[key].dtype));
+    const int64_t bytes = box.numel() * item;
+    if (bytes <= limit_) {
+      if (open_ < 0 || used_ + bytes > limit_) open(src, dst);
+      emit(open_, used_, 0, 0, 0);
+      used_ += bytes;
+      buckets_.back().bytes = used_;
+      return;
+    }
+    const size_t d = split_dim_of(box);
+    const int64_t slab = bytes / box.lengths[d];
+    if (slab > limit_)
+      fail(Errc::invalid_argument, "bucket_bytes ", limit_, " is smaller than one slab (", slab,
+           " bytes) of '", plan_.keys()[key].name, "' ", box_str(box), " along dim ", d);
+    for (int64_t done = 0; done < box.lengths[d];) {
+      if (open_ < 0 || (limit_ - used_) < slab) open(src, dst);
+      const int64_t take = std::min((limit_ - used_) / slab, box.lengths[d] - done);
+      emit(open_, used_, box.offsets[d] + done, take, d);
+      used_ += take * slab;
+      buckets_.back().bytes = used_;
+      done += take;
+    }
+  }
+  void close() { open_ = -1; }
+
+ private:
+  void open(int32_t src, int32_t dst) {
+    open_ = static_cast<int32_t>(buckets_.size());
+    Bucket b;
+    b.id = open_;
+    b.src_rank = src;
+    b.dst_rank = dst;
+    buckets_.push_back(b);
+    used_ = 0;
+  }
+  Plan& plan_;
+  std::vector<Bucket>& buckets_;
+  int64_t limit_;
+  int32_t open_ = -1;
+  int64_t used_ = 0;
+};
+
+void index_items(std::vector<Bucket>& buckets, const std::vector<PlanItem>& items) {
+  for (Bucket& b : buckets) b.num_items = 0;
+  for (size_t i = items.size(); i-- > 0;) {
+    Bucket& b = buckets[static_cast<size_t>(items[i].bucket)];
+    b.first_item = static_cast<uint32_t>(i);
+    ++b.num_items;
+  }
+}
+
+}  // namespace
+
+void PlanBuilder::pack_p2p_links(std::vector<PlanItem>& items) {
+  // Counting sort by link (src trainer rank, dst engine rank), stable.
+  const size_t engines = static_cast<size_t>(plan_.engine_world_);
+  const size_t links = static_cast<size_t>(plan_.trainer_world_) * engines;
+  auto link_of = [&](const PlanItem& it) {
+    return static_cast<size_t>(plan_.pieces_[static_cast<size_t>(it.piece)].rank) * engines +
+           static_cast<size_t>(it.dst_rank);
+  };
+  std::vector<uint32_t> start(links + 1, 0);
+  for (const PlanItem& it : items) ++start[link_of(it) + 1];
+  for (size_t l = 0; l < links; ++l) start[l + 1] += start[l];
+  std::vector<PlanItem> by_link(items.size());
+  for (const PlanItem& it : items) by_link[start[link_of(it)]++] = it;
+  items.clear();
+  items.shrink_to_fit();
+
+  std::vector<PlanItem> out;
+  out.reserve(by_link.size() + by_link.size() / 16);
+  BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
+  size_t prev_link = links;
+  for (const PlanItem& it : by_link) {
+    const size_t link = link_of(it);
+    if (link != prev_link) filler.close();
+    prev_link = link;
+    const Box hf = item_hf_box(plan_, it);
+    const int32_t src = plan_.pieces_[static_cast<size_t>(it.piece)].rank;
+    filler.place(src, it.dst_rank, plan_.pieces_[static_cast<size_t>(it.piece)].key, hf,
+                 [&](int32_t bucket, int64_t offset, int64_t lo, int64_t len, size_t d) {
+                   PlanItem x = it;
+                   x.bucket = bucket;
+                   x.offset = static_cast<uint32_t>(offset);
+                   x.split_lo = static_cast<int32_t>(lo);
+                   x.split_len = static_cast<int32_t>(len);
+                   x.split_dim = static_cast<uint8_t>(d);
+                   out.push_back(x);
+                 });
+  }
+  if (out.size() > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
+  plan_.items_ = std::move(out);
+  index_items(plan_.buckets_, plan_.items_);
+}
+
+void PlanBuilder::build_broadcast() {
+  BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
+  std::vector<PlanItem> items;
+  for (size_t k = 0; k < plan_.keys_.size(); ++k) {
+    if (key_segments_[k].empty()) continue;  // no engine rank loads it
+    const Box whole = Box::full(plan_.keys_[k].shape);
+    const int32_t key = static_cast<int32_t>(k);
+    filler.place(
+        -1, -1, key, whole, [&](int32_t bucket, int64_t, int64_t lo, int64_t len, size_t d) {
+          Box slab = whole;
+          if (len > 0) slab.offsets[d] = lo, slab.lengths[d] = len;
+          int64_t covered = 0;
+          for (uint32_t g = key_groups_[k]; g < key_groups_[k + 1]; ++g) {
+            const Box& gb = plan_.pieces_[sorted_pieces_[groups_[g].first]].hf_box;
+            auto cut = intersect(gb, slab);
+            if (!cut) continue;
+            covered += cut->numel();
+            PlanItem x;
+            x.piece = choose_holder(
+                groups_[g], cut->numel() * static_cast<int64_t>(itemsize(plan_.keys_[k].dtype)));
+            x.bucket = bucket;
+            x.split_dim = static_cast<uint8_t>(d);
+            x.split_lo = static_cast<int32_t>(slab.offsets[d]);
+            x.split_len = static_cast<int32_t>(slab.lengths[d]);
+            items.push_back(x);
+          }
+          if (covered != slab.numel())
+            fail(Errc::invalid_layout, "broadcast needs all of '", plan_.keys_[k].name, "' ",
+                 box_str(slab), " but the trainer pieces cover ", covered, " of its ", slab.numel(),
+                 " elements");
+        });
+  }
+  // Within a bucket, one holder's items are contiguous (one send to the root).
+  std::stable_sort(items.begin(), items.end(), [&](const PlanItem& a, const PlanItem& b) {
+    if (a.bucket != b.bucket) return a.bucket < b.bucket;
+    return plan_.pieces_[static_cast<size_t>(a.piece)].rank <
+           plan_.pieces_[static_cast<size_t>(b.piece)].rank;
+  });
+  int64_t used = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i == 0 || items[i].bucket != items[i - 1].bucket) used = 0;
+    items[i].offset = static_cast<uint32_t>(used);
+    used += item_bytes(items[i]);
+  }
+  plan_.items_ = std::move(items);
+  index_items(plan_.buckets_, plan_.items_);
+  // Roots rotate: each bucket goes to the least-loaded trainer rank (NIC first).
+  const int world = plan_.trainer_world_;
+  for (Bucket& b : plan_.buckets_) {
+    int best = 0;
+    for (int r = 1; r < world; ++r) {
+      const int64_t nr = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(r)])];
+      const int64_t nb = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(best)])];
+      if (nr < nb ||
+          (nr == nb && rank_load_[static_cast<size_t>(r)] < rank_load_[static_cast<size_t>(best)]))
+        best = r;
+    }
+    b.src_rank = best;
+    rank_load_[static_cast<size_t>(best)] += b.bytes;
+    nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(best)])] += b.bytes;
+  }
+  build_apply_items();
+}
+
+void PlanBuilder::build_apply_items() {
+  const size_t tp = static_cast<size_t>(plan_.engine_tp_);
+  std::vector<std::vector<ApplyItem>> per_rank(tp);
+  plan_.apply_index_.assign(plan_.buckets_.size() * tp + 1, 0);
+  for (const Bucket& b : plan_.buckets_) {
+    for (auto& v : per_rank) v.clear();
+    for (uint32_t i = b.first_item; i < b.first_item + b.num_items; ++i) {
+      const PlanItem& item = plan_.items_[i];
+      const Box hf = item_hf_box(plan_, item);
+      const int32_t key = plan_.pieces_[static_cast<size_t>(item.piece)].key;
+      for (int32_t s : key_segments_[static_cast<size_t>(key)]) {
+        const auto& seg = plan_.segments_[static_cast<size_t>(s)];
+        if (intersect(hf, seg.hf_box))
+          per_rank[static_cast<size_t>(seg.tp_rank)].push_back({static_cast<int32_t>(i), s});
+      }
+    }
+    for (size_t r = 0; r < tp; ++r) {
+      plan_.apply_index_[static_cast<size_t>(b.id) * tp + r] =
+          static_cast<uint32_t>(plan_.apply_.size());
+      plan_.apply_.insert(plan_.apply_.end(), per_rank[r].begin(), per_rank[r].end());
+    }
+  }
+  plan_.apply_index_.back() = static_cast<uint32_t>(plan_.apply_.size());
+}
+
+}  // namespace weightsync

@@ -1,0 +1,202 @@
+// verify_plan: checks a plan against the layouts it claims to connect, with
+// its own arithmetic (it recomputes the trainer pieces and reads the engine
+// segments again instead of trusting the plan's tables).
+#include <weightsync/error.h>
+#include <weightsync/plan.h>
+
+#include <algorithm>
+#include <map>
+
+namespace weightsync {
+namespace {
+
+// The engine box of a sub-box `hf` of a segment (transpose, leading 1-dims).
+Box param_box_of(const Segment& s, const Box& hf) {
+  const size_t n = hf.rank(), lead = s.param_box.rank() - n;
+  Box out = s.param_box;
+  for (size_t d = 0; d < n; ++d) {
+    const size_t to = s.transpose && n >= 2 && d >= n - 2 ? (d == n - 1 ? n - 2 : n - 1) : d;
+    out.offsets[lead + to] = s.param_box.offsets[lead + to] + hf.offsets[d] - s.hf_box.offsets[d];
+    out.lengths[lead + to] = hf.lengths[d];
+  }
+  return out;
+}
+
+class Verifier {
+ public:
+  Verifier(const Plan& plan, const TrainerLayout& trainer, const EngineLayout& engine)
+      : plan_(plan), trainer_(trainer), engine_(engine) {}
+
+  void check_source(const Copy& c) {
+    auto& pieces = pieces_[{c.src_rank, c.src_param}];
+    const LoadSpec& spec = trainer_.params.at(static_cast<size_t>(c.src_param));
+    if (pieces.empty()) pieces = local_pieces(spec, trainer_.mesh, c.src_rank);
+    const std::string& key = plan_.keys().at(static_cast<size_t>(c.key)).name;
+    for (const Piece& p : pieces) {
+      if (spec.hf_keys[static_cast<size_t>(p.key)] != key || !p.hf_box.contains(c.hf_box)) continue;
+      Box local = c.hf_box.relative_to(p.hf_box);
+      for (size_t d = 0; d < local.rank(); ++d) local.offsets[d] += p.local_box.offsets[d];
+      if (local == c.src_box) return;
+    }
+    fail(Errc::internal, "plan: trainer rank ", c.src_rank, " param '", spec.name,
+         "' holds no piece with ", box_str(c.hf_box), " of '", key, "' at local ",
+         box_str(c.src_box));
+  }
+
+  // Checks the destination and records the box for the cover check.
+  void check_destination(const Copy& c, int engine_rank) {
+    const EngineRankLayout& rank = engine_.rank_layout(engine_rank);
+    const EngineParam& param = rank.params.at(static_cast<size_t>(c.dst_param));
+    const std::string& key = plan_.keys()[static_cast<size_t>(c.key)].name;
+    bool found = false;
+    for (const Segment& s : param.segments)
+      found = found || (s.hf_key == key && s.hf_box.contains(c.hf_box) &&
+                        s.transpose == c.transpose && param_box_of(s, c.hf_box) == c.dst_box);
+    if (!found)
+      fail(Errc::internal, "plan: engine rank ", engine_rank, " param '", param.name,
+           "' has no segment taking ", box_str(c.hf_box), " of '", key, "' to ",
+           box_str(c.dst_box));
+    written_[{engine_rank, c.dst_param}].push_back(c.dst_box);
+  }
+
+  // Every (rank, param) written exactly once where its segments say.
+  void check_cover(int first_rank, int last_rank) {
+    for (int g = first_rank; g < last_rank; ++g) {
+      const EngineRankLayout& rank = engine_.rank_layout(g);
+      for (size_t q = 0; q < rank.params.size(); ++q) {
+        int64_t want = 0;
+        for (const Segment& s : rank.params[q].segments) want += s.hf_box.numel();
+        auto it = written_.find({g, static_cast<int>(q)});
+        std::vector<Box> none;
+        check_disjoint_sum(it == written_.end() ? none : it->second, want,
+                           cat("engine rank ", g, " param '", rank.params[q].name, "'"));
+      }
+    }
+  }
+
+  static void check_disjoint_sum(std::vector<Box>& boxes, int64_t want, const std::string& what) {
+    std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) {
+      return a.offsets != b.offsets ? a.offsets < b.offsets : a.lengths < b.lengths;
+    });
+    int64_t sum = 0;
+    for (size_t i = 0; i < boxes.size(); ++i) {
+      sum += boxes[i].numel();
+      for (size_t j = i + 1; j < boxes.size() && boxes[j].offsets[0] < boxes[i].end(0); ++j)
+        if (intersect(boxes[i], boxes[j]))
+          fail(Errc::internal, "plan: ", what, ": ", box_str(boxes[i]), " and ", box_str(boxes[j]),
+               " are written twice");
+    }
+    if (sum != want)
+      fail(Errc::internal, "plan: ", what, " gets ", sum, " elements, expected ", want);
+  }
+
+  // Item byte ranges inside each bucket: in bounds and disjoint.
+  void check_bucket(const Bucket& b) {
+    if (b.bytes > plan_.options().bucket_bytes)
+      fail(Errc::internal, "plan: bucket ", b.id, " holds ", b.bytes, " bytes > bucket_bytes ",
+           plan_.options().bucket_bytes);
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    int64_t sum = 0;
+    for (const PlanItem& item : plan_.items(b.id)) {
+      const Copy c = plan_.resolve(item);
+      if (item.bucket != b.id || c.offset + c.bytes > b.bytes)
+        fail(Errc::internal, "plan: item of '", plan_.keys()[static_cast<size_t>(c.key)].name,
+             "' lies outside bucket ", b.id);
+      ranges.push_back({c.offset, c.offset + c.bytes});
+      sum += c.bytes;
+    }
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t i = 1; i < ranges.size(); ++i)
+      if (ranges[i].first < ranges[i - 1].second)
+        fail(Errc::internal, "plan: items overlap in bucket ", b.id);
+    if (sum != b.bytes)
+      fail(Errc::internal, "plan: bucket ", b.id, " says ", b.bytes, " bytes, items hold ", sum);
+  }
+
+  int64_t rank_param_bytes(int g) const {
+    int64_t bytes = 0;
+    for (const EngineParam& p : engine_.rank_layout(g).params)
+      for (const Segment& s : p.segments)
+        bytes += s.hf_box.numel() * static_cast<int64_t>(itemsize(p.dtype));
+    return bytes;
+  }
+
+  std::map<std::pair<int, int>, std::vector<Box>> written_;
+
+ private:
+  const Plan& plan_;
+  const TrainerLayout& trainer_;
+  const EngineLayout& engine_;
+  std::map<std::pair<int, int>, std::vector<Piece>> pieces_;
+};
+
+void verify_p2p(const Plan& plan, Verifier& v, const EngineLayout& engine) {
+  std::vector<int64_t> sent(static_cast<size_t>(plan.trainer_world()), 0);
+  for (const Bucket& b : plan.buckets()) {
+    v.check_bucket(b);
+    for (const PlanItem& item : plan.items(b.id)) {
+      const Copy c = plan.resolve(item);
+      if (c.src_rank != b.src_rank || c.dst_rank != b.dst_rank)
+        fail(Errc::internal, "plan: item of bucket ", b.id, " on another link");
+      v.check_source(c);
+      v.check_destination(c, c.dst_rank);
+    }
+    sent[static_cast<size_t>(b.src_rank)] += b.bytes;
+  }
+  v.check_cover(0, engine.world());
+  for (int g = 0; g < engine.world(); ++g)
+    if (plan.stats().bytes_per_engine_rank.at(static_cast<size_t>(g)) != v.rank_param_bytes(g))
+      fail(Errc::internal, "plan: engine rank ", g, " receives ",
+           plan.stats().bytes_per_engine_rank[static_cast<size_t>(g)], " bytes, its params hold ",
+           v.rank_param_bytes(g));
+  if (sent != plan.stats().bytes_per_trainer_rank)
+    fail(Errc::internal, "plan: bytes per trainer rank disagree with the buckets");
+}
+
+void verify_broadcast(const Plan& plan, Verifier& v, const EngineLayout& engine) {
+  std::map<int, std::vector<Box>> gathered;  // key -> HF boxes
+  int64_t model = 0;
+  for (const Bucket& b : plan.buckets()) {
+    v.check_bucket(b);
+    for (const PlanItem& item : plan.items(b.id)) {
+      const Copy c = plan.resolve(item);
+      v.check_source(c);
+      gathered[c.key].push_back(c.hf_box);
+    }
+    const int tp = engine.config.tp;
+    for (int r = 0; r < tp; ++r)
+      for (const ApplyItem& a : plan.apply_items(b.id, r)) {
+        const Copy c = plan.resolve(a, r);
+        if (!c.view_box.contains(c.hf_box) || plan.items()[a.item].bucket != b.id)
+          fail(Errc::internal, "plan: apply item of bucket ", b.id, " reads outside its view");
+        v.check_destination(c, r);
+      }
+    model += b.bytes;
+  }
+  for (auto& [key, boxes] : gathered)
+    Verifier::check_disjoint_sum(boxes, numel(plan.keys()[static_cast<size_t>(key)].shape),
+                                 cat("HF key '", plan.keys()[static_cast<size_t>(key)].name, "'"));
+  v.check_cover(0, engine.config.tp);
+  for (int64_t got : plan.stats().bytes_per_engine_rank)
+    if (got != model)
+      fail(Errc::internal, "plan: an engine rank receives ", got, " bytes, the model is ", model);
+}
+
+}  // namespace
+
+void verify_plan(const Plan& plan, const TrainerLayout& trainer, const EngineLayout& engine) {
+  if (plan.trainer_world() != trainer.mesh.world() || plan.engine_world() != engine.world())
+    fail(Errc::internal, "plan: made for ", plan.trainer_world(), " trainer and ",
+         plan.engine_world(), " engine ranks, layouts have ", trainer.mesh.world(), " and ",
+         engine.world());
+  Verifier v(plan, trainer, engine);
+  if (plan.mode() == PlanMode::p2p)
+    verify_p2p(plan, v, engine);
+  else
+    verify_broadcast(plan, v, engine);
+  if (plan.stats().lower_bound_s > plan.stats().predicted_s * (1 + 1e-9))
+    fail(Errc::internal, "plan: lower bound ", plan.stats().lower_bound_s, " s above predicted ",
+         plan.stats().predicted_s, " s");
+}
+
+}  // namespace weightsync

@@ -1,0 +1,306 @@
+// The schedule and its cost model (docs/planner.md, "Cost model").
+//
+// Every NIC (and, between GPUs of one node, every GPU's NVLink port) is a
+// resource with a send side and a receive side (full duplex). A transfer holds
+// the send side of its source and the receive side of its destination for
+// latency + bytes / min(bandwidths): one transfer at a time per side, which is
+// what a schedule without incast achieves on real fabrics. p2p: greedy list
+// scheduling; a free receiver takes the pending bucket whose sender has the
+// most work left (longest-remaining-first keeps every sender busy to the end).
+#include "plan_builder.h"
+
+#include <weightsync/error.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <queue>
+
+namespace weightsync {
+namespace {
+
+struct Link {
+  int tx = 0, rx = 0;  // resource ids
+  double bw = 1, lat = 0;
+};
+
+// Resource ids for NICs and NVLink ports, and the link between two GPUs.
+class Fabric {
+ public:
+  Fabric(const Topology& topo, int trainer_world, int engine_world) : topo_(topo) {
+    for (int t = 0; t < trainer_world; ++t)
+      trainer_.push_back(
+          place(topo.trainer_node(t, trainer_world), topo.trainer_slot(t, trainer_world)));
+    for (int g = 0; g < engine_world; ++g)
+      engine_.push_back(
+          place(topo.engine_node(g, trainer_world), topo.engine_slot(g, trainer_world)));
+    bw_.resize(ids_.size());
+    lat_.resize(ids_.size());
+    for (const auto& [k, id] : ids_) {
+      const bool nic = std::get<0>(k) == 0;
+      bw_[static_cast<size_t>(id)] =
+          1e9 * (nic ? topo.nic_bandwidth_GBps : topo.nvlink_bandwidth_GBps);
+      lat_[static_cast<size_t>(id)] = 1e-6 * (nic ? topo.nic_latency_us : topo.nvlink_latency_us);
+    }
+  }
+  int resources() const { return static_cast<int>(ids_.size()); }
+  double bw(int res) const { return bw_[static_cast<size_t>(res)]; }
+  double lat(int res) const { return lat_[static_cast<size_t>(res)]; }
+  Link trainer_to_engine(int t, int g) const { return link(trainer_[t], engine_[g]); }
+  Link trainer_to_trainer(int a, int b) const { return link(trainer_[a], trainer_[b]); }
+  int engine_nic(int g) const { return engine_[static_cast<size_t>(g)].nic; }
+  int trainer_nic(int t) const { return trainer_[static_cast<size_t>(t)].nic; }
+
+ private:
+  struct Gpu {
+    int node = 0, nic = 0, nvlink = 0;
+  };
+  Gpu place(int node, int slot) {
+    return {node, id({0, node, slot / topo_.gpus_per_nic}), id({1, node, slot})};
+  }
+  int id(std::tuple<int, int, int> key) {
+    return ids_.emplace(key, static_cast<int>(ids_.size())).first->second;
+  }
+  Link link(const Gpu& a, const Gpu& b) const {
+    Link l;
+    if (a.node == b.node) {
+      l.tx = a.nvlink, l.rx = b.nvlink;
+    } else {
+      l.tx = a.nic, l.rx = b.nic;
+    }
+    l.bw = std::min(bw(l.tx), bw(l.rx));
+    l.lat = std::max(lat(l.tx), lat(l.rx));
+    return l;
+  }
+  const Topology& topo_;
+  std::map<std::tuple<int, int, int>, int> ids_;  // (0 nic | 1 nvlink, node, index)
+  std::vector<Gpu> trainer_, engine_;
+  std::vector<double> bw_, lat_;
+};
+
+// Busiest side of any resource: its bytes over its bandwidth, plus one latency.
+double lower_bound(const Fabric& fabric, const std::vector<double>& tx_bytes,
+                   const std::vector<double>& rx_bytes) {
+  double lb = 0;
+  for (int r = 0; r < fabric.resources(); ++r) {
+    const size_t i = static_cast<size_t>(r);
+    for (double b : {tx_bytes[i], rx_bytes[i]})
+      if (b > 0) lb = std::max(lb, fabric.lat(r) + b / fabric.bw(r));
+  }
+  return lb;
+}
+
+struct Job {
+  int tx = 0, rx = 0;
+  double dur = 0;
+};
+
+// Greedy list scheduling of p2p jobs; returns each job's start time.
+class ListScheduler {
+ public:
+  ListScheduler(const std::vector<Job>& jobs, int resources)
+      : jobs_(jobs),
+        start_(jobs.size(), 0),
+        by_tx_(resources),
+        by_rx_(resources),
+        pos_tx_(jobs.size()),
+        pos_rx_(jobs.size()),
+        tx_left_(resources, 0),
+        rx_left_(resources, 0),
+        tx_busy_(resources, false),
+        rx_busy_(resources, false) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const Job& job = jobs[j];
+      pos_tx_[j] = by_tx_[job.tx].size(), by_tx_[job.tx].push_back(static_cast<int32_t>(j));
+      pos_rx_[j] = by_rx_[job.rx].size(), by_rx_[job.rx].push_back(static_cast<int32_t>(j));
+      tx_left_[job.tx] += job.dur;
+      rx_left_[job.rx] += job.dur;
+    }
+  }
+
+  std::vector<double> run() {
+    const int n = static_cast<int>(by_rx_.size());
+    for (int r = 0; r < n; ++r) try_rx(r, 0);
+    for (int t = 0; t < n; ++t) try_tx(t, 0);
+    while (!events_.empty()) {
+      const double now = events_.top().first;
+      std::vector<int> freed;
+      while (!events_.empty() && events_.top().first == now) {
+        freed.push_back(events_.top().second);
+        events_.pop();
+      }
+      for (int j : freed) tx_busy_[jobs_[j].tx] = false, rx_busy_[jobs_[j].rx] = false;
+      for (int j : freed) try_rx(jobs_[j].rx, now);
+      for (int j : freed) try_tx(jobs_[j].tx, now);
+    }
+    return start_;
+  }
+
+ private:
+  // Among a side's pending jobs whose other side is free, the one whose other
+  // side has the most work left (ties: the lowest job id).
+  template <class Other>
+  int32_t pick(const std::vector<int32_t>& pending, Other other) const {
+    int32_t best = -1;
+    double best_left = -1;
+    for (int32_t j : pending) {
+      auto [busy, left] = other(jobs_[j]);
+      if (busy) continue;
+      if (left > best_left || (left == best_left && j < best)) best = j, best_left = left;
+    }
+    return best;
+  }
+  void try_rx(int r, double now) {
+    if (rx_busy_[r] || by_rx_[r].empty()) return;
+    int32_t j = pick(by_rx_[r], [&](const Job& job) {
+      return std::pair<bool, double>(tx_busy_[job.tx], tx_left_[job.tx]);
+    });
+    if (j >= 0) start(j, now);
+  }
+  void try_tx(int t, double now) {
+    if (tx_busy_[t] || by_tx_[t].empty()) return;
+    int32_t j = pick(by_tx_[t], [&](const Job& job) {
+      return std::pair<bool, double>(rx_busy_[job.rx], rx_left_[job.rx]);
+    });
+    if (j >= 0) start(j, now);
+  }
+  static void remove(std::vector<int32_t>& v, std::vector<size_t>& pos, int32_t j) {
+    const size_t p = pos[j];
+    v[p] = v.back();
+    pos[v[p]] = p;
+    v.pop_back();
+  }
+  void start(int32_t j, double now) {
+    const Job& job = jobs_[j];
+    remove(by_tx_[job.tx], pos_tx_, j);
+    remove(by_rx_[job.rx], pos_rx_, j);
+    tx_busy_[job.tx] = rx_busy_[job.rx] = true;
+    tx_left_[job.tx] -= job.dur;
+    rx_left_[job.rx] -= job.dur;
+    start_[j] = now;
+    events_.push({now + job.dur, j});
+  }
+
+  const std::vector<Job>& jobs_;
+  std::vector<double> start_;
+  std::vector<std::vector<int32_t>> by_tx_, by_rx_;
+  std::vector<size_t> pos_tx_, pos_rx_;
+  std::vector<double> tx_left_, rx_left_;
+  std::vector<bool> tx_busy_, rx_busy_;
+  using Event = std::pair<double, int32_t>;
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
+};
+
+// Orders each rank's buckets by predicted start (ties: id).
+void order_by_start(const std::vector<Bucket>& buckets, std::vector<std::vector<int32_t>>& lists) {
+  for (auto& l : lists)
+    std::sort(l.begin(), l.end(), [&](int32_t a, int32_t b) {
+      const double sa = buckets[static_cast<size_t>(a)].start_s;
+      const double sb = buckets[static_cast<size_t>(b)].start_s;
+      return sa != sb ? sa < sb : a < b;
+    });
+}
+
+}  // namespace
+
+void PlanBuilder::schedule_p2p(Plan& plan, const Topology& topology) {
+  const Fabric fabric(topology, plan.trainer_world_, plan.engine_world_);
+  const size_t nres = static_cast<size_t>(fabric.resources());
+  std::vector<double> tx_bytes(nres, 0), rx_bytes(nres, 0);
+  std::vector<Job> jobs(plan.buckets_.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Bucket& b = plan.buckets_[i];
+    const Link l = fabric.trainer_to_engine(b.src_rank, b.dst_rank);
+    jobs[i] = {l.tx, l.rx, l.lat + static_cast<double>(b.bytes) / l.bw};
+    tx_bytes[static_cast<size_t>(l.tx)] += static_cast<double>(b.bytes);
+    rx_bytes[static_cast<size_t>(l.rx)] += static_cast<double>(b.bytes);
+  }
+  const std::vector<double> start = ListScheduler(jobs, fabric.resources()).run();
+  PlanStats& st = plan.stats_;
+  st.bytes_per_engine_rank.assign(static_cast<size_t>(plan.engine_world_), 0);
+  st.bytes_per_trainer_rank.assign(static_cast<size_t>(plan.trainer_world_), 0);
+  plan.sent_by_.assign(static_cast<size_t>(plan.trainer_world_), {});
+  plan.recv_by_.assign(static_cast<size_t>(plan.engine_world_), {});
+  st.predicted_s = 0;
+  st.bytes_total = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    Bucket& b = plan.buckets_[i];
+    b.start_s = start[i];
+    b.end_s = start[i] + jobs[i].dur;
+    st.predicted_s = std::max(st.predicted_s, b.end_s);
+    st.bytes_per_engine_rank[static_cast<size_t>(b.dst_rank)] += b.bytes;
+    st.bytes_per_trainer_rank[static_cast<size_t>(b.src_rank)] += b.bytes;
+    st.bytes_total += b.bytes;
+    plan.sent_by_[static_cast<size_t>(b.src_rank)].push_back(b.id);
+    plan.recv_by_[static_cast<size_t>(b.dst_rank)].push_back(b.id);
+  }
+  order_by_start(plan.buckets_, plan.sent_by_);
+  order_by_start(plan.buckets_, plan.recv_by_);
+  for (const auto& l : plan.sent_by_)
+    for (size_t k = 0; k < l.size(); ++k) {
+      plan.buckets_[static_cast<size_t>(l[k])].send_seq = static_cast<int32_t>(k);
+      plan.buckets_[static_cast<size_t>(l[k])].slot = static_cast<uint8_t>(k % 2);
+    }
+  for (const auto& l : plan.recv_by_)
+    for (size_t k = 0; k < l.size(); ++k)
+      plan.buckets_[static_cast<size_t>(l[k])].recv_seq = static_cast<int32_t>(k);
+  st.lower_bound_s = lower_bound(fabric, tx_bytes, rx_bytes);
+}
+
+void PlanBuilder::schedule_broadcast(Plan& plan, const Topology& topology) {
+  const Fabric fabric(topology, plan.trainer_world_, plan.engine_world_);
+  const size_t nres = static_cast<size_t>(fabric.resources());
+  std::vector<double> tx_bytes(nres, 0), rx_bytes(nres, 0), tx_free(nres, 0), rx_free(nres, 0);
+  PlanStats& st = plan.stats_;
+  st.bytes_per_trainer_rank.assign(static_cast<size_t>(plan.trainer_world_), 0);
+  plan.sent_by_.assign(static_cast<size_t>(plan.trainer_world_), {});
+  std::vector<int32_t> all;
+  double engines_free = 0;
+  int64_t model_bytes = 0;
+  for (Bucket& b : plan.buckets_) {
+    // Double buffering: bucket k reuses the root-side buffer of bucket k-2.
+    const double gate = b.id >= 2 ? plan.buckets_[static_cast<size_t>(b.id - 2)].end_s : 0;
+    double gathered = gate;
+    for (const GatherPart& part : plan.gather_parts(b.id)) {
+      if (part.src_rank == b.src_rank) continue;  // the root's own data: a local copy
+      const Link l = fabric.trainer_to_trainer(part.src_rank, b.src_rank);
+      const size_t tx = static_cast<size_t>(l.tx), rx = static_cast<size_t>(l.rx);
+      const double s = std::max({tx_free[tx], rx_free[rx], gate});
+      tx_free[tx] = rx_free[rx] = s + l.lat + static_cast<double>(part.bytes) / l.bw;
+      gathered = std::max(gathered, tx_free[tx]);
+      tx_bytes[tx] += static_cast<double>(part.bytes);
+      rx_bytes[rx] += static_cast<double>(part.bytes);
+      st.bytes_per_trainer_rank[static_cast<size_t>(part.src_rank)] += part.bytes;
+    }
+    // The broadcast streams through every engine rank (a pipelined chain or
+    // tree): the root's link and every engine link carry the bucket once.
+    const Link l = fabric.trainer_to_engine(b.src_rank, 0);
+    const size_t tx = static_cast<size_t>(l.tx);
+    b.start_s = std::max({gathered, tx_free[tx], engines_free});
+    b.end_s = b.start_s + l.lat + static_cast<double>(b.bytes) / l.bw;
+    tx_free[tx] = engines_free = b.end_s;
+    tx_bytes[tx] += static_cast<double>(b.bytes);
+    st.bytes_per_trainer_rank[static_cast<size_t>(b.src_rank)] += b.bytes;
+    model_bytes += b.bytes;
+    plan.sent_by_[static_cast<size_t>(b.src_rank)].push_back(b.id);
+    all.push_back(b.id);
+  }
+  for (int g = 0; g < plan.engine_world_; ++g)
+    rx_bytes[static_cast<size_t>(fabric.engine_nic(g))] = static_cast<double>(model_bytes);
+  st.bytes_per_engine_rank.assign(static_cast<size_t>(plan.engine_world_), model_bytes);
+  st.bytes_total = model_bytes * plan.engine_world_;
+  plan.recv_by_.assign(static_cast<size_t>(plan.engine_world_), all);
+  for (const auto& l : plan.sent_by_)
+    for (size_t k = 0; k < l.size(); ++k) {
+      plan.buckets_[static_cast<size_t>(l[k])].send_seq = static_cast<int32_t>(k);
+      plan.buckets_[static_cast<size_t>(l[k])].slot = static_cast<uint8_t>(k % 2);
+    }
+  for (Bucket& b : plan.buckets_) b.recv_seq = b.id;
+  // The last bucket still has to reach the far end of the tree.
+  const double hops = std::ceil(std::log2(static_cast<double>(plan.engine_world_) + 1));
+  st.predicted_s = (plan.buckets_.empty() ? 0 : plan.buckets_.back().end_s) +
+                   hops * 1e-6 * topology.nic_latency_us;
+  st.lower_bound_s = lower_bound(fabric, tx_bytes, rx_bytes);
+}
+
+}  // namespace weightsync
