@@ -15,6 +15,9 @@ namespace weightsync {
 // `hf_box` of the HF tensor `hf_key` lands in `param_box` of the parameter.
 // With `transpose`, the last two dims are swapped: param_box.lengths is
 // hf_box.lengths with its last two entries exchanged.
+// param_box may have MORE dims than hf_box: the extra dims lead and have
+// length 1 (an expert's slot j in a fused [E_local, ...] parameter), e.g.
+// hf_box [0:32, 0:64] of experts.5.gate_proj -> param_box [2:3, 0:32, 0:64].
 struct Segment {
   std::string hf_key;
   Box hf_box;
@@ -72,6 +75,43 @@ EngineLayout make_engine_layout(const EngineConfig& config);
 // Checks that the segments of every parameter write each element at most once,
 // stay inside the parameter and the HF tensor shapes, and that every element
 // is either written or padding; throws Errc::invalid_layout naming the param.
+// Also checks that, over the replica's ranks, every HF tensor the layout uses
+// is covered whole (box arithmetic, no per-element bitmaps).
 void check_coverage(const EngineLayout& layout);
+
+// The sub-box of s.hf_box that lands in `param_sub` (a sub-box of
+// s.param_box), in HF coordinates; and the reverse. They handle transpose and
+// the leading length-1 expert dims.
+Box segment_hf_sub_box(const Segment& s, const Box& param_sub);
+Box segment_param_sub_box(const Segment& s, const Box& hf_sub);
+
+// The global expert ids held by replica rank `rank`, in local order (local
+// slot j holds expert result[j]); every expert when expert_parallel is off.
+std::vector<int64_t> local_experts(const EngineConfig& config, int rank);
+
+// Rows of a vocab-parallel tensor after padding to a multiple of 64.
+int64_t padded_vocab(int64_t vocab_size);
+
+class Checkpoint;
+
+// Checks that `checkpoint` holds every HF tensor that replica rank `rank`
+// reads, with the shape the model config implies and the engine's dtype (no
+// conversion): Errc::not_found naming a missing key; Errc::mismatch naming
+// the key and both shapes or both dtypes.
+void check_checkpoint(const Checkpoint& checkpoint, const EngineLayout& layout, int rank);
+
+// Fills `param` (contiguous row-major, param.shape, param.dtype) into `dst`
+// straight from the checkpoint; padding elements become zero. Checks each
+// key's dtype and that its boxes fit (Errc::not_found / Errc::mismatch).
+void fill_param(const Checkpoint& checkpoint, const EngineParam& param, void* dst);
+
+// Writes engine rank `rank`'s parameters (under the engine's names, in layout
+// order) to the .safetensors file `out_path`, after check_checkpoint.
+// `rank` may be any global rank 0..world()-1: replicas are identical, so it
+// is reduced modulo tp; anything else is Errc::invalid_argument. Streams:
+// contiguous runs go from the checkpoint's mapping straight to the file, the
+// rest through one reusable buffer. Returns the bytes of the data section.
+uint64_t materialize(const Checkpoint& checkpoint, const EngineLayout& layout, int rank,
+                     const std::string& out_path);
 
 }  // namespace weightsync
