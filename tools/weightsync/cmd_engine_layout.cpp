@@ -1,0 +1,93 @@
+// `weightsync engine-layout`: what each engine rank holds, under the engine's
+// names, derived from an engine config (and checked with check_coverage).
+#include "cli.h"
+
+#include <weightsync/engine_layout.h>
+#include <weightsync/error.h>
+
+#include <cstdio>
+#include <iostream>
+
+namespace weightsync::cli {
+namespace {
+
+const char* kUsage =
+    "usage: weightsync engine-layout --engine E.json [--rank R] [--json]\n\n"
+    "Derives the engine's parameters per rank (vLLM / SGLang weight-loader rules)\n"
+    "and checks that the segments cover every parameter exactly once.\n"
+    "  --engine E.json  engine config (framework, hf_config, tp, expert_parallel, ...)\n"
+    "  --rank R         only replica rank R (0..tp-1; a global rank is reduced mod tp)\n"
+    "  --json           the full layout with every segment, as JSON\n"
+    "Default output: per rank, each parameter's dtype, shape, segment count and bytes.\n";
+
+nlohmann::json box_json(const Box& b) {
+  return {{"offsets", b.offsets}, {"lengths", b.lengths}};
+}
+
+nlohmann::json rank_json(const EngineRankLayout& rank) {
+  nlohmann::json params = nlohmann::json::array();
+  for (const auto& p : rank.params) {
+    nlohmann::json segs = nlohmann::json::array();
+    for (const auto& s : p.segments)
+      segs.push_back({{"hf_key", s.hf_key},
+                      {"hf_box", box_json(s.hf_box)},
+                      {"param_box", box_json(s.param_box)},
+                      {"transpose", s.transpose}});
+    params.push_back({{"name", p.name},
+                      {"dtype", std::string(dtype_name(p.dtype))},
+                      {"shape", p.shape},
+                      {"segments", std::move(segs)}});
+  }
+  return {{"rank", rank.rank}, {"params", std::move(params)}};
+}
+
+void print_rank(const EngineRankLayout& rank) {
+  uint64_t total = 0;
+  std::printf("rank %d: %zu params\n", rank.rank, rank.params.size());
+  std::printf("  %-58s %-5s %-22s %5s %14s\n", "param", "dtype", "shape", "segs", "bytes");
+  for (const auto& p : rank.params) {
+    const uint64_t bytes = static_cast<uint64_t>(numel(p.shape)) * itemsize(p.dtype);
+    total += bytes;
+    std::printf("  %-58s %-5s %-22s %5zu %14llu\n", p.name.c_str(),
+                std::string(dtype_name(p.dtype)).c_str(), shape_str(p.shape).c_str(),
+                p.segments.size(), static_cast<unsigned long long>(bytes));
+  }
+  std::printf("  total: %llu bytes (%.3f GiB)\n", static_cast<unsigned long long>(total),
+              static_cast<double>(total) / (1ull << 30));
+}
+
+int run(const std::vector<std::string>& argv) {
+  Args args(argv, {"json"}, {"engine", "rank"});
+  const EngineConfig config = EngineConfig::load(args.require("engine"));
+  const EngineLayout layout = make_engine_layout(config);
+  check_coverage(layout);
+  std::vector<const EngineRankLayout*> ranks;
+  if (args.has("rank")) {
+    const int64_t r = args.get_int("rank", 0);
+    if (r < 0 || r >= layout.world())
+      fail(Errc::invalid_argument, "--rank ", r, " is outside the engine's ", layout.world(),
+           " ranks");
+    ranks.push_back(&layout.rank_layout(static_cast<int>(r)));
+  } else {
+    for (const auto& r : layout.ranks) ranks.push_back(&r);
+  }
+  if (args.flag("json")) {
+    nlohmann::json out = {{"config", config.to_json()}, {"ranks", nlohmann::json::array()}};
+    for (const auto* r : ranks) out["ranks"].push_back(rank_json(*r));
+    std::cout << out.dump() << "\n";
+    return 0;
+  }
+  std::printf("%s %s (%s): tp=%d replicas=%d expert_parallel=%s", config.framework.c_str(),
+              config.hf.family.c_str(), config.hf.model_type.c_str(), config.tp, config.replicas,
+              config.expert_parallel ? "on" : "off");
+  if (config.expert_parallel) std::printf(" placement=%s", config.expert_placement.c_str());
+  std::printf(" moe_order=%s; coverage ok\n", config.moe_order.c_str());
+  for (const auto* r : ranks) print_rank(*r);
+  return 0;
+}
+
+const CommandRegistrar registrar{
+    {"engine-layout", "show an engine's per-rank parameters (vLLM/SGLang layouts)", kUsage, run}};
+
+}  // namespace
+}  // namespace weightsync::cli
