@@ -59,6 +59,8 @@ struct Piece {
   int key = 0;
   Box hf_box;
   Box local_box;
+
+  friend bool operator==(const Piece&, const Piece&) = default;
 };
 
 struct TrainerLayout {
