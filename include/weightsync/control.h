@@ -117,6 +117,7 @@ struct EngineFailure {
 struct StepResult {  // to trainers (and observers) once a step is decided
   int64_t step = 0;
   bool trainers_ok = false;           // false: every engine was told to abort
+  std::string reason;                 // why, when !trainers_ok
   std::vector<int> committed;         // engine ranks that committed, ascending
   std::vector<EngineFailure> failed;  // engine ranks that aborted, with reasons
 };

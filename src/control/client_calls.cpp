@@ -1,0 +1,196 @@
+// Client's blocking calls and the decoding of coordinator events.
+#include "client_impl.h"
+
+#include <algorithm>
+
+namespace weightsync::control {
+namespace {
+
+using wire::Json;
+using wire::Kind;
+
+// The coordinator enforces a wait's timeout itself and answers with
+// Errc::timeout; the local wait allows a little longer for that answer to
+// arrive, so the coordinator's more precise message is the one users see.
+Millis local_wait(Millis timeout, Millis slack) {
+  return timeout + std::min(slack, Millis(5000));
+}
+
+uint64_t as_ms(Millis m) {
+  return static_cast<uint64_t>(std::max<int64_t>(0, m.count()));
+}
+
+template <class F>
+auto with_context(const std::string& what, F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    if (e.code() == Errc::timeout || e.code() == Errc::protocol ||
+        e.code() == Errc::invalid_argument || e.code() == Errc::mismatch)
+      fail(e.code(), what, ": ", e.what());
+    throw;
+  }
+}
+
+}  // namespace
+
+std::vector<Member> Client::members() {
+  const Json r =
+      impl_->request(wire::make(Kind::members), impl_->options.request_timeout, "members");
+  return wire::members_from_json(r.at("members"));
+}
+
+void Client::set(const std::string& key, const std::vector<uint8_t>& value) {
+  Json m = wire::make(Kind::kv_set);
+  m["key"] = key;
+  m["value"] = wire::base64_encode(value);
+  with_context(cat("store set '", key, "'"),
+               [&] { return impl_->request(m, impl_->options.request_timeout, "kv_set"); });
+}
+
+std::vector<uint8_t> Client::get(const std::string& key, Millis timeout) {
+  Json m = wire::make(Kind::kv_get);
+  m["key"] = key;
+  m["timeout_ms"] = as_ms(timeout);
+  const Json r = with_context(cat("store get '", key, "' (timeout ", timeout.count(), " ms)"), [&] {
+    return impl_->request(m, local_wait(timeout, impl_->options.request_timeout), "kv_get");
+  });
+  return wire::get_bytes(r, "value");
+}
+
+void Client::barrier(const std::string& name, int count, Millis timeout) {
+  Json m = wire::make(Kind::barrier);
+  m["name"] = name;
+  m["count"] = count;
+  m["timeout_ms"] = as_ms(timeout);
+  with_context(
+      cat("barrier '", name, "' (", count, " members, timeout ", timeout.count(), " ms)"), [&] {
+        return impl_->request(m, local_wait(timeout, impl_->options.request_timeout), "barrier");
+      });
+}
+
+std::vector<Member> Client::wait_members(int trainers, int engines, Millis timeout) {
+  Json m = wire::make(Kind::wait_members);
+  m["trainers"] = trainers;
+  m["engines"] = engines;
+  m["timeout_ms"] = as_ms(timeout);
+  const Json r =
+      with_context(cat("wait_members (", trainers, " trainers, ", engines, " engines, timeout ",
+                       timeout.count(), " ms)"),
+                   [&] {
+                     return impl_->request(m, local_wait(timeout, impl_->options.request_timeout),
+                                           "wait_members");
+                   });
+  return wire::members_from_json(r.at("members"));
+}
+
+void Client::put_plan(const std::string& plan_id, const std::vector<uint8_t>& blob) {
+  Json m = wire::make(Kind::plan_put);
+  m["plan_id"] = plan_id;
+  m["blob"] = wire::base64_encode(blob);
+  with_context(cat("put_plan '", plan_id, "'"),
+               [&] { return impl_->request(m, impl_->options.request_timeout, "plan_put"); });
+}
+
+std::vector<uint8_t> Client::get_plan(const std::string& plan_id, Millis timeout) {
+  Json m = wire::make(Kind::plan_get);
+  m["plan_id"] = plan_id;
+  m["timeout_ms"] = as_ms(timeout);
+  const Json r =
+      with_context(cat("get_plan '", plan_id, "' (timeout ", timeout.count(), " ms)"), [&] {
+        return impl_->request(m, local_wait(timeout, impl_->options.request_timeout), "plan_get");
+      });
+  return wire::get_bytes(r, "value");
+}
+
+void Client::begin_step(int64_t step, const std::string& plan_id) {
+  Json m = wire::make(Kind::begin_step);
+  m["step"] = step;
+  m["plan_id"] = plan_id;
+  impl_->request(m, impl_->options.request_timeout, cat("begin_step ", step));
+}
+
+void Client::sent(int64_t step, bool ok, const std::string& error) {
+  Json m = wire::make(Kind::sent);
+  m["step"] = step;
+  m["ok"] = ok;
+  if (!error.empty()) m["error"] = error;
+  impl_->request(m, impl_->options.request_timeout, cat("sent for step ", step));
+}
+
+void Client::ack(const StepAck& a) {
+  Json m = wire::make(Kind::ack);
+  m["step"] = a.step;
+  m["ok"] = a.ok;
+  m["bytes"] = a.bytes;
+  // A decimal string keeps all 64 bits for JSON readers that use doubles.
+  m["checksum"] = std::to_string(a.checksum);
+  if (!a.error.empty()) m["error"] = a.error;
+  impl_->request(m, impl_->options.request_timeout, cat("ack for step ", a.step));
+}
+
+int64_t Client::committed_version(int engine_rank) {
+  Json m = wire::make(Kind::version);
+  m["engine_rank"] = engine_rank;
+  const Json r = impl_->request(m, impl_->options.request_timeout,
+                                cat("committed_version of engine rank ", engine_rank));
+  return r.at("version").get<int64_t>();
+}
+
+std::optional<Event> Client::poll_event() {
+  std::lock_guard lock(impl_->mu);
+  if (impl_->events.empty()) return std::nullopt;
+  Event e = std::move(impl_->events.front());
+  impl_->events.pop_front();
+  if (auto* r = std::get_if<StepResult>(&e)) impl_->results.erase(r->step);
+  return e;
+}
+
+Event Client::wait_event(Millis timeout) {
+  {
+    std::unique_lock lock(impl_->mu);
+    impl_->cv.wait_for(lock, timeout, [&] { return !impl_->events.empty() || !impl_->connected; });
+    if (impl_->events.empty()) {
+      if (!impl_->connected) throw impl_->lost_error();
+      fail(Errc::timeout, "no control event from the coordinator ", impl_->options.address,
+           " within ", timeout.count(), " ms");
+    }
+  }
+  return *poll_event();
+}
+
+StepResult Client::wait_step_result(int64_t step, Millis timeout) {
+  std::unique_lock lock(impl_->mu);
+  impl_->cv.wait_for(lock, timeout,
+                     [&] { return impl_->results.count(step) || !impl_->connected; });
+  auto it = impl_->results.find(step);
+  if (it == impl_->results.end()) {
+    if (!impl_->connected) throw impl_->lost_error();
+    fail(Errc::timeout, "no step_result for step ", step, " from the coordinator ",
+         impl_->options.address, " within ", timeout.count(), " ms");
+  }
+  StepResult r = std::move(it->second);
+  impl_->results.erase(it);
+  std::erase_if(impl_->events, [&](const Event& e) {
+    const auto* q = std::get_if<StepResult>(&e);
+    return q && q->step == step;
+  });
+  return r;
+}
+
+void Client::leave() {
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->left || !impl_->connected) return;
+    impl_->left = true;
+  }
+  impl_->request(wire::make(Kind::leave), impl_->options.request_timeout, "leave");
+  {
+    std::lock_guard lock(impl_->mu);
+    impl_->connected = false;
+    impl_->lost_reason = "this client left";
+  }
+  asio::post(impl_->io, [impl = impl_.get()] { impl->close_on_io(); });
+}
+
+}  // namespace weightsync::control

@@ -1,0 +1,71 @@
+// Client internals shared by client.cpp (connection, I/O thread) and
+// client_calls.cpp (the blocking calls and event decoding).
+#pragma once
+
+#include "protocol.h"
+
+#include <boost/asio.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+namespace weightsync::control {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+
+inline constexpr size_t kClientReadChunk = 64 * 1024;
+
+struct Client::Impl {
+  struct Pending {
+    bool done = false;
+    wire::Json reply;
+    std::optional<Error> error;
+  };
+
+  explicit Impl(ClientOptions opts) : options(std::move(opts)), decoder(options.max_frame_bytes) {}
+
+  void connect();
+  void start_io();
+  void read();
+  void on_payload(const std::string& payload);
+  void enqueue(std::string frame);
+  void write();
+  void schedule_heartbeat();
+  void lost(std::optional<Error> why);
+  wire::Json request(wire::Json message, Millis wait, const std::string& what);
+  void close_on_io();
+  Error lost_error() const;
+
+  ClientOptions options;
+  asio::io_context io;
+  tcp::socket socket{io};
+  asio::steady_timer heartbeat{io};
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+  std::thread thread;
+  // io thread only
+  wire::FrameDecoder decoder;
+  std::array<uint8_t, kClientReadChunk> buffer{};
+  std::deque<std::string> out;
+  bool writing = false;
+  bool closed = false;
+  // shared, under mu
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, std::shared_ptr<Pending>> pending;
+  uint64_t next_id = 1;
+  std::deque<Event> events;
+  std::map<int64_t, StepResult> results;
+  bool connected = false;
+  bool left = false;
+  std::optional<Error> closed_because;  // the coordinator's final error frame, if any
+  std::string lost_reason;
+  Member self;
+  std::vector<Member> at_join;
+};
+
+}  // namespace weightsync::control

@@ -1,0 +1,126 @@
+// The coordinator's bookkeeping, apart from any socket: connections, members,
+// the key/value store, waiters (kv_get, barrier, wait_members), and the step
+// protocol. It runs on one thread (the coordinator's io_context); the I/O
+// layer feeds it validated messages and deadlines and carries out the sends
+// and closes it asks for through Outbox.
+#pragma once
+
+#include "protocol.h"
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace weightsync::control {
+
+using Clock = std::chrono::steady_clock;
+using ConnId = uint64_t;
+
+class Outbox {
+ public:
+  virtual ~Outbox() = default;
+  virtual void send(ConnId conn, const wire::Json& message) = 0;
+  // Closes `conn` once what is queued for it is written; with `code`, after
+  // a final error frame carrying `message`. The state has already forgotten
+  // the connection when it calls this.
+  virtual void close(ConnId conn, std::optional<Errc> code, const std::string& message) = 0;
+};
+
+class CoordinatorState {
+ public:
+  CoordinatorState(const CoordinatorOptions& options, Outbox& outbox);
+
+  void on_connect(ConnId conn, Clock::time_point now);
+  // Handles one validated message. Throws Error for a violation that must
+  // close the connection (the caller sends the error frame and closes, then
+  // calls on_disconnect); request-level failures are answered with error
+  // replies instead.
+  void on_message(ConnId conn, const wire::Message& message, Clock::time_point now);
+  void on_disconnect(ConnId conn, const std::string& reason);
+  // Expires hello, heartbeat, waiter and step deadlines.
+  void on_tick(Clock::time_point now);
+
+  std::vector<Member> members() const;
+  int64_t committed_version(int engine_rank) const;
+
+ private:
+  struct Conn {
+    Clock::time_point opened;
+    Clock::time_point last_seen;
+    bool registered = false;
+    Member member;
+  };
+  struct Waiter {
+    ConnId conn;
+    uint64_t request;
+    Clock::time_point deadline;
+  };
+  struct MemberWaiter : Waiter {
+    int trainers;
+    int engines;
+  };
+  struct Barrier {
+    int count = 0;
+    std::vector<Waiter> arrived;
+  };
+  enum class Outcome { pending, ok, failed };
+  struct Participant {
+    ConnId conn;
+    Member member;
+    Outcome outcome = Outcome::pending;
+    std::string reason;
+  };
+  struct OpenStep {
+    int64_t step = 0;
+    std::string plan_id;
+    Clock::time_point deadline;
+    std::map<uint64_t, Participant> trainers;  // by member id
+    std::map<uint64_t, Participant> engines;
+  };
+
+  // Membership.
+  void handle_hello(ConnId conn, Conn& c, const wire::Json& body);
+  void drop(ConnId conn, const std::string& reason);
+  std::vector<ConnId> registered_conns(std::optional<Role> role = std::nullopt) const;
+  wire::Json members_json() const;
+  bool members_satisfy(int trainers, int engines) const;
+
+  // Requests of registered members.
+  void handle_request(ConnId conn, Conn& c, const wire::Message& m, Clock::time_point now);
+  void kv_set(ConnId conn, uint64_t id, const std::string& key, std::vector<uint8_t> value,
+              size_t limit);
+  void kv_get(ConnId conn, uint64_t id, const std::string& key, Clock::time_point deadline);
+  void barrier(ConnId conn, uint64_t id, const wire::Json& body, Clock::time_point now);
+
+  // Steps.
+  void begin_step(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body,
+                  Clock::time_point now);
+  void record_sent(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
+  void record_ack(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
+  bool report_applies(ConnId conn, uint64_t id, int64_t step, const std::string& what);
+  void participant_lost(uint64_t member_id, const std::string& reason);
+  void try_decide();
+  void decide();
+
+  void reply(ConnId conn, uint64_t id, wire::Json fields = wire::Json::object());
+  void reply_error(ConnId conn, uint64_t id, Errc code, const std::string& message);
+  void expire_waiters(Clock::time_point now);
+
+  CoordinatorOptions options_;
+  Outbox& outbox_;
+  std::map<ConnId, Conn> conns_;
+  uint64_t next_member_id_ = 1;
+  std::map<std::string, std::vector<uint8_t>> store_;  // "k:" user keys, "p:" plan blobs
+  size_t store_bytes_ = 0;
+  std::multimap<std::string, Waiter> store_waiters_;
+  std::map<std::string, Barrier> barriers_;
+  std::vector<MemberWaiter> member_waiters_;
+  std::optional<OpenStep> open_step_;
+  std::optional<int64_t> last_decided_;
+  std::map<int, int64_t> versions_;  // engine rank -> committed step
+};
+
+}  // namespace weightsync::control

@@ -1,0 +1,202 @@
+// The step protocol of CoordinatorState: begin, sent, ack, and the decision.
+//
+// The participants of a step are the trainers and engines live when its first
+// begin_step arrives; members joining later wait for the next step. The step
+// is decided as soon as the outcome is known: at once when a trainer fails or
+// dies (every engine aborts), otherwise once every trainer reported sent ok
+// and no engine is still pending (acked, failed, died, or timed out).
+#include "coordinator_state.h"
+
+#include <algorithm>
+
+namespace weightsync::control {
+namespace {
+
+using wire::Json;
+using wire::Kind;
+
+std::string who(const Member& m) {
+  return cat(role_name(m.role), " rank ", m.rank);
+}
+
+}  // namespace
+
+void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const Json& body,
+                                  Clock::time_point now) {
+  const int64_t step = body.at("step").get<int64_t>();
+  const auto plan_id = body.at("plan_id").get<std::string>();
+  if (c.member.role != Role::trainer)
+    return reply_error(conn, id, Errc::protocol,
+                       cat("begin_step from ", who(c.member), ": only trainers begin steps"));
+  if (open_step_) {
+    OpenStep& s = *open_step_;
+    if (s.step != step)
+      return reply_error(conn, id, Errc::protocol,
+                         cat("begin_step ", step, " from ", who(c.member), ": step ", s.step,
+                             " is still open (wait for its step_result)"));
+    auto p = s.trainers.find(c.member.id);
+    if (p == s.trainers.end())
+      return reply_error(conn, id, Errc::protocol,
+                         cat(who(c.member), " joined after step ", step, " began"));
+    if (plan_id != s.plan_id) {
+      const std::string why = cat(who(c.member), " began step ", step, " with plan '", plan_id,
+                                  "' but the step uses plan '", s.plan_id, "'");
+      p->second.outcome = Outcome::failed;
+      p->second.reason = why;
+      reply_error(conn, id, Errc::mismatch, why);
+      return decide();
+    }
+    return reply(conn, id);
+  }
+  if (last_decided_ && step <= *last_decided_)
+    return reply_error(conn, id, Errc::protocol,
+                       cat("begin_step ", step, ": steps must increase (step ", *last_decided_,
+                           " was already decided)"));
+  OpenStep s;
+  s.step = step;
+  s.plan_id = plan_id;
+  s.deadline = now + options_.step_timeout;
+  for (const auto& [cid, other] : conns_) {
+    if (!other.registered) continue;
+    if (other.member.role == Role::trainer)
+      s.trainers[other.member.id] = {cid, other.member, Outcome::pending, {}};
+    if (other.member.role == Role::engine)
+      s.engines[other.member.id] = {cid, other.member, Outcome::pending, {}};
+  }
+  open_step_ = std::move(s);
+  reply(conn, id);
+  Json announce = wire::make(Kind::step_begin);
+  announce["step"] = step;
+  announce["plan_id"] = plan_id;
+  for (ConnId e : registered_conns(Role::engine)) outbox_.send(e, announce);
+  for (ConnId o : registered_conns(Role::observer)) outbox_.send(o, announce);
+}
+
+// Shared checks of sent and ack: true when the report should be recorded.
+// A report for a step already decided (e.g. aborted because a trainer died)
+// is acknowledged and ignored: the reporter learns the outcome from its event.
+bool CoordinatorState::report_applies(ConnId conn, uint64_t id, int64_t step,
+                                      const std::string& what) {
+  if (open_step_ && open_step_->step == step) return true;
+  if (last_decided_ && step <= *last_decided_)
+    reply(conn, id, Json{{"ignored", true}});
+  else
+    reply_error(conn, id, Errc::protocol,
+                cat(what, " for step ", step, ", but that step is not open"));
+  return false;
+}
+
+void CoordinatorState::record_sent(ConnId conn, const Conn& c, uint64_t id, const Json& body) {
+  const int64_t step = body.at("step").get<int64_t>();
+  if (c.member.role != Role::trainer)
+    return reply_error(conn, id, Errc::protocol,
+                       cat("sent from ", who(c.member), ": trainers only"));
+  if (!report_applies(conn, id, step, cat("sent from ", who(c.member)))) return;
+  auto p = open_step_->trainers.find(c.member.id);
+  if (p == open_step_->trainers.end())
+    return reply_error(conn, id, Errc::protocol,
+                       cat(who(c.member), " is not a participant of step ", step));
+  if (p->second.outcome == Outcome::pending) {
+    const bool ok = body.at("ok").get<bool>();
+    p->second.outcome = ok ? Outcome::ok : Outcome::failed;
+    if (!ok)
+      p->second.reason = cat(who(c.member), " reported failure: ", body.value("error", "(none)"));
+  }
+  reply(conn, id);
+  try_decide();
+}
+
+void CoordinatorState::record_ack(ConnId conn, const Conn& c, uint64_t id, const Json& body) {
+  const int64_t step = body.at("step").get<int64_t>();
+  if (c.member.role != Role::engine)
+    return reply_error(conn, id, Errc::protocol, cat("ack from ", who(c.member), ": engines only"));
+  if (!report_applies(conn, id, step, cat("ack from ", who(c.member)))) return;
+  auto p = open_step_->engines.find(c.member.id);
+  if (p == open_step_->engines.end())
+    return reply_error(conn, id, Errc::protocol,
+                       cat(who(c.member), " is not a participant of step ", step));
+  if (p->second.outcome == Outcome::pending) {
+    const bool ok = body.at("ok").get<bool>();
+    p->second.outcome = ok ? Outcome::ok : Outcome::failed;
+    if (!ok)
+      p->second.reason = cat(who(c.member), " failed: ", body.value("error", "(no reason given)"));
+  }
+  reply(conn, id);
+  try_decide();
+}
+
+void CoordinatorState::participant_lost(uint64_t member_id, const std::string& reason) {
+  if (!open_step_) return;
+  if (auto t = open_step_->trainers.find(member_id); t != open_step_->trainers.end()) {
+    t->second.outcome = Outcome::failed;
+    t->second.reason = reason;
+  }
+  // An engine that acked ok and then vanished cannot receive its commit, so
+  // it counts as failed as well.
+  if (auto e = open_step_->engines.find(member_id); e != open_step_->engines.end()) {
+    e->second.outcome = Outcome::failed;
+    e->second.reason = reason;
+  }
+  try_decide();
+}
+
+void CoordinatorState::try_decide() {
+  if (!open_step_) return;
+  bool trainers_done = true;
+  for (const auto& [id, p] : open_step_->trainers) {
+    if (p.outcome == Outcome::failed) return decide();
+    trainers_done &= p.outcome == Outcome::ok;
+  }
+  if (!trainers_done) return;
+  for (const auto& [id, p] : open_step_->engines)
+    if (p.outcome == Outcome::pending) return;
+  decide();
+}
+
+void CoordinatorState::decide() {
+  const OpenStep s = std::move(*open_step_);
+  open_step_.reset();
+  last_decided_ = s.step;
+  std::string trainer_failure;
+  for (const auto& [id, p] : s.trainers)
+    if (p.outcome != Outcome::ok && trainer_failure.empty())
+      trainer_failure = p.reason.empty() ? cat(who(p.member), " did not finish") : p.reason;
+  const bool trainers_ok = trainer_failure.empty();
+
+  std::vector<const Participant*> engines;
+  for (const auto& [id, p] : s.engines) engines.push_back(&p);
+  std::sort(engines.begin(), engines.end(),
+            [](auto* a, auto* b) { return a->member.rank < b->member.rank; });
+  Json committed = Json::array(), failed = Json::array();
+  for (const Participant* p : engines) {
+    const bool alive = conns_.count(p->conn) > 0;
+    if (trainers_ok && p->outcome == Outcome::ok && alive) {
+      Json commit = wire::make(Kind::commit);
+      commit["step"] = s.step;
+      outbox_.send(p->conn, commit);
+      versions_[p->member.rank] = s.step;
+      committed.push_back(p->member.rank);
+      continue;
+    }
+    std::string reason = !trainers_ok                     ? cat("step aborted: ", trainer_failure)
+                         : p->outcome == Outcome::pending ? cat(who(p->member), " did not ack")
+                                                          : p->reason;
+    if (alive) {
+      Json abort = wire::make(Kind::abort);
+      abort["step"] = s.step;
+      abort["reason"] = reason;
+      outbox_.send(p->conn, abort);
+    }
+    failed.push_back(Json{{"rank", p->member.rank}, {"reason", reason}});
+  }
+  Json result = wire::make(Kind::step_result);
+  result["step"] = s.step;
+  result["trainers_ok"] = trainers_ok;
+  result["committed"] = committed;
+  result["failed"] = failed;
+  if (!trainers_ok) result["reason"] = trainer_failure;
+  for (ConnId t : registered_conns(Role::trainer)) outbox_.send(t, result);
+  for (ConnId o : registered_conns(Role::observer)) outbox_.send(o, result);
+}
+
+}  // namespace weightsync::control

@@ -1,0 +1,199 @@
+// The step protocol over real sockets: commit, per-engine abort, dead
+// engines, dead trainers, step timeouts.
+#include "control/raw_peer.h"
+
+#include <weightsync/control.h>
+#include <weightsync/error.h>
+
+#include <gtest/gtest.h>
+
+namespace weightsync::control {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::client_of;
+using testing::fast_coordinator;
+using testing::RawPeer;
+
+// Skips member_left events (they are incidental here) and returns the next
+// step event.
+Event next_step_event(Client& c) {
+  while (true) {
+    Event e = c.wait_event(20s);
+    if (!std::holds_alternative<MemberLeft>(e)) return e;
+  }
+}
+
+template <class T>
+T expect_event(Client& c) {
+  Event e = next_step_event(c);
+  EXPECT_TRUE(std::holds_alternative<T>(e)) << "got event index " << e.index();
+  return std::holds_alternative<T>(e) ? std::get<T>(e) : T{};
+}
+
+struct Job {
+  explicit Job(CoordinatorOptions opts, int trainers, int engines) : coord(opts) {
+    for (int r = 0; r < trainers; ++r)
+      this->trainers.push_back(
+          std::make_unique<Client>(client_of(coord, Role::trainer, r, trainers)));
+    for (int r = 0; r < engines; ++r)
+      this->engines.push_back(std::make_unique<Client>(client_of(coord, Role::engine, r, engines)));
+  }
+  void begin(int64_t step) {
+    for (auto& t : trainers) t->begin_step(step, "plan-1");
+    for (auto& e : engines) {
+      const auto b = expect_event<StepBegin>(*e);
+      EXPECT_EQ(b.step, step);
+      EXPECT_EQ(b.plan_id, "plan-1");
+    }
+  }
+  Coordinator coord;
+  std::vector<std::unique_ptr<Client>> trainers;
+  std::vector<std::unique_ptr<Client>> engines;
+};
+
+TEST(Steps, AllOkCommitsEveryEngineAndMovesVersions) {
+  Job job(fast_coordinator(), 2, 3);
+  for (int64_t step = 1; step <= 2; ++step) {
+    job.begin(step);
+    for (auto& e : job.engines) e->ack({step, true, 1000, 0xdeadbeefcafef00dull, ""});
+    for (auto& t : job.trainers) t->sent(step, true);
+    for (auto& e : job.engines) EXPECT_EQ(expect_event<Commit>(*e).step, step);
+    for (auto& t : job.trainers) {
+      const StepResult r = t->wait_step_result(step, 20s);
+      EXPECT_TRUE(r.trainers_ok);
+      EXPECT_EQ(r.committed, (std::vector<int>{0, 1, 2}));
+      EXPECT_TRUE(r.failed.empty());
+    }
+    for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(job.trainers[0]->committed_version(rank), step);
+  }
+  EXPECT_EQ(job.coord.committed_version(1), 2);
+  EXPECT_EQ(job.coord.committed_version(7), -1);
+}
+
+TEST(Steps, OneFailedEngineAbortsOnlyThatEngine) {
+  Job job(fast_coordinator(), 1, 3);
+  job.begin(5);
+  job.engines[0]->ack({5, true, 10, 1, ""});
+  job.engines[1]->ack({5, false, 0, 0, "checksum mismatch in bucket 3"});
+  job.engines[2]->ack({5, true, 10, 1, ""});
+  job.trainers[0]->sent(5, true);
+  EXPECT_EQ(expect_event<Commit>(*job.engines[0]).step, 5);
+  const Abort a = expect_event<Abort>(*job.engines[1]);
+  EXPECT_EQ(a.step, 5);
+  EXPECT_NE(a.reason.find("checksum mismatch"), std::string::npos) << a.reason;
+  EXPECT_EQ(expect_event<Commit>(*job.engines[2]).step, 5);
+  const StepResult r = job.trainers[0]->wait_step_result(5, 20s);
+  EXPECT_TRUE(r.trainers_ok);
+  EXPECT_EQ(r.committed, (std::vector<int>{0, 2}));
+  ASSERT_EQ(r.failed.size(), 1u);
+  EXPECT_EQ(r.failed[0].rank, 1);
+  EXPECT_EQ(job.coord.committed_version(1), -1) << "the failed engine keeps its old version";
+  EXPECT_EQ(job.coord.committed_version(0), 5);
+}
+
+TEST(Steps, AnEngineDyingMidStepDoesNotStopTheOthersFromCommitting) {
+  Job job(fast_coordinator(), 1, 3);
+  job.begin(1);
+  job.engines[0]->ack({1, true, 10, 1, ""});
+  job.engines[1].reset();  // leaves mid-step without acking
+  job.engines[2]->ack({1, true, 10, 1, ""});
+  job.trainers[0]->sent(1, true);
+  const StepResult r = job.trainers[0]->wait_step_result(1, 20s);
+  EXPECT_EQ(r.committed, (std::vector<int>{0, 2}));
+  ASSERT_EQ(r.failed.size(), 1u);
+  EXPECT_EQ(r.failed[0].rank, 1);
+  EXPECT_EQ(expect_event<Commit>(*job.engines[0]).step, 1);
+  EXPECT_EQ(expect_event<Commit>(*job.engines[2]).step, 1);
+}
+
+TEST(Steps, AnEngineThatStopsHeartbeatingCountsAsFailed) {
+  auto opts = fast_coordinator();
+  opts.heartbeat_timeout = 1500ms;
+  Job job(opts, 1, 1);
+  RawPeer silent(job.coord.port());
+  ASSERT_TRUE(silent.hello("engine", 1, 2));
+  ASSERT_TRUE(silent.read_frame(10s).has_value());
+  ASSERT_TRUE(silent.send_json({{"v", 1}, {"kind", "heartbeat"}}));
+  job.begin(3);
+  // The raw engine takes part in step 3, then never speaks again.
+  const auto begin = silent.read_frame(10s);
+  ASSERT_TRUE(begin.has_value());
+  ASSERT_EQ(begin->at("kind"), "step_begin");
+  job.engines[0]->ack({3, true, 1, 1, ""});
+  job.trainers[0]->sent(3, true);
+  const StepResult r = job.trainers[0]->wait_step_result(3, 20s);
+  EXPECT_EQ(r.committed, (std::vector<int>{0}));
+  ASSERT_EQ(r.failed.size(), 1u);
+  EXPECT_EQ(r.failed[0].rank, 1);
+  EXPECT_NE(r.failed[0].reason.find("heartbeat"), std::string::npos) << r.failed[0].reason;
+}
+
+TEST(Steps, ATrainerDyingMidStepAbortsEveryEngine) {
+  Job job(fast_coordinator(), 2, 2);
+  job.begin(1);
+  job.engines[0]->ack({1, true, 10, 1, ""});
+  job.trainers[0]->sent(1, true);
+  job.trainers[1].reset();  // dies before reporting sent
+  for (auto& e : job.engines) {
+    const Abort a = expect_event<Abort>(*e);
+    EXPECT_EQ(a.step, 1);
+    EXPECT_NE(a.reason.find("trainer rank 1"), std::string::npos) << a.reason;
+  }
+  const StepResult r = job.trainers[0]->wait_step_result(1, 20s);
+  EXPECT_FALSE(r.trainers_ok);
+  EXPECT_TRUE(r.committed.empty());
+  EXPECT_EQ(r.failed.size(), 2u);
+  // A late ack for the decided step is accepted and ignored.
+  EXPECT_NO_THROW(job.engines[1]->ack({1, true, 10, 1, ""}));
+  EXPECT_EQ(job.coord.committed_version(0), -1);
+}
+
+TEST(Steps, ATrainerReportingFailureAbortsEveryEngine) {
+  Job job(fast_coordinator(), 1, 2);
+  job.begin(1);
+  job.trainers[0]->sent(1, false, "transport: peer 3 unreachable");
+  for (auto& e : job.engines) EXPECT_EQ(expect_event<Abort>(*e).step, 1);
+  const StepResult r = job.trainers[0]->wait_step_result(1, 20s);
+  EXPECT_FALSE(r.trainers_ok);
+  EXPECT_NE(r.reason.find("peer 3 unreachable"), std::string::npos) << r.reason;
+}
+
+TEST(Steps, EnginesThatNeverAckAreFailedAtTheStepTimeout) {
+  auto opts = fast_coordinator();
+  opts.step_timeout = 500ms;
+  Job job(opts, 1, 2);
+  job.begin(1);
+  job.engines[0]->ack({1, true, 10, 1, ""});
+  job.trainers[0]->sent(1, true);
+  const StepResult r = job.trainers[0]->wait_step_result(1, 20s);
+  EXPECT_EQ(r.committed, (std::vector<int>{0}));
+  ASSERT_EQ(r.failed.size(), 1u);
+  EXPECT_NE(r.failed[0].reason.find("step timeout"), std::string::npos) << r.failed[0].reason;
+  EXPECT_EQ(expect_event<Abort>(*job.engines[1]).step, 1);
+}
+
+TEST(Steps, ProtocolMisuseIsAnsweredWithErrors) {
+  Job job(fast_coordinator(), 2, 1);
+  auto code = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return Errc::internal;
+  };
+  EXPECT_EQ(code([&] { job.engines[0]->begin_step(1, "p"); }), Errc::protocol) << "engine begins";
+  EXPECT_EQ(code([&] { job.trainers[0]->ack({1, true, 0, 0, ""}); }), Errc::protocol);
+  EXPECT_EQ(code([&] { job.trainers[0]->sent(9, true); }), Errc::protocol) << "no such step";
+  job.trainers[0]->begin_step(4, "p");
+  EXPECT_EQ(code([&] { job.trainers[1]->begin_step(5, "p"); }), Errc::protocol) << "4 is open";
+  EXPECT_EQ(code([&] { job.trainers[1]->begin_step(4, "other"); }), Errc::mismatch);
+  // The plan mismatch aborted step 4; steps must now go above 4.
+  EXPECT_FALSE(job.trainers[0]->wait_step_result(4, 20s).trainers_ok);
+  EXPECT_EQ(code([&] { job.trainers[0]->begin_step(3, "p"); }), Errc::protocol);
+  EXPECT_NO_THROW(job.trainers[0]->begin_step(6, "p"));
+}
+
+}  // namespace
+}  // namespace weightsync::control
