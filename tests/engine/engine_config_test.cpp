@@ -1,0 +1,103 @@
+// The engine config JSON: paths, inline configs, typed fields, round trip.
+#include "engine/engine_test_util.h"
+
+#include <gtest/gtest.h>
+
+namespace weightsync {
+namespace {
+
+using nlohmann::json;
+using testing::model_config_path;
+using testing::throws_errc;
+
+json base() {
+  return {{"framework", "vllm"},
+          {"hf_config", model_config_path("tiny-mixtral")},
+          {"tp", 2},
+          {"expert_parallel", true},
+          {"expert_placement", "round_robin"},
+          {"replicas", 3},
+          {"dtype", "BF16"}};
+}
+
+TEST(EngineConfig, ParsesTheContractFields) {
+  const auto c = EngineConfig::from_json(base(), "");
+  EXPECT_EQ(c.framework, "vllm");
+  EXPECT_EQ(c.hf.family, "mixtral");
+  EXPECT_EQ(c.tp, 2);
+  EXPECT_TRUE(c.expert_parallel);
+  EXPECT_EQ(c.expert_placement, "round_robin");
+  EXPECT_EQ(c.replicas, 3);
+  EXPECT_EQ(c.dtype, DType::BF16);
+  EXPECT_EQ(c.moe_order, "w13");
+  // Round trip through to_json (hf_config inline).
+  const auto again = EngineConfig::from_json(c.to_json(), "");
+  EXPECT_EQ(again.to_json(), c.to_json());
+  EXPECT_EQ(again.hf.num_experts, 6);
+}
+
+TEST(EngineConfig, RelativePathsResolveAgainstTheEngineFile) {
+  const auto c = EngineConfig::load(std::string(WEIGHTSYNC_SOURCE_DIR) +
+                                    "/configs/examples/engine_tiny_deepseek_v3_vllm_tp2.json");
+  EXPECT_EQ(c.hf.family, "deepseek_v3");
+  EXPECT_EQ(c.replicas, 2);
+  // A model directory works too, and defaults apply to absent fields.
+  const json j = {{"framework", "sglang"}, {"hf_config", "models/tiny-qwen2"}, {"tp", 1}};
+  const auto d = EngineConfig::from_json(j, std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs");
+  EXPECT_EQ(d.hf.family, "qwen2");
+  EXPECT_FALSE(d.expert_parallel);
+  EXPECT_EQ(d.replicas, 1);
+  EXPECT_EQ(d.dtype, DType::BF16);
+  EXPECT_TRUE(throws_errc(
+      [] {
+        EngineConfig::from_json({{"framework", "vllm"}, {"hf_config", "nope"}, {"tp", 1}}, "/tmp");
+      },
+      Errc::not_found, "nope"));
+}
+
+TEST(EngineConfig, InlineHfConfig) {
+  auto j = base();
+  j["hf_config"] = testing::model("tiny-llama").raw;
+  EXPECT_EQ(EngineConfig::from_json(j, "").hf.family, "llama");
+}
+
+TEST(EngineConfig, WrongTypesAreFormatErrorsNamingTheField) {
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"tp", "2"},
+                                                 {"expert_parallel", 1},
+                                                 {"replicas", 1.5},
+                                                 {"framework", 3},
+                                                 {"expert_placement", false},
+                                                 {"hf_config", 7},
+                                                 {"dtype", "bf16"},
+                                                 {"moe_order", json::array()}}) {
+    auto j = base();
+    j[field] = value;
+    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, field)) << field;
+  }
+  auto j = base();
+  j.erase("tp");
+  EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "tp"));
+  EXPECT_TRUE(throws_errc([] { EngineConfig::from_json(json::array(), ""); }, Errc::format));
+}
+
+TEST(EngineConfig, UnknownValuesAreLayoutErrors) {
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"framework", "tensorrt"},
+                                                 {"expert_placement", "random"},
+                                                 {"tp", 0},
+                                                 {"replicas", -1},
+                                                 {"moe_order", "w31"}}) {  // w31 is SGLang only
+    auto j = base();
+    j[field] = value;
+    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::invalid_layout, field))
+        << field;
+  }
+  auto j = base();
+  j["framework"] = "sglang";
+  j["moe_order"] = "w31";
+  EXPECT_EQ(EngineConfig::from_json(j, "").moe_order, "w31");
+}
+
+}  // namespace
+}  // namespace weightsync
