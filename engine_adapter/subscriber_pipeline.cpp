@@ -1,0 +1,227 @@
+#include "subscriber_pipeline.h"
+
+#include <weightsync/checksum.h>
+#include <weightsync/error.h>
+#include <weightsync/trace.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+namespace weightsync::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Swaps the last two entries (a transposed param seen in HF orientation).
+Shape swap_last_two(Shape s) {
+  if (s.size() >= 2) std::swap(s[s.size() - 1], s[s.size() - 2]);
+  return s;
+}
+
+int64_t dot(const Shape& a, const Shape& b) {
+  int64_t out = 0;
+  for (size_t d = 0; d < a.size(); ++d) out += a[d] * b[d];
+  return out;
+}
+
+// Prepends `n` entries of `value` (a param may have leading length-1 expert
+// dims that the HF tensor lacks; engine_layout.h).
+Shape lead(Shape s, size_t n, int64_t value) {
+  s.insert(s.begin(), n, value);
+  return s;
+}
+
+ApplyOp make_apply_op(const Copy& c, const TensorView& target) {
+  if (c.dst_box.rank() < c.hf_box.rank())
+    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
+         " has fewer dims than HF box ", box_str(c.hf_box));
+  const size_t extra = c.dst_box.rank() - c.hf_box.rank();
+  ApplyOp op;
+  op.dtype = target.dtype;
+  const auto item = static_cast<int64_t>(itemsize(target.dtype));
+  const Box src = c.hf_box.relative_to(c.view_box);
+  const Shape packed_strides = contiguous_strides(c.view_box.lengths);
+  op.src_offset = c.offset + dot(src.offsets, packed_strides) * item;
+  op.lengths = lead(c.hf_box.lengths, extra, 1);
+  op.src_strides = lead(packed_strides, extra, 0);
+  // Seen through a transposed view, the param box has the HF box's lengths.
+  const Shape strides = target.effective_strides();
+  const Shape dst_offsets = c.transpose ? swap_last_two(c.dst_box.offsets) : c.dst_box.offsets;
+  op.dst_strides = c.transpose ? swap_last_two(strides) : strides;
+  const Shape dst_lengths = c.transpose ? swap_last_two(c.dst_box.lengths) : c.dst_box.lengths;
+  if (dst_lengths != op.lengths)
+    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
+         " does not match HF box ", box_str(c.hf_box), c.transpose ? " transposed" : "");
+  op.dst = static_cast<char*>(target.data) + dot(dst_offsets, strides) * item;
+  op.target = &target;
+  op.view_lengths = lead(c.view_box.lengths, extra, 1);
+  op.view_offset = c.offset;
+  op.src_box = Box{lead(src.offsets, extra, 0), lead(src.lengths, extra, 1)};
+  op.dst_box = c.dst_box;
+  op.transpose = c.transpose;
+  return op;
+}
+
+uint64_t read_trailer(const char* p) {
+  uint64_t v = 0;
+  for (int i = static_cast<int>(kBucketTrailerBytes) - 1; i >= 0; --i)
+    v = (v << 8) | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
+}  // namespace
+
+ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
+                                 const std::vector<TensorView>& targets)
+    : global_rank_(global_rank),
+      trainer_world_(plan.trainer_world()),
+      engine_world_(plan.engine_world()),
+      broadcast_(plan.mode() == PlanMode::broadcast) {
+  const bool broadcast = broadcast_;
+  const int tp_rank = global_rank % plan.engine_tp();
+  const auto& buckets = plan.buckets();
+  for (int32_t b : plan.buckets_received_by(global_rank)) {
+    RecvAction a;
+    a.bucket = b;
+    a.src = buckets[static_cast<size_t>(b)].src_rank;
+    a.bytes = buckets[static_cast<size_t>(b)].bytes;
+    if (broadcast) {
+      for (const ApplyItem& ai : plan.apply_items(b, tp_rank)) {
+        const Copy c = plan.resolve(ai, global_rank);
+        a.ops.push_back(make_apply_op(c, targets.at(static_cast<size_t>(c.dst_param))));
+      }
+    } else {
+      for (const PlanItem& item : plan.items(b)) {
+        const Copy c = plan.resolve(item);
+        if (c.dst_rank != global_rank) continue;
+        a.ops.push_back(make_apply_op(c, targets.at(static_cast<size_t>(c.dst_param))));
+      }
+    }
+    slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.bytes) + kBucketTrailerBytes);
+    actions_.push_back(std::move(a));
+  }
+  // The trainers' order (publisher_pipeline.h): predicted start, then id.
+  std::sort(actions_.begin(), actions_.end(), [&](const RecvAction& x, const RecvAction& y) {
+    const auto& bx = buckets[static_cast<size_t>(x.bucket)];
+    const auto& by = buckets[static_cast<size_t>(y.bucket)];
+    return bx.start_s != by.start_s ? bx.start_s < by.start_s : x.bucket < y.bucket;
+  });
+}
+
+void ReceivePipeline::prepare(Transport& transport) {
+  if (slot_bytes_ == 0 || slots_[0].data) return;
+  for (Slot& s : slots_) {
+    const size_t align = 4096;
+    s.memory.reset(new char[slot_bytes_ + align]);
+    s.data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(s.memory.get()) + align - 1) &
+                                     ~uintptr_t{align - 1});
+    std::memset(s.data, 0, slot_bytes_);
+    s.region = transport.register_memory(host_buffer(s.data, slot_bytes_));
+  }
+}
+
+void ReceivePipeline::post(size_t k, Slot& slot, int64_t step, Transport& t) {
+  if (k >= actions_.size()) return;
+  const RecvAction& a = actions_[k];
+  slot.posted_us = trace_now_us();
+  const Buffer buffer =
+      host_buffer(slot.data, static_cast<size_t>(a.bytes) + kBucketTrailerBytes, slot.region.get());
+  const Tag tag = bucket_tag(step, a.bucket, 0);
+  if (broadcast_ && t.capabilities().native_broadcast) {
+    // A collective: every engine rank and the root take part (publisher_pipeline.cpp).
+    std::vector<int> ranks{a.src};
+    for (int g = 0; g < engine_world_; ++g) ranks.push_back(trainer_world_ + g);
+    slot.request = t.broadcast(buffer, a.src, ranks, tag);
+  } else {
+    slot.request = t.recv(a.src, tag, buffer);
+  }
+}
+
+void ReceivePipeline::wait(Slot& slot, const std::function<void()>& poll,
+                           Clock::time_point deadline) {
+  auto last_poll = Clock::now();
+  while (!slot.request->test()) {
+    const auto now = Clock::now();
+    if (now >= deadline)
+      fail(Errc::timeout, "engine rank ", global_rank_, ": ", slot.request->describe(),
+           " did not complete before the step timeout");
+    if (now - last_poll >= std::chrono::milliseconds(1)) {
+      last_poll = now;
+      poll();
+    }
+  }
+}
+
+void ReceivePipeline::apply(const RecvAction& a, const char* data) {
+  for (const ApplyOp& op : a.ops) {
+    if (op.target->memory == MemoryKind::host) {
+      copy_strided(op.dst, op.dst_strides.data(), data + op.src_offset, op.src_strides.data(),
+                   op.lengths.data(), static_cast<int>(op.lengths.size()), itemsize(op.dtype));
+    } else {
+      const TensorView packed =
+          host_view(const_cast<char*>(data) + op.view_offset, op.dtype, op.view_lengths);
+      const int r = static_cast<int>(op.target->shape.size());
+      const TensorView dst = op.transpose ? transposed(*op.target, r - 2, r - 1) : *op.target;
+      Box box = op.dst_box;
+      if (op.transpose) {
+        box.offsets = swap_last_two(box.offsets);
+        box.lengths = swap_last_two(box.lengths);
+      }
+      copy_box(packed, op.src_box, dst, box);
+    }
+  }
+}
+
+ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
+                                   const std::function<void()>& poll, Clock::time_point deadline,
+                                   StepPhases& phases, Tracer* tracer) {
+  ReceiveReport report;
+  post(0, slots_[0], step, transport);
+  post(1, slots_[1], step, transport);
+  for (size_t k = 0; k < actions_.size(); ++k) {
+    Slot& slot = slots_[k % 2];
+    const RecvAction& a = actions_[k];
+    auto t = Clock::now();
+    wait(slot, poll, deadline);
+    phases.receive += seconds_since(t);
+    if (tracer)
+      tracer->complete(cat("bucket ", a.bucket), "wire", slot.posted_us, trace_now_us(),
+                       {{"bucket", a.bucket}, {"bytes", a.bytes}, {"from", a.src}});
+    slot.request.reset();
+    t = Clock::now();
+    const uint64_t sum =
+        checksum64(slot.data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step));
+    const uint64_t sent = read_trailer(slot.data + a.bytes);
+    phases.verify += seconds_since(t);
+    report.bytes += static_cast<uint64_t>(a.bytes);
+    if (sum != sent) {
+      if (report.error.empty())
+        report.error = cat("engine rank ", global_rank_, ": bucket ", a.bucket, " of step ", step,
+                           " from trainer rank ", a.src, " failed its checksum (computed ",
+                           std::hex, sum, ", sent ", sent, std::dec, "); not applied");
+    } else {
+      report.checksum = checksum_fold(report.checksum, sum);
+      t = Clock::now();
+      const int64_t apply_us = tracer ? trace_now_us() : 0;
+      apply(a, slot.data);
+      phases.apply += seconds_since(t);
+      if (tracer) tracer->complete(cat("apply ", a.bucket), "apply", apply_us, trace_now_us());
+    }
+    post(k + 2, slot, step, transport);
+  }
+  return report;
+}
+
+void ReceivePipeline::cancel_all() {
+  for (Slot& s : slots_) {
+    if (s.request) s.request->cancel();
+    s.request.reset();
+  }
+}
+
+}  // namespace weightsync::engine

@@ -1,0 +1,118 @@
+// Subscriber: the engine side of weightsync, running inside every rank of an
+// inference engine (vLLM / SGLang layouts).
+//
+//   weightsync::SubscriberOptions opt;
+//   opt.coordinator = "10.0.0.1:29600";
+//   opt.engine = weightsync::EngineConfig::load("engine.json");
+//   opt.replica = replica; opt.rank = tp_rank;
+//   opt.staging = true;  // a failed step leaves the served weights untouched
+//   weightsync::Subscriber sub(opt);
+//   for (auto& [name, p] : model.named_parameters()) sub.register_param(name, p.data_ptr(), ...);
+//   sub.on_begin([&](int64_t) { scheduler.pause(); });
+//   sub.on_end([&](int64_t) { model.process_weights_after_loading(); scheduler.resume(); });
+//   sub.serve();  // until sub.stop()
+//
+// Each step: the coordinator announces (step, plan id); on_begin runs; buckets
+// land and are verified (per-bucket checksum) and applied straight into the
+// registered params, or in staging mode into a private copy; the subscriber
+// acks (step, bytes, checksum); on Commit the staging copy is copied into the
+// params and version() moves to the step; on Abort nothing becomes visible.
+// on_end runs after either. A bucket that fails its checksum is not applied,
+// the step is acked as failed and the coordinator aborts it for this rank.
+#pragma once
+
+#include <weightsync/engine_layout.h>
+#include <weightsync/load_spec.h>
+#include <weightsync/plan.h>
+#include <weightsync/tensor.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace weightsync {
+
+class Tracer;
+
+struct SubscriberOptions {
+  std::string coordinator;  // "HOST:PORT"
+  std::string token;
+  EngineConfig engine;  // the engine's config (every replica alike)
+  int replica = 0;      // which replica this rank belongs to
+  int rank = 0;         // rank inside the replica, 0..tp-1
+  // The trainer's layout; when absent, the one trainer rank 0 put in the store.
+  std::optional<TrainerLayout> trainer;
+  std::string transport = "ucx";  // must match the trainers' (wrappers may differ)
+  // Apply into a private copy, copied into the params on commit: an aborted
+  // or corrupted step leaves the params as they were. Costs one copy of the
+  // rank's params.
+  bool staging = false;
+  std::string job = "weightsync";
+  std::chrono::milliseconds connect_timeout{60000};
+  std::chrono::milliseconds step_timeout{120000};  // from a step's begin to its decision
+  Tracer* tracer = nullptr;
+};
+
+struct StepPhases {
+  double receive = 0;  // waiting for buckets to land
+  double verify = 0;   // checksums
+  double apply = 0;    // copying segments into params (or staging)
+  double commit = 0;   // from ack to the coordinator's decision (+ staging copy)
+};
+
+struct StepOutcome {
+  int64_t step = 0;
+  bool committed = false;
+  std::string reason;  // why not, when !committed
+  uint64_t bytes = 0;  // payload bytes received
+  uint64_t checksum = 0;
+  double seconds = 0;  // StepBegin to decision
+  StepPhases phases;
+};
+
+class Subscriber {
+ public:
+  explicit Subscriber(SubscriberOptions options);  // connects to the coordinator
+  ~Subscriber();
+  Subscriber(const Subscriber&) = delete;
+  Subscriber& operator=(const Subscriber&) = delete;
+
+  // Registers engine parameter `name` of this rank (must stay valid and in
+  // place). Errc::not_found for a name the engine layout lacks for this rank;
+  // Errc::mismatch naming the param for another dtype or shape.
+  void register_param(const std::string& name, const TensorView& param);
+  void register_param(const std::string& name, void* data, DType dtype, const Shape& shape,
+                      MemoryKind memory = MemoryKind::host, int device = -1);
+
+  void on_begin(std::function<void(int64_t step)> hook);
+  void on_end(std::function<void(int64_t step)> hook);
+
+  // Connects the transport, computes the plan and allocates staging now (the
+  // first run_step does it otherwise). Every param must be registered; waits
+  // for the trainers to register (connect_timeout).
+  void prepare();
+
+  // Waits up to `wait` for the next step to begin, then runs it to its
+  // decision. nullopt when no step began in time. Throws Errc::peer_failure
+  // when the coordinator is lost.
+  std::optional<StepOutcome> run_step(std::chrono::milliseconds wait);
+  // run_step until stop() (from another thread or a hook).
+  void serve();
+  void stop();
+
+  int64_t version() const;  // last committed step, -1 before the first
+  int global_rank() const;  // replica * tp + rank
+  int live_trainers();      // trainers currently registered with the coordinator
+  const EngineRankLayout& layout() const;
+  const Plan& plan() const;  // after the first step began
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weightsync

@@ -1,0 +1,121 @@
+// Helpers of the end-to-end tests: models on disk, running the real
+// `weightsync` binary (which starts one process per rank), reading results.
+#pragma once
+
+#include <weightsync/engine_layout.h>
+#include <weightsync/error.h>
+#include <weightsync/hf_model.h>
+#include <weightsync/plan.h>
+#include <weightsync/random_checkpoint.h>
+#include <weightsync/safetensors.h>
+#include <weightsync/topology.h>
+#include <weightsync/trainer_layout.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace weightsync::e2e {
+
+struct Model {
+  std::string dir, checkpoint, trainer, engine;
+};
+
+inline std::string temp_dir(const std::string& what) {
+  std::string p = "/tmp/ws-e2e-" + what + "-XXXXXX";
+  if (!::mkdtemp(p.data())) throw std::runtime_error("mkdtemp failed");
+  return p;
+}
+
+// A random checkpoint of configs/models/<name>, a trainer layout on `mesh`
+// and a vLLM engine config.
+inline Model make_model(const std::string& name, const std::string& mesh, int tp, int replicas,
+                        bool expert_parallel = false) {
+  Model m;
+  m.dir = temp_dir(name);
+  const std::string config_path =
+      std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs/models/" + name + "/config.json";
+  const HfModelConfig config = HfModelConfig::load(config_path);
+  m.checkpoint = m.dir + "/model.safetensors";
+  RandomCheckpointOptions ro;
+  ro.seed = 7;
+  write_random_checkpoint(m.checkpoint, hf_tensors(config), ro);
+  m.trainer = m.dir + "/trainer.json";
+  std::ofstream(m.trainer) << make_trainer_layout(config, parse_mesh_spec(mesh)).to_json().dump();
+  m.engine = m.dir + "/engine.json";
+  std::ofstream(m.engine) << nlohmann::json{
+      {"framework", "vllm"},
+      {"hf_config", config_path},
+      {"tp", tp},
+      {"expert_parallel", expert_parallel},
+      {"expert_placement", "linear"},
+      {"replicas", replicas},
+      {"dtype",
+       dtype_name(config.dtype)}}.dump();
+  return m;
+}
+
+struct CliRun {
+  int exit_code = -1;
+  std::string output;
+};
+
+// Runs the weightsync binary with `args` (bounded by coreutils timeout).
+inline CliRun run_cli(const std::vector<std::string>& args, int timeout_s = 240) {
+  std::string cmd = "timeout -s KILL " + std::to_string(timeout_s) + " '" WEIGHTSYNC_CLI "'";
+  for (const auto& a : args) cmd += " '" + a + "'";
+  cmd += " 2>&1";
+  CliRun r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
+  const int status = ::pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return nullptr;
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  return j.is_discarded() ? nlohmann::json(nullptr) : j;
+}
+
+inline Plan plan_of(const Model& m, const std::string& mode, int64_t bucket_bytes) {
+  PlanOptions po;
+  po.mode = parse_plan_mode(mode);
+  po.bucket_bytes = bucket_bytes;
+  return make_plan(TrainerLayout::load(m.trainer), make_engine_layout(EngineConfig::load(m.engine)),
+                   Topology{}, po);
+}
+
+// Compares a dumped engine rank with `weightsync materialize` of the
+// checkpoint for that rank, tensor by tensor; "" when equal.
+inline std::string compare_with_materialize(const Model& m, const std::string& dump, int rank) {
+  const std::string ref = dump + ".reference.safetensors";
+  const EngineLayout layout = make_engine_layout(EngineConfig::load(m.engine));
+  materialize(Checkpoint::open(m.checkpoint), layout, rank, ref);
+  const auto a = SafetensorsFile::open(dump);
+  const auto b = SafetensorsFile::open(ref);
+  if (a->tensors().size() != b->tensors().size()) return "tensor counts differ";
+  for (const auto& t : b->tensors()) {
+    const auto* other = a->find(t.name);
+    if (!other) return "missing " + t.name;
+    const TensorView va = a->view(t.name), vb = b->view(t.name);
+    if (va.shape != vb.shape || va.dtype != vb.dtype) return "shape/dtype of " + t.name;
+    if (std::memcmp(va.data, vb.data, vb.nbytes()) != 0) return "bytes of " + t.name;
+  }
+  return "";
+}
+
+}  // namespace weightsync::e2e

@@ -1,0 +1,185 @@
+// End to end: the real `weightsync demo` binary starts one process per
+// trainer rank and engine rank, with the coordinator embedded in the parent,
+// and syncs versions over UCX. The engines check their params bit for bit
+// against the reference after every committed step; these tests read the
+// summary the demo writes and compare dumps with `materialize`.
+#include "e2e/e2e_helpers.h"
+
+#include <weightsync/transport.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+namespace weightsync::e2e {
+namespace {
+
+bool have_ucx() {
+  const auto names = transport_names();
+  return std::find(names.begin(), names.end(), "ucx") != names.end();
+}
+
+#define REQUIRE_UCX() \
+  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX"
+
+struct Demo {
+  CliRun run;
+  nlohmann::json summary;
+};
+
+Demo run_demo(const Model& m, std::vector<std::string> extra, const std::string& dump = "") {
+  const std::string summary = m.dir + "/summary.json";
+  std::vector<std::string> args{"demo",         "--checkpoint", m.checkpoint, "--trainer",
+                                m.trainer,      "--engine",     m.engine,     "--summary",
+                                summary,        "--timeout",    "60",         "--work-dir",
+                                m.dir + "/work"};
+  if (!dump.empty()) {
+    args.push_back("--dump");
+    args.push_back(dump);
+  }
+  args.insert(args.end(), extra.begin(), extra.end());
+  Demo d;
+  d.run = run_cli(args);
+  d.summary = read_json(summary);
+  return d;
+}
+
+std::vector<int> ints(const nlohmann::json& j) {
+  return j.get<std::vector<int>>();
+}
+
+// Every step committed and verified on every engine rank, and the dumps
+// equal materialize of the checkpoint.
+void expect_all_good(const Model& m, const Demo& d, int engines, const std::string& dump) {
+  ASSERT_EQ(d.run.exit_code, 0) << d.run.output;
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  EXPECT_TRUE(d.summary["ok"].get<bool>());
+  std::vector<int> all(static_cast<size_t>(engines));
+  for (int g = 0; g < engines; ++g) all[static_cast<size_t>(g)] = g;
+  for (const auto& row : d.summary["steps"]) {
+    EXPECT_EQ(ints(row["committed"]), all) << "step " << row["step"];
+    EXPECT_EQ(ints(row["verified"]), all) << "step " << row["step"];
+  }
+  for (int g = 0; g < engines && !dump.empty(); ++g) {
+    const EngineConfig config = EngineConfig::load(m.engine);
+    const std::string file = dump + "/engine" + std::to_string(g / config.tp) + "-rank" +
+                             std::to_string(g % config.tp) + ".safetensors";
+    EXPECT_EQ(compare_with_materialize(m, file, g), "") << file;
+  }
+}
+
+TEST(E2E, DefaultDemoSyncsEveryStepBitExactly) {
+  REQUIRE_UCX();
+  const auto run = run_cli({"demo", "--json", "--timeout", "60"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto summary = nlohmann::json::parse(run.output.substr(run.output.rfind("\n{") + 1));
+  ASSERT_EQ(summary["steps"].size(), 3u);
+  for (const auto& row : summary["steps"]) {
+    EXPECT_EQ(row["committed"].size(), 4u);
+    EXPECT_EQ(row["verified"].size(), 4u);
+    EXPECT_GT(row["engine_rank_bytes"].get<int64_t>(), 0);
+  }
+}
+
+TEST(E2E, Qwen3MoeBroadcastSmallBuckets) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const std::string dump = m.dir + "/dump";
+  const auto d =
+      run_demo(m, {"--mode", "broadcast", "--bucket-bytes", "4096", "--steps", "2"}, dump);
+  expect_all_good(m, d, 4, dump);
+}
+
+TEST(E2E, LlamaUnevenShardsP2p) {
+  REQUIRE_UCX();
+  // fsdp=3 over dims that 3 does not divide: uneven and empty shards.
+  const Model m = make_model("tiny-llama", "fsdp=3", 2, 1);
+  const std::string dump = m.dir + "/dump";
+  const auto d = run_demo(m, {"--bucket-bytes", "2048", "--steps", "3"}, dump);
+  expect_all_good(m, d, 2, dump);
+}
+
+TEST(E2E, Qwen2UnevenShardsBroadcastWithStaging) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen2", "fsdp=3", 2, 1);
+  const std::string dump = m.dir + "/dump";
+  const auto d = run_demo(m, {"--mode", "broadcast", "--staging", "--steps", "2"}, dump);
+  expect_all_good(m, d, 2, dump);
+}
+
+TEST(E2E, DeepseekV3TinyExpertParallelEngine) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-deepseek-v3", "ep=2,fsdp=2", 2, 1, /*expert_parallel=*/true);
+  const std::string dump = m.dir + "/dump";
+  const auto d = run_demo(m, {"--bucket-bytes", "8192", "--steps", "2"}, dump);
+  expect_all_good(m, d, 2, dump);
+}
+
+TEST(E2E, CorruptedStepIsRejectedAndEngineKeepsPreviousVersion) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const int64_t bucket = 4096;
+  // Engine rank 1's receives of step 1 come first; the first receive of step 2
+  // gets one byte flipped.
+  const auto per_step = plan_of(m, "p2p", bucket).buckets_received_by(1).size();
+  const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&after=" + std::to_string(per_step);
+  const auto d = run_demo(
+      m, {"--staging", "--steps", "2", "--bucket-bytes", "4096", "--engine-transport", fault});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  EXPECT_NE(d.run.exit_code, 0) << "a rejected step must fail the demo";
+  const auto& steps = d.summary["steps"];
+  EXPECT_EQ(ints(steps[0]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 2, 3}));
+  EXPECT_EQ(ints(steps[1]["verified"]), (std::vector<int>{0, 2, 3}));
+  EXPECT_EQ(d.summary["engine_versions"][1].get<int>(), 1);
+  // The staging copy kept version 1's params intact, bit for bit.
+  EXPECT_TRUE(d.summary["engine_ok"][1].get<bool>()) << d.run.output;
+  const auto stats = read_json(m.dir + "/work/stats-engine1.json");
+  ASSERT_TRUE(stats.is_object());
+  EXPECT_EQ(stats["final_check"]["version"].get<int>(), 1);
+  EXPECT_TRUE(stats["final_check"]["ok"].get<bool>());
+  EXPECT_NE(stats["steps"][1]["reason"].get<std::string>().find("checksum"), std::string::npos)
+      << stats["steps"][1]["reason"];
+}
+
+TEST(E2E, EngineKilledMidStepDoesNotStopTheOthers) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const auto d =
+      run_demo(m, {"--staging", "--steps", "3", "--bucket-bytes", "4096", "--kill", "engine:3:2"});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  EXPECT_NE(d.run.exit_code, 0);
+  const auto& steps = d.summary["steps"];
+  EXPECT_EQ(ints(steps[0]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  for (int s = 1; s < 3; ++s) {
+    EXPECT_EQ(ints(steps[s]["committed"]), (std::vector<int>{0, 1, 2})) << "step " << s + 1;
+    EXPECT_EQ(ints(steps[s]["verified"]), (std::vector<int>{0, 1, 2})) << "step " << s + 1;
+  }
+  for (int g = 0; g < 3; ++g) EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 3);
+  // The killed engine's process really died (SIGKILL), nobody else did.
+  for (const auto& c : d.summary["children"]) {
+    if (c["label"] == "engine 3")
+      EXPECT_NE(c["status"].get<std::string>().find("signal 9"), std::string::npos);
+    else
+      EXPECT_EQ(c["status"], "exit 0") << c["label"];
+  }
+}
+
+TEST(E2E, TrainerKilledMidStepLeavesEnginesOnLastCommittedVersion) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const auto d =
+      run_demo(m, {"--staging", "--steps", "3", "--bucket-bytes", "4096", "--kill", "trainer:1:2"});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  EXPECT_NE(d.run.exit_code, 0);
+  EXPECT_EQ(ints(d.summary["steps"][0]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(d.summary["steps"][1]["committed"].empty());
+  for (int g = 0; g < 4; ++g) {
+    EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 1) << "engine " << g;
+    // Staging: the params are exactly version 1, bit for bit.
+    EXPECT_TRUE(d.summary["engine_ok"][g].get<bool>()) << "engine " << g;
+  }
+}
+
+}  // namespace
+}  // namespace weightsync::e2e

@@ -1,0 +1,274 @@
+// `weightsync bench sync` (the default benchmark): sync latency of the demo's
+// process setup on a model of about 1-2 GB, against two references measured
+// in the same run: the raw transport ceiling (plain tagged transfers of the
+// same bytes between the same processes) and the peer baseline
+// (tools/bench/peer_baseline.py: gather to rank 0 + broadcast tensor by
+// tensor with torch.distributed, as common RL frameworks do).
+#include "cli.h"
+#include "demo_procs.h"
+#include "demo_run.h"
+#include "demo_setup.h"
+
+#include <weightsync/engine_layout.h>
+#include <weightsync/error.h>
+#include <weightsync/load_spec.h>
+#include <weightsync/safetensors.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+namespace weightsync::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kUsage =
+    "usage: weightsync bench [sync] [--json] [--trace F] [--steps K] [--size-gb G]\n"
+    "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n\n"
+    "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
+    "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
+    "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
+    "engine rank, the phase breakdown, peak RSS per role and the publisher's staging\n"
+    "memory vs the bucket size, against, in the same run: the raw transport ceiling\n"
+    "(plain UCX tag transfers of the same bytes between the same processes) and the\n"
+    "peer baseline (tools/bench/peer_baseline.py under /usr/bin/python3).\n"
+    "--json prints one object: sync_s_p50, sync_s_p99, engine_rank_gbps, raw_gbps,\n"
+    "ratio_to_raw, peer_gbps, ratio_to_peer, peak_rss_mb, ...\n";
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto i = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size()))) - 1;
+  return v[std::min(i, v.size() - 1)];
+}
+
+nlohmann::json box_json(const Box& b) {
+  return {{"offsets", b.offsets}, {"lengths", b.lengths}};
+}
+
+// The peer baseline's input: the same checkpoint, each trainer rank's HF boxes
+// and each engine rank's segments (so that python needs no layout logic).
+nlohmann::json peer_job(const demo::JobSpec& job, int steps) {
+  const TrainerLayout tl = TrainerLayout::load(job.trainer);
+  const EngineLayout el = make_engine_layout(EngineConfig::load(job.engine));
+  const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
+  nlohmann::json pieces = nlohmann::json::array();
+  for (int64_t r = 0; r < tl.mesh.world(); ++r) {
+    nlohmann::json mine = nlohmann::json::array();
+    for (const LoadSpec& spec : tl.params)
+      for (const Piece& p : local_pieces(spec, tl.mesh, r))
+        mine.push_back(
+            {{"hf_key", spec.hf_keys[static_cast<size_t>(p.key)]}, {"hf_box", box_json(p.hf_box)}});
+    pieces.push_back(mine);
+  }
+  nlohmann::json engines = nlohmann::json::array();
+  for (int g = 0; g < el.world(); ++g) {
+    nlohmann::json params = nlohmann::json::array();
+    for (const EngineParam& p : el.rank_layout(g).params) {
+      nlohmann::json segs = nlohmann::json::array();
+      for (const Segment& s : p.segments)
+        segs.push_back({{"hf_key", s.hf_key},
+                        {"hf_box", box_json(s.hf_box)},
+                        {"param_box", box_json(s.param_box)},
+                        {"transpose", s.transpose}});
+      params.push_back({{"name", p.name},
+                        {"dtype", dtype_name(p.dtype)},
+                        {"shape", p.shape},
+                        {"segments", segs}});
+    }
+    engines.push_back(params);
+  }
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const auto& key : ckpt.keys()) {
+    const auto& info = ckpt.info(key);
+    tensors.push_back({{"key", key}, {"dtype", dtype_name(info.dtype)}, {"shape", info.shape}});
+  }
+  return {{"checkpoint", job.checkpoint},
+          {"steps", steps},
+          {"trainer_world", tl.mesh.world()},
+          {"trainer_pieces", pieces},
+          {"engine_world", el.world()},
+          {"engine_ranks", engines},
+          {"hf_tensors", tensors}};
+}
+
+// tools/bench/peer_baseline.py, found from $WEIGHTSYNC_PEER_BASELINE or by
+// walking up from the executable (build trees live inside the source tree).
+std::string find_peer_script() {
+  if (const char* env = std::getenv("WEIGHTSYNC_PEER_BASELINE")) return env;
+  for (fs::path p = fs::path(demo::self_exe()).parent_path(); !p.empty() && p != p.root_path();
+       p = p.parent_path()) {
+    if (fs::exists(p / "tools/bench/peer_baseline.py")) return (p / "tools/bench/peer_baseline.py");
+  }
+  return "";
+}
+
+nlohmann::json run_peer(const demo::JobSpec& job, int steps) {
+  const std::string script = find_peer_script();
+  if (script.empty()) return {{"error", "tools/bench/peer_baseline.py not found"}};
+  if (!fs::exists("/usr/bin/python3")) return {{"error", "/usr/bin/python3 not found"}};
+  const std::string path = job.work_dir + "/peer_job.json";
+  std::ofstream(path, std::ios::trunc) << peer_job(job, steps).dump();
+  const std::string cmd = cat("timeout 1800 /usr/bin/python3 ", script, " --job ", path, " 2>",
+                              job.work_dir, "/peer.log");
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) return {{"error", "cannot start the peer baseline"}};
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  const int rc = ::pclose(pipe);
+  auto j = nlohmann::json::parse(out, nullptr, false);
+  if (rc != 0 || j.is_discarded())
+    return {
+        {"error", cat("peer baseline failed (exit ", rc, "), see ", job.work_dir, "/peer.log")}};
+  return j;
+}
+
+nlohmann::json raw_result(const demo::JobRun& run) {
+  // A round ends when the slowest engine rank has everything.
+  std::vector<double> rounds;
+  int64_t busiest = 0;
+  for (const auto& e : run.engines) {
+    if (!e.is_object() || !e.contains("raw")) continue;
+    busiest = std::max(busiest, e["raw"]["bytes"].get<int64_t>());
+    const auto& s = e["raw"]["seconds"];
+    rounds.resize(std::max(rounds.size(), s.size()), 0.0);
+    for (size_t i = 0; i < s.size(); ++i) rounds[i] = std::max(rounds[i], s[i].get<double>());
+  }
+  const double p50 = percentile(rounds, 0.5);
+  return {{"seconds_p50", p50},
+          {"engine_rank_bytes", busiest},
+          {"gbps", p50 > 0 ? static_cast<double>(busiest) / p50 / 1e9 : 0.0}};
+}
+
+nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
+                            const nlohmann::json& summary, const nlohmann::json& peer) {
+  std::vector<double> sync;
+  int64_t rank_bytes = 0;
+  nlohmann::json phases = nlohmann::json::array();
+  for (const auto& row : summary["steps"]) {
+    if (row["step"].get<int64_t>() == 1) continue;  // warm-up
+    sync.push_back(row["sync_s"].get<double>());
+    rank_bytes = std::max(rank_bytes, row["engine_rank_bytes"].get<int64_t>());
+    phases.push_back(row["phases"]);
+  }
+  const double p50 = percentile(sync, 0.5), p99 = percentile(sync, 0.99);
+  const double gbps = p50 > 0 ? static_cast<double>(rank_bytes) / p50 / 1e9 : 0;
+  const auto raw = raw_result(run);
+  double rss_t = 0, rss_e = 0, staging = 0;
+  for (const auto& t : run.trainers)
+    if (t.is_object()) {
+      rss_t = std::max(rss_t, t.value("peak_rss_mb", 0.0));
+      staging = std::max(staging, t.value("staging_bytes", 0.0));
+    }
+  for (const auto& e : run.engines)
+    if (e.is_object()) rss_e = std::max(rss_e, e.value("peak_rss_mb", 0.0));
+  const double raw_gbps = raw["gbps"].get<double>();
+  const double peer_gbps = peer.value("engine_rank_gbps", 0.0);
+  return {{"ok", summary["ok"]},
+          {"steps", sync.size()},
+          {"sync_s", sync},
+          {"sync_s_p50", p50},
+          {"sync_s_p99", p99},
+          {"engine_rank_bytes", rank_bytes},
+          {"engine_rank_gbps", gbps},
+          {"raw_gbps", raw_gbps},
+          {"raw_s_p50", raw["seconds_p50"]},
+          {"ratio_to_raw", raw_gbps > 0 ? gbps / raw_gbps : 0.0},
+          {"peer_gbps", peer_gbps},
+          {"peer_s_p50", peer.value("sync_s_p50", 0.0)},
+          {"ratio_to_peer", peer_gbps > 0 ? gbps / peer_gbps : 0.0},
+          {"peer", peer},
+          {"phases", phases},
+          {"peak_rss_mb", {{"trainer", rss_t}, {"engine", rss_e}}},
+          {"bucket_bytes", job.bucket_bytes},
+          {"publisher_staging_bytes", staging},
+          {"publisher_extra_x_bucket", staging / static_cast<double>(job.bucket_bytes)}};
+}
+
+void print_human(const nlohmann::json& r) {
+  std::printf("sync: p50 %.3f s, p99 %.3f s over %zu steps; %.3f GB/s per engine rank (%.1f MB)\n",
+              r["sync_s_p50"].get<double>(), r["sync_s_p99"].get<double>(),
+              r["steps"].get<size_t>(), r["engine_rank_gbps"].get<double>(),
+              r["engine_rank_bytes"].get<double>() / 1e6);
+  std::printf("raw transport ceiling: %.3f GB/s per engine rank -> ratio_to_raw %.2f\n",
+              r["raw_gbps"].get<double>(), r["ratio_to_raw"].get<double>());
+  if (r["peer"].contains("error"))
+    std::printf("peer baseline: %s\n", r["peer"]["error"].get<std::string>().c_str());
+  else
+    std::printf(
+        "peer baseline (gloo gather + broadcast): %.3f s/step, %.3f GB/s -> ratio_to_peer "
+        "%.2f\n",
+        r["peer_s_p50"].get<double>(), r["peer_gbps"].get<double>(),
+        r["ratio_to_peer"].get<double>());
+  std::printf(
+      "peak RSS: trainer %.0f MB, engine %.0f MB; publisher staging %.0f MB = %.2f x "
+      "bucket\n",
+      r["peak_rss_mb"]["trainer"].get<double>(), r["peak_rss_mb"]["engine"].get<double>(),
+      r["publisher_staging_bytes"].get<double>() / 1e6,
+      r["publisher_extra_x_bucket"].get<double>());
+  for (const auto& p : r["phases"])
+    std::printf(
+        "  phases (ms): pack %.1f, gather %.1f, wire %.1f, receive wait %.1f, apply %.1f, "
+        "commit %.1f\n",
+        p["pack"].get<double>() * 1e3, p["gather"].get<double>() * 1e3,
+        p["wire"].get<double>() * 1e3, p["receive_wait"].get<double>() * 1e3,
+        p["apply"].get<double>() * 1e3, p["commit"].get<double>() * 1e3);
+}
+
+int run_sync_bench(const std::vector<std::string>& argv) {
+  Args args(argv, {"json", "no-peer"},
+            {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir"});
+  const int steps = static_cast<int>(args.get_int("steps", 5));
+  if (steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
+  const double gb = args.get_double("size-gb", 1.0);
+  if (gb <= 0 || gb > 64) fail(Errc::invalid_argument, "--size-gb must be in (0, 64]");
+  demo::JobSpec job;
+  job.steps = steps + 1;
+  job.mode = args.get_or("mode", "p2p");
+  job.bucket_bytes = args.get_int("bucket-bytes", int64_t{64} << 20);
+  job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
+  job.verify = false;
+  job.raw_rounds = 3;
+  job.trace = args.has("trace");
+  job.work_dir = args.has("work-dir") ? args.require("work-dir") : demo::make_temp_dir("bench");
+  fs::create_directories(job.work_dir);
+  demo::ModelSetup setup;
+  setup.hf_config = demo::bench_model_config(gb);
+  const auto model = demo::write_model(job.work_dir, setup);
+  job.checkpoint = model.checkpoint;
+  job.trainer = model.trainer;
+  job.engine = model.engine;
+  if (!args.flag("json"))
+    std::printf(
+        "weightsync bench sync: %s model, %.2f GB, 4 trainer ranks -> 2 replicas x tp=2, "
+        "%s over ucx, bucket %lld bytes\n",
+        model.family.c_str(), static_cast<double>(model.bytes) / 1e9, job.mode.c_str(),
+        static_cast<long long>(job.bucket_bytes));
+  std::fflush(stdout);
+  const auto run = demo::run_job(job, args.get_or("trace", ""));
+  const auto summary = demo::summarize(job, run);
+  const nlohmann::json peer = args.flag("no-peer")
+                                  ? nlohmann::json{{"error", "skipped (--no-peer)"}}
+                                  : run_peer(job, std::min(steps, 3));
+  auto result = bench_result(job, run, summary, peer);
+  result["model_bytes"] = model.bytes;
+  if (args.flag("json")) {
+    std::cout << result.dump() << "\n";
+  } else {
+    print_human(result);
+    if (!summary["ok"].get<bool>()) demo::print_summary(std::cout, summary);
+  }
+  if (summary["ok"].get<bool>() && !args.has("work-dir")) fs::remove_all(job.work_dir);
+  return summary["ok"].get<bool>() ? 0 : 1;
+}
+
+const BenchRegistrar registrar{
+    {"sync", "sync latency vs the raw transport and the peer baseline", kUsage, run_sync_bench}};
+
+}  // namespace
+}  // namespace weightsync::cli

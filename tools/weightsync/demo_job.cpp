@@ -1,0 +1,112 @@
+#include "demo_job.h"
+
+#include <weightsync/error.h>
+
+#include <cstring>
+#include <fstream>
+
+namespace weightsync::demo {
+
+nlohmann::json JobSpec::to_json() const {
+  return {
+      {"checkpoint", checkpoint},
+      {"trainer", trainer},
+      {"engine", engine},
+      {"steps", steps},
+      {"mode", mode},
+      {"transport", transport},
+      {"engine_transport", engine_transport},
+      {"bucket_bytes", bucket_bytes},
+      {"timeout_ms", timeout_ms},
+      {"staging", staging},
+      {"verify", verify},
+      {"dump_dir", dump_dir},
+      {"work_dir", work_dir},
+      {"trace", trace},
+      {"coordinator", coordinator},
+      {"token", token},
+      {"kill", {{"role", kill.role}, {"rank", kill.rank}, {"op", kill.op}, {"after", kill.after}}},
+      {"raw_rounds", raw_rounds}};
+}
+
+JobSpec JobSpec::from_json(const nlohmann::json& j) {
+  try {
+    JobSpec s;
+    s.checkpoint = j.at("checkpoint").get<std::string>();
+    s.trainer = j.at("trainer").get<std::string>();
+    s.engine = j.at("engine").get<std::string>();
+    s.steps = j.at("steps").get<int>();
+    s.mode = j.at("mode").get<std::string>();
+    s.transport = j.at("transport").get<std::string>();
+    s.engine_transport = j.at("engine_transport").get<std::vector<std::string>>();
+    s.bucket_bytes = j.at("bucket_bytes").get<int64_t>();
+    s.timeout_ms = j.at("timeout_ms").get<int64_t>();
+    s.staging = j.at("staging").get<bool>();
+    s.verify = j.at("verify").get<bool>();
+    s.dump_dir = j.at("dump_dir").get<std::string>();
+    s.work_dir = j.at("work_dir").get<std::string>();
+    s.trace = j.at("trace").get<bool>();
+    s.coordinator = j.at("coordinator").get<std::string>();
+    s.token = j.at("token").get<std::string>();
+    const auto& k = j.at("kill");
+    s.kill = {k.at("role").get<std::string>(), k.at("rank").get<int>(),
+              k.at("op").get<std::string>(), k.at("after").get<int64_t>()};
+    s.raw_rounds = j.at("raw_rounds").get<int>();
+    return s;
+  } catch (const nlohmann::json::exception& e) {
+    fail(Errc::format, "job file: ", e.what());
+  }
+}
+
+JobSpec JobSpec::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(Errc::io, "cannot open job file ", path);
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded()) fail(Errc::format, "job file ", path, " is not JSON");
+  return from_json(j);
+}
+
+void JobSpec::save(const std::string& path) const {
+  std::ofstream out(path, std::ios::trunc);
+  out << to_json().dump(2);
+  if (!out) fail(Errc::io, "cannot write job file ", path);
+}
+
+std::string JobSpec::stats_path(const std::string& role, int rank) const {
+  return cat(work_dir, "/stats-", role, rank, ".json");
+}
+
+std::string JobSpec::trace_path(const std::string& role, int rank) const {
+  return cat(work_dir, "/trace-", role, rank, ".json");
+}
+
+uint8_t version_pattern(int64_t step, int64_t final_step) {
+  if (step == final_step) return 0;
+  // Odd, hence never zero: every byte of every tensor changes.
+  return static_cast<uint8_t>(((step * 0x9D) ^ 0x5A) | 1);
+}
+
+void xor_bytes(void* data, std::size_t bytes, uint8_t pattern) {
+  if (pattern == 0) return;
+  auto* p = static_cast<unsigned char*>(data);
+  uint64_t wide = 0x0101010101010101ULL * pattern;
+  std::size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    v ^= wide;
+    std::memcpy(p + i, &v, 8);
+  }
+  for (; i < bytes; ++i) p[i] ^= pattern;
+}
+
+double peak_rss_mb() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
+  }
+  return 0;
+}
+
+}  // namespace weightsync::demo

@@ -1,0 +1,81 @@
+// A sync job as `weightsync demo`, `weightsync bench` and the e2e tests run
+// it: a parent process (with the coordinator embedded) and one worker process
+// per trainer rank and engine rank, all re-executions of this binary
+// (`weightsync worker --job FILE --role trainer|engine --rank R`).
+//
+// Versions: the job syncs `steps` versions of the checkpoint. Version s < steps
+// is the checkpoint with every byte XOR-ed with version_pattern(s) (nonzero),
+// so it differs from the checkpoint in every tensor; version `steps` is the
+// checkpoint itself. Engines verify their params bit-exactly against the
+// version of every committed step.
+#pragma once
+
+#include <weightsync/engine_layout.h>
+#include <weightsync/load_spec.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weightsync::demo {
+
+// Kills a worker at a chosen point: its `after`-th transport operation of
+// kind `op` ("send" or "recv"), counted from 1 over the whole job.
+struct KillSpec {
+  std::string role;  // "trainer" | "engine"; empty: nobody dies
+  int rank = -1;     // trainer rank or global engine rank
+  std::string op = "send";
+  int64_t after = 0;
+};
+
+struct JobSpec {
+  std::string checkpoint;  // a .safetensors file or HF directory
+  std::string trainer;     // trainer layout JSON path
+  std::string engine;      // engine config JSON path
+  int steps = 3;
+  std::string mode = "p2p";
+  std::string transport = "ucx";
+  // Per global engine rank, a transport name overriding `transport` (e.g. a
+  // fault wrapper); "" keeps the default.
+  std::vector<std::string> engine_transport;
+  int64_t bucket_bytes = int64_t{256} << 20;
+  int64_t timeout_ms = 120000;  // per step; connection setup gets the same
+  bool staging = false;
+  bool verify = true;    // engines check every committed step bit-exactly
+  std::string dump_dir;  // engines write engine<e>-rank<r>.safetensors here
+  std::string work_dir;  // stats, traces and logs of the workers
+  bool trace = false;
+  std::string coordinator;
+  std::string token;
+  KillSpec kill;
+  int raw_rounds = 0;  // bench: plain transport transfers of the plan's link bytes
+
+  nlohmann::json to_json() const;
+  static JobSpec from_json(const nlohmann::json& j);
+  static JobSpec load(const std::string& path);
+  void save(const std::string& path) const;
+
+  std::string stats_path(const std::string& role, int rank) const;
+  std::string trace_path(const std::string& role, int rank) const;
+};
+
+// The XOR byte of version `step` (0 for the final version).
+uint8_t version_pattern(int64_t step, int64_t final_step);
+// XORs every byte of [data, data + bytes) with `pattern`.
+void xor_bytes(void* data, std::size_t bytes, uint8_t pattern);
+
+// Peak resident memory of this process in MiB (VmHWM), 0 if unknown.
+double peak_rss_mb();
+
+// Worker entry points (demo_worker.cpp, demo_engine.cpp); return exit codes.
+int run_trainer_worker(const JobSpec& job, int rank);
+int run_engine_worker(const JobSpec& job, int global_rank);
+
+// Registers the "kill" transport wrapper (demo_kill.cpp):
+// "kill:<inner>?op=send&after=N" SIGKILLs its own process when posting its
+// N-th operation of that kind.
+void register_kill_transport();
+
+}  // namespace weightsync::demo

@@ -1,0 +1,143 @@
+#include "demo_procs.h"
+
+#include <weightsync/error.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace weightsync::demo {
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) fail(Errc::io, "cannot read /proc/self/exe: ", std::strerror(errno));
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+std::string ChildResult::status() const {
+  if (exited) return cat("exit ", exit_code);
+  if (signal) return cat("killed by signal ", signal, " (", strsignal(signal), ")");
+  return "not reaped";
+}
+
+ProcessGroup::ProcessGroup(std::string log_dir) : log_dir_(std::move(log_dir)) {}
+
+ProcessGroup::~ProcessGroup() {
+  kill_all();
+  // Bounded: SIGKILL cannot be ignored, so the reaps finish promptly.
+  for (int i = 0; i < 500 && std::count(running_.begin(), running_.end(), true) > 0; ++i) {
+    reap(false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+void ProcessGroup::spawn(const std::string& label, const std::vector<std::string>& args,
+                         bool may_fail) {
+  std::string file = label;
+  std::replace(file.begin(), file.end(), ' ', '-');
+  ChildResult child;
+  child.label = label;
+  child.may_fail = may_fail;
+  child.log_path = log_dir_ + "/" + file + ".log";
+  const std::string exe = self_exe();
+  std::vector<std::string> argv_s{exe};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  const int log = ::open(child.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (log < 0) fail(Errc::io, "cannot create log ", child.log_path, ": ", std::strerror(errno));
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(log);
+    fail(Errc::io, "fork for ", label, ": ", std::strerror(errno));
+  }
+  if (pid == 0) {
+    // Child: die with the parent, so that a killed demo leaves no orphan.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    ::dup2(log, STDOUT_FILENO);
+    ::dup2(log, STDERR_FILENO);
+    ::execv(exe.c_str(), argv.data());
+    ::_exit(127);
+  }
+  ::close(log);
+  child.pid = pid;
+  children_.push_back(std::move(child));
+  running_.push_back(true);
+}
+
+void ProcessGroup::reap(bool block) {
+  for (size_t i = 0; i < children_.size(); ++i) {
+    if (!running_[i]) continue;
+    int status = 0;
+    const pid_t r = ::waitpid(children_[i].pid, &status, block ? 0 : WNOHANG);
+    if (r != children_[i].pid) continue;
+    running_[i] = false;
+    if (WIFEXITED(status)) {
+      children_[i].exited = true;
+      children_[i].exit_code = WEXITSTATUS(status);
+    } else if (WIFSIGNALED(status)) {
+      children_[i].signal = WTERMSIG(status);
+    }
+  }
+}
+
+void ProcessGroup::kill_all() {
+  for (size_t i = 0; i < children_.size(); ++i)
+    if (running_[i]) ::kill(children_[i].pid, SIGKILL);
+}
+
+std::vector<ChildResult> ProcessGroup::wait_all(std::chrono::milliseconds timeout,
+                                                std::chrono::milliseconds grace) {
+  using Clock = std::chrono::steady_clock;
+  auto deadline = Clock::now() + timeout;
+  bool failed = false;
+  while (std::count(running_.begin(), running_.end(), true) > 0) {
+    reap(false);
+    if (!failed) {
+      for (size_t i = 0; i < children_.size(); ++i) {
+        const auto& c = children_[i];
+        if (!running_[i] && !c.ok() && !c.may_fail) {
+          failed = true;
+          deadline = std::min(deadline, Clock::now() + grace);
+        }
+      }
+    }
+    if (Clock::now() >= deadline) {
+      timed_out_ = !failed;
+      kill_all();
+      for (int k = 0; k < 500 && std::count(running_.begin(), running_.end(), true) > 0; ++k) {
+        reap(false);
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return children_;
+}
+
+std::string tail_of_file(const std::string& path, std::size_t max_bytes) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return "";
+  const auto size = static_cast<std::size_t>(in.tellg());
+  const std::size_t start = size > max_bytes ? size - max_bytes : 0;
+  in.seekg(static_cast<std::streamoff>(start));
+  std::string out(size - start, '\0');
+  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  return out;
+}
+
+}  // namespace weightsync::demo

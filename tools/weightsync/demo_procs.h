@@ -1,0 +1,66 @@
+// Child processes for demo, bench and the e2e tests: the `weightsync` binary
+// re-executes itself (/proc/self/exe) once per role and rank, so every rank is
+// a real, separate process. Each child's stdout and stderr go to its own log
+// file; the group reaps every child it started (no zombie), kills the rest
+// when one fails, and bounds every wait.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <sys/types.h>
+
+namespace weightsync::demo {
+
+// The path of the running executable, for re-executing it.
+std::string self_exe();
+
+struct ChildResult {
+  std::string label;  // "trainer 0", "engine 3", ...
+  pid_t pid = -1;
+  bool exited = false;  // false: killed by a signal (or never reaped)
+  int exit_code = -1;
+  int signal = 0;
+  bool may_fail = false;  // a child whose failure is part of the scenario
+  std::string log_path;
+
+  bool ok() const { return exited && exit_code == 0; }
+  std::string status() const;  // "exit 0", "exit 1", "killed by signal 9 (Killed)"
+};
+
+class ProcessGroup {
+ public:
+  // Logs go to `log_dir`/<label with spaces as dashes>.log.
+  explicit ProcessGroup(std::string log_dir);
+  ~ProcessGroup();  // kills (SIGKILL) and reaps whatever still runs
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  // Starts `self_exe() args...`. `may_fail`: its failure does not fail the
+  // group (e.g. an engine the scenario kills on purpose).
+  void spawn(const std::string& label, const std::vector<std::string>& args, bool may_fail = false);
+
+  // Waits until every child has ended, or `timeout`. When a child that may not
+  // fail ends badly, the others get `grace` to end on their own (they usually
+  // fail fast with a peer_failure of their own), then are killed. Children
+  // still running at the deadline are killed and reported as timed out.
+  // Returns every child's result, in spawn order.
+  std::vector<ChildResult> wait_all(std::chrono::milliseconds timeout,
+                                    std::chrono::milliseconds grace = std::chrono::seconds(10));
+  void kill_all();  // SIGKILL to every running child
+  bool timed_out() const { return timed_out_; }
+
+ private:
+  void reap(bool block);
+
+  std::string log_dir_;
+  std::vector<ChildResult> children_;
+  std::vector<bool> running_;
+  bool timed_out_ = false;
+};
+
+// The last `max_bytes` of a file (a child's log), "" when unreadable.
+std::string tail_of_file(const std::string& path, std::size_t max_bytes = 4000);
+
+}  // namespace weightsync::demo

@@ -1,0 +1,96 @@
+#include "demo_raw.h"
+
+#include <weightsync/error.h>
+#include <weightsync/transport.h>
+
+#include <cstring>
+
+namespace weightsync::demo {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr Tag kRawTagBase = Tag{1} << 46;
+
+// bytes[t][g]: what the plan moves from trainer rank t to engine rank g.
+std::vector<std::vector<int64_t>> link_bytes(const Plan& plan) {
+  std::vector<std::vector<int64_t>> out(static_cast<size_t>(plan.trainer_world()),
+                                        std::vector<int64_t>(plan.engine_world(), 0));
+  for (const Bucket& b : plan.buckets()) {
+    auto& row = out[static_cast<size_t>(b.src_rank)];
+    if (b.dst_rank >= 0) {
+      row[static_cast<size_t>(b.dst_rank)] += b.bytes;
+    } else {
+      for (auto& v : row) v += b.bytes;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Client& client,
+                              const std::string& role, int rank) {
+  const int trainers = plan.trainer_world(), engines = plan.engine_world();
+  const bool trainer = role == "trainer";
+  const auto links = link_bytes(plan);
+  const auto chunk = static_cast<size_t>(job.bucket_bytes);
+  const std::chrono::milliseconds timeout(job.timeout_ms);
+  TransportOptions o;
+  o.name = job.transport;
+  o.store = &client;
+  o.prefix = "raw/transport";
+  o.rank = trainer ? rank : trainers + rank;
+  o.world = trainers + engines;
+  o.bootstrap_timeout = timeout;
+  auto transport = make_transport(o);
+  for (int p = 0; p < o.world; ++p)
+    if (p != o.rank) transport->connect(p);
+
+  int64_t total = 0;
+  if (trainer) {
+    for (int64_t v : links[static_cast<size_t>(rank)]) total += v;
+  } else {
+    for (const auto& row : links) total += row[static_cast<size_t>(rank)];
+  }
+  // A trainer sends every chunk from one buffer; an engine receives into
+  // distinct memory, as the real thing would.
+  const size_t buffer_bytes =
+      trainer ? std::min<size_t>(chunk, static_cast<size_t>(total)) : static_cast<size_t>(total);
+  std::unique_ptr<char[]> buffer(new char[std::max<size_t>(buffer_bytes, 1)]);
+  std::memset(buffer.get(), 0x5A, std::max<size_t>(buffer_bytes, 1));
+  auto region =
+      transport->register_memory(host_buffer(buffer.get(), std::max<size_t>(buffer_bytes, 1)));
+
+  nlohmann::json seconds = nlohmann::json::array();
+  for (int round = 0; round < job.raw_rounds; ++round) {
+    client.barrier(cat("raw start ", round), trainers + engines, timeout);
+    const auto start = Clock::now();
+    std::vector<std::unique_ptr<Request>> requests;
+    size_t offset = 0;
+    const int peers = trainer ? engines : trainers;
+    for (int p = 0; p < peers; ++p) {
+      int64_t left = trainer ? links[static_cast<size_t>(rank)][static_cast<size_t>(p)]
+                             : links[static_cast<size_t>(p)][static_cast<size_t>(rank)];
+      for (Tag c = 0; left > 0; ++c) {
+        const size_t n = std::min<size_t>(chunk, static_cast<size_t>(left));
+        if (trainer) {
+          requests.push_back(transport->send(trainers + p, kRawTagBase + c,
+                                             host_buffer(buffer.get(), n, region.get())));
+        } else {
+          requests.push_back(transport->recv(p, kRawTagBase + c,
+                                             host_buffer(buffer.get() + offset, n, region.get())));
+          offset += n;
+        }
+        left -= static_cast<int64_t>(n);
+      }
+    }
+    wait_all(requests, timeout);
+    seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    requests.clear();
+    client.barrier(cat("raw end ", round), trainers + engines, timeout);
+  }
+  region.reset();
+  return {{"bytes", total}, {"seconds", seconds}};
+}
+
+}  // namespace weightsync::demo

@@ -1,0 +1,181 @@
+#include "demo_run.h"
+
+#include <weightsync/control.h>
+#include <weightsync/engine_layout.h>
+#include <weightsync/error.h>
+#include <weightsync/load_spec.h>
+#include <weightsync/trace.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <ostream>
+#include <random>
+
+#include <unistd.h>
+
+namespace weightsync::demo {
+namespace {
+
+nlohmann::json read_json_or_null(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return nullptr;
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  return j.is_discarded() ? nlohmann::json(nullptr) : j;
+}
+
+std::string random_token() {
+  std::random_device rd;
+  return cat(std::hex, rd(), rd());
+}
+
+const nlohmann::json* step_of(const nlohmann::json& stats, int64_t step) {
+  if (!stats.is_object() || !stats.contains("steps")) return nullptr;
+  for (const auto& s : stats["steps"])
+    if (s.value("step", int64_t{-1}) == step) return &s;
+  return nullptr;
+}
+
+double phase(const nlohmann::json* s, const char* name) {
+  if (!s || !s->contains("phases")) return 0;
+  return (*s)["phases"].value(name, 0.0);
+}
+
+}  // namespace
+
+std::string make_temp_dir(const std::string& what) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = cat(tmp && *tmp ? tmp : "/tmp", "/weightsync-", what, "-XXXXXX");
+  if (!::mkdtemp(pattern.data())) fail(Errc::io, "cannot create a temporary directory ", pattern);
+  return pattern;
+}
+
+JobRun run_job(JobSpec job, const std::string& trace_out) {
+  const int trainers = static_cast<int>(TrainerLayout::load(job.trainer).mesh.world());
+  const int engines = make_engine_layout(EngineConfig::load(job.engine)).world();
+  control::CoordinatorOptions co;
+  co.token = random_token();
+  co.step_timeout = std::chrono::milliseconds(job.timeout_ms);
+  co.expect_trainers = trainers;
+  co.expect_engines = engines;
+  control::Coordinator coordinator(co);
+  job.coordinator = coordinator.address();
+  job.token = co.token;
+  const std::string job_path = job.work_dir + "/job.json";
+  job.save(job_path);
+
+  ProcessGroup group(job.work_dir);
+  auto spawn = [&](const std::string& role, int rank) {
+    const bool victim = job.kill.role == role && job.kill.rank == rank;
+    group.spawn(cat(role, " ", rank),
+                {"worker", "--job", job_path, "--role", role, "--rank", std::to_string(rank)},
+                victim);
+  };
+  for (int g = 0; g < engines; ++g) spawn("engine", g);
+  for (int t = 0; t < trainers; ++t) spawn("trainer", t);
+  // Setup, every step, and the teardown each get the per-step timeout.
+  const auto budget = std::chrono::milliseconds(job.timeout_ms) * (job.steps + 3);
+  JobRun run;
+  run.children = group.wait_all(budget);
+  run.timed_out = group.timed_out();
+  for (int t = 0; t < trainers; ++t)
+    run.trainers.push_back(read_json_or_null(job.stats_path("trainer", t)));
+  for (int g = 0; g < engines; ++g)
+    run.engines.push_back(read_json_or_null(job.stats_path("engine", g)));
+  if (job.trace && !trace_out.empty()) {
+    std::vector<std::string> files;
+    for (int t = 0; t < trainers; ++t) files.push_back(job.trace_path("trainer", t));
+    for (int g = 0; g < engines; ++g) files.push_back(job.trace_path("engine", g));
+    merge_traces(files, trace_out);
+  }
+  return run;
+}
+
+nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
+  nlohmann::json out = {{"trainers", run.trainers.size()}, {"engines", run.engines.size()}};
+  bool ok = !run.timed_out;
+  nlohmann::json children = nlohmann::json::array();
+  for (const auto& c : run.children) {
+    children.push_back({{"label", c.label}, {"status", c.status()}, {"log", c.log_path}});
+    ok &= c.ok();
+  }
+  out["children"] = children;
+  nlohmann::json steps = nlohmann::json::array();
+  for (int64_t s = 1; s <= job.steps; ++s) {
+    nlohmann::json row = {{"step", s}};
+    double sync = 0, pack = 0, gather = 0, wire = 0, receive = 0, apply = 0, commit = 0;
+    int64_t rank_bytes = 0, total = 0;
+    nlohmann::json committed = nlohmann::json::array(), verified = nlohmann::json::array();
+    for (const auto& t : run.trainers) {
+      const auto* st = step_of(t, s);
+      if (!st || !st->value("ok", false)) continue;
+      sync = std::max(sync, st->value("seconds", 0.0));
+      pack = std::max(pack, phase(st, "pack"));
+      gather = std::max(gather, phase(st, "gather"));
+      wire = std::max(wire, phase(st, "wire"));
+    }
+    for (size_t g = 0; g < run.engines.size(); ++g) {
+      const auto& e = run.engines[g];
+      const auto* st = step_of(e, s);
+      if (!st) continue;
+      receive = std::max(receive, phase(st, "receive"));
+      apply = std::max(apply, phase(st, "apply"));
+      commit = std::max(commit, phase(st, "commit"));
+      if (st->value("committed", false)) {
+        committed.push_back(g);
+        rank_bytes = std::max<int64_t>(rank_bytes, st->value("bytes", int64_t{0}));
+        total += st->value("bytes", int64_t{0});
+      }
+      for (const auto& c : e.value("checks", nlohmann::json::array()))
+        if (c.value("version", int64_t{-2}) == s && c.value("ok", false)) verified.push_back(g);
+    }
+    row["sync_s"] = sync;
+    row["engine_rank_bytes"] = rank_bytes;
+    row["engine_rank_gbps"] = sync > 0 ? static_cast<double>(rank_bytes) / sync / 1e9 : 0.0;
+    row["total_gbps"] = sync > 0 ? static_cast<double>(total) / sync / 1e9 : 0.0;
+    row["phases"] = {{"pack", pack},   {"gather", gather},
+                     {"wire", wire},   {"receive_wait", receive},
+                     {"apply", apply}, {"commit", commit}};
+    row["committed"] = committed;
+    row["verified"] = verified;
+    ok &= committed.size() == run.engines.size();
+    if (job.verify) ok &= verified.size() == run.engines.size();
+    steps.push_back(row);
+  }
+  out["steps"] = steps;
+  nlohmann::json versions = nlohmann::json::array(), engine_ok = nlohmann::json::array();
+  for (const auto& e : run.engines) {
+    versions.push_back(e.is_object() ? e.value("version", int64_t{-1}) : int64_t{-1});
+    engine_ok.push_back(e.is_object() && e.value("ok", false));
+  }
+  out["engine_versions"] = versions;
+  out["engine_ok"] = engine_ok;
+  out["ok"] = ok;
+  return out;
+}
+
+void print_summary(std::ostream& out, const nlohmann::json& summary) {
+  out << std::fixed;
+  for (const auto& row : summary["steps"]) {
+    const auto& p = row["phases"];
+    out << "step " << row["step"].get<int64_t>() << ": sync " << std::setprecision(1)
+        << row["sync_s"].get<double>() * 1e3 << " ms, " << std::setprecision(3)
+        << row["engine_rank_gbps"].get<double>() << " GB/s per engine rank ("
+        << row["engine_rank_bytes"].get<int64_t>() / 1e6 << " MB), "
+        << row["total_gbps"].get<double>() << " GB/s total; committed " << row["committed"].size()
+        << "/" << summary["engines"].get<size_t>() << ", verified bit-exact "
+        << row["verified"].size() << "/" << summary["engines"].get<size_t>() << "\n"
+        << std::setprecision(1) << "  phases (ms, slowest rank): pack "
+        << p["pack"].get<double>() * 1e3 << ", gather " << p["gather"].get<double>() * 1e3
+        << ", send/wire " << p["wire"].get<double>() * 1e3 << ", receive wait "
+        << p["receive_wait"].get<double>() * 1e3 << ", apply " << p["apply"].get<double>() * 1e3
+        << ", commit " << p["commit"].get<double>() * 1e3 << "\n";
+  }
+  for (const auto& c : summary["children"]) {
+    if (c["status"] != "exit 0")
+      out << c["label"].get<std::string>() << ": " << c["status"].get<std::string>() << " (log "
+          << c["log"].get<std::string>() << ")\n";
+  }
+}
+
+}  // namespace weightsync::demo

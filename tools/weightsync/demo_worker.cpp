@@ -1,0 +1,150 @@
+// The trainer side of a demo/bench job: one process per trainer rank holding
+// its local shards (read from the checkpoint as `weightsync shard` would),
+// turning them into each step's version and pushing it.
+#include "demo_job.h"
+#include "demo_raw.h"
+
+#include <weightsync/control.h>
+#include <weightsync/error.h>
+#include <weightsync/publisher.h>
+#include <weightsync/safetensors.h>
+#include <weightsync/trace.h>
+
+#include <fstream>
+#include <iostream>
+
+namespace weightsync::demo {
+namespace {
+
+using Millis = std::chrono::milliseconds;
+
+struct LocalTensor {
+  std::unique_ptr<char[]> memory;
+  TensorView view;
+};
+
+std::vector<LocalTensor> load_shards(const Checkpoint& ckpt, const TrainerLayout& layout,
+                                     int rank) {
+  std::vector<LocalTensor> out;
+  for (const LoadSpec& spec : layout.params) {
+    LocalTensor t;
+    const Shape shape = local_shape(spec, layout.mesh, rank);
+    const size_t bytes = static_cast<size_t>(numel(shape)) * itemsize(spec.dtype);
+    t.memory.reset(new char[std::max<size_t>(bytes, 1)]());
+    t.view = host_view(t.memory.get(), spec.dtype, shape);
+    fill_local_tensor(ckpt, spec, layout.mesh, rank, t.view);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+nlohmann::json push_json(const PushResult& r) {
+  nlohmann::json failed = nlohmann::json::array();
+  for (const auto& [rank, why] : r.failed) failed.push_back({{"rank", rank}, {"reason", why}});
+  return {{"step", r.step},
+          {"ok", true},
+          {"seconds", r.seconds},
+          {"bytes_sent", r.bytes_sent},
+          {"committed", r.committed},
+          {"failed", failed},
+          {"phases",
+           {{"begin", r.phases.begin},
+            {"pack", r.phases.pack},
+            {"gather", r.phases.gather},
+            {"wire", r.phases.wire},
+            {"commit", r.phases.commit}}}};
+}
+
+std::string with_kill(const JobSpec& job, std::string transport, const std::string& role,
+                      int rank) {
+  if (job.kill.role != role || job.kill.rank != rank) return transport;
+  const char sep = transport.find('?') == std::string::npos ? '?' : '&';
+  return cat("kill:", transport, sep, "op=", job.kill.op, "&after=", job.kill.after);
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) {
+  std::ofstream out(path, std::ios::trunc);
+  out << j.dump(2);
+  if (!out) fail(Errc::io, "cannot write ", path);
+}
+
+}  // namespace
+
+std::unique_ptr<control::Client> observer_client(const JobSpec& job, Millis timeout) {
+  control::ClientOptions c;
+  c.address = job.coordinator;
+  c.token = job.token;
+  c.role = control::Role::observer;
+  c.connect_timeout = timeout;
+  return std::make_unique<control::Client>(c);
+}
+
+std::string worker_transport(const JobSpec& job, const std::string& role, int rank) {
+  std::string t = job.transport;
+  if (role == "engine" && rank < static_cast<int>(job.engine_transport.size()) &&
+      !job.engine_transport[static_cast<size_t>(rank)].empty())
+    t = job.engine_transport[static_cast<size_t>(rank)];
+  return with_kill(job, t, role, rank);
+}
+
+int run_trainer_worker(const JobSpec& job, int rank) {
+  register_kill_transport();
+  const Millis timeout(job.timeout_ms);
+  const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
+  const TrainerLayout layout = TrainerLayout::load(job.trainer);
+  check_checkpoint(ckpt, layout);
+  auto shards = load_shards(ckpt, layout, rank);
+  std::unique_ptr<Tracer> tracer;
+  if (job.trace) tracer = std::make_unique<Tracer>(cat("trainer ", rank), rank);
+
+  PublisherOptions opt;
+  opt.coordinator = job.coordinator;
+  opt.token = job.token;
+  opt.rank = rank;
+  opt.layout = layout;
+  opt.engine = EngineConfig::load(job.engine);
+  opt.transport = worker_transport(job, "trainer", rank);
+  opt.mode = parse_plan_mode(job.mode);
+  opt.bucket_bytes = job.bucket_bytes;
+  opt.connect_timeout = timeout;
+  opt.step_timeout = timeout;
+  opt.tracer = tracer.get();
+  Publisher pub(opt);
+  for (size_t i = 0; i < shards.size(); ++i)
+    pub.register_tensor(layout.params[i].name, shards[i].view);
+  pub.prepare();
+  auto observer = observer_client(job, timeout);
+  const int trainers = static_cast<int>(layout.mesh.world());
+
+  nlohmann::json stats = {{"role", "trainer"}, {"rank", rank}};
+  if (job.raw_rounds > 0)
+    stats["raw"] = run_raw_rounds(job, pub.plan(), *observer, "trainer", rank);
+  nlohmann::json steps = nlohmann::json::array();
+  uint8_t applied = 0;  // the XOR pattern the shards hold now
+  int rc = 0;
+  for (int s = 1; s <= job.steps; ++s) {
+    const uint8_t target = version_pattern(s, job.steps);
+    for (auto& t : shards) xor_bytes(t.view.data, t.view.nbytes(), applied ^ target);
+    applied = target;
+    try {
+      // Ranks start a step together, as after a synchronous optimizer step.
+      observer->barrier(cat("step ", s), trainers, timeout);
+      steps.push_back(push_json(pub.push(s)));
+    } catch (const Error& e) {
+      std::cerr << "trainer rank " << rank << ": step " << s << ": error [" << errc_name(e.code())
+                << "]: " << e.what() << "\n";
+      steps.push_back({{"step", s}, {"ok", false}, {"error", e.what()}});
+      rc = 1;
+      break;
+    }
+  }
+  stats["steps"] = steps;
+  stats["staging_bytes"] = pub.staging_bytes();
+  stats["bucket_bytes"] = job.bucket_bytes;
+  stats["peak_rss_mb"] = peak_rss_mb();
+  write_json(job.stats_path("trainer", rank), stats);
+  if (tracer) tracer->write(job.trace_path("trainer", rank));
+  return rc;
+}
+
+}  // namespace weightsync::demo

@@ -1,0 +1,266 @@
+#include <weightsync/control.h>
+#include <weightsync/error.h>
+#include <weightsync/publisher.h>
+#include <weightsync/topology.h>
+#include <weightsync/trace.h>
+
+#include "publisher_pipeline.h"
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <mutex>
+
+namespace weightsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+Millis left_until(Clock::time_point deadline) {
+  return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
+}
+
+std::vector<uint8_t> bytes_of(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+}  // namespace
+
+struct Publisher::Impl {
+  PublisherOptions opt;
+  std::unique_ptr<control::Client> client;
+  std::map<std::string, size_t, std::less<>> index;  // param name -> layout index
+  std::vector<TensorView> tensors;
+  std::vector<bool> registered;
+  std::optional<EngineLayout> engine;
+  std::unique_ptr<Transport> transport;
+  std::optional<Plan> plan;
+  std::unique_ptr<trainer::SendPipeline> pipeline;
+  std::vector<bool> dead;  // engine ranks dropped (died or failed)
+  std::optional<control::StepResult> early_result;
+  int64_t current_step = -1;
+  std::mutex push_mutex;
+
+  int trainer_world() const { return static_cast<int>(opt.layout.mesh.world()); }
+  std::string key(const std::string& what) const { return opt.job + "/" + what; }
+
+  void ensure_ready();
+  void poll();
+  PushResult push(int64_t step);
+  control::StepResult decide(int64_t step, Clock::time_point deadline);
+};
+
+void Publisher::Impl::ensure_ready() {
+  if (plan) return;
+  for (size_t i = 0; i < registered.size(); ++i)
+    if (!registered[i])
+      fail(Errc::invalid_argument, "trainer rank ", opt.rank, ": param '",
+           opt.layout.params[i].name, "' was not registered before the first push");
+  const auto deadline = Clock::now() + opt.connect_timeout;
+  EngineConfig config;
+  if (opt.engine) {
+    config = *opt.engine;
+  } else {
+    const auto blob = client->get(key("layout/engine"), left_until(deadline));
+    config = EngineConfig::from_json(nlohmann::json::parse(blob.begin(), blob.end()), ".");
+  }
+  engine = make_engine_layout(config);
+  const int engines = engine->world();
+  client->wait_members(trainer_world(), engines, left_until(deadline));
+  TransportOptions t;
+  t.name = opt.transport;
+  t.store = client.get();
+  t.prefix = key("transport");
+  t.rank = opt.rank;
+  t.world = trainer_world() + engines;
+  t.bootstrap_timeout = left_until(deadline);
+  transport = make_transport(t);
+  PlanOptions po;
+  po.mode = opt.mode;
+  po.bucket_bytes = opt.bucket_bytes;
+  plan = make_plan(opt.layout, *engine, Topology{}, po);
+  pipeline = std::make_unique<trainer::SendPipeline>(*plan, opt.rank, tensors);
+  pipeline->prepare(*transport);
+  // Endpoints now rather than inside the first step's timing.
+  for (int peer = 0; peer < t.world; ++peer)
+    if (peer != opt.rank) transport->connect(peer);
+  dead.assign(static_cast<size_t>(engines), false);
+}
+
+void Publisher::Impl::poll() {
+  while (auto ev = client->poll_event()) {
+    if (auto* left = std::get_if<control::MemberLeft>(&*ev)) {
+      const auto& m = left->member;
+      if (m.role == control::Role::engine && m.rank >= 0 && m.rank < static_cast<int>(dead.size()))
+        dead[static_cast<size_t>(m.rank)] = true;
+    } else if (auto* result = std::get_if<control::StepResult>(&*ev)) {
+      if (result->step != current_step) continue;
+      // Decided before this rank reported: only an abort does that.
+      early_result = *result;
+      fail(Errc::peer_failure, "trainer rank ", opt.rank, ": step ", current_step,
+           " was aborted while sending: ", result->reason);
+    }
+  }
+}
+
+control::StepResult Publisher::Impl::decide(int64_t step, Clock::time_point deadline) {
+  if (early_result) return *early_result;
+  return client->wait_step_result(step, left_until(deadline));
+}
+
+PushResult Publisher::Impl::push(int64_t step) {
+  std::lock_guard lock(push_mutex);
+  const auto start = Clock::now();
+  TraceSpan whole(opt.tracer, cat("push ", step), "step");
+  ensure_ready();
+  const auto deadline = start + opt.step_timeout;
+  PushResult out;
+  out.step = step;
+  early_result.reset();
+  current_step = step;
+  {
+    TraceSpan span(opt.tracer, "begin", "control");
+    const auto t = Clock::now();
+    client->begin_step(step, plan->plan_id_hex());
+    out.phases.begin = seconds_since(t);
+  }
+  try {
+    out.bytes_sent = pipeline->run(
+        step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
+    client->sent(step, true);
+  } catch (const Error& e) {
+    pipeline->cancel_all();
+    if (!early_result) {
+      try {
+        client->sent(step, false, e.what());
+        decide(step, std::min(deadline, Clock::now() + Millis(5000)));
+      } catch (const Error&) {
+        // The original failure is the one worth reporting.
+      }
+    }
+    throw;
+  }
+  control::StepResult result;
+  {
+    TraceSpan span(opt.tracer, "commit", "control");
+    const auto t = Clock::now();
+    result = decide(step, deadline);
+    out.phases.commit = seconds_since(t);
+  }
+  if (!result.trainers_ok)
+    fail(Errc::peer_failure, "trainer rank ", opt.rank, ": step ", step,
+         " was aborted: ", result.reason);
+  out.committed = result.committed;
+  for (const auto& f : result.failed) out.failed.emplace_back(f.rank, f.reason);
+  out.seconds = seconds_since(start);
+  return out;
+}
+
+Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.opt = std::move(options);
+  m.opt.layout.validate();
+  const int world = m.trainer_world();
+  if (m.opt.rank < 0 || m.opt.rank >= world)
+    fail(Errc::invalid_argument, "publisher: rank ", m.opt.rank, " outside the trainer world of ",
+         world, " (mesh ", shape_str(m.opt.layout.mesh.shape), ")");
+  if (m.opt.bucket_bytes < 1024)
+    fail(Errc::invalid_argument, "publisher: bucket_bytes ", m.opt.bucket_bytes,
+         " is below the minimum of 1024");
+  for (size_t i = 0; i < m.opt.layout.params.size(); ++i)
+    m.index.emplace(m.opt.layout.params[i].name, i);
+  m.tensors.resize(m.opt.layout.params.size());
+  m.registered.assign(m.opt.layout.params.size(), false);
+  control::ClientOptions c;
+  c.address = m.opt.coordinator;
+  c.token = m.opt.token;
+  c.role = control::Role::trainer;
+  c.rank = m.opt.rank;
+  c.world = world;
+  c.connect_timeout = m.opt.connect_timeout;
+  m.client = std::make_unique<control::Client>(c);
+  if (m.opt.rank == 0) {
+    // The engines plan from the same inputs: the layout and the plan options.
+    m.client->set(m.key("layout/trainer"), bytes_of(m.opt.layout.to_json().dump()));
+    const nlohmann::json po = {{"mode", plan_mode_name(m.opt.mode)},
+                               {"bucket_bytes", m.opt.bucket_bytes}};
+    m.client->set(m.key("plan_options"), bytes_of(po.dump()));
+  }
+}
+
+Publisher::~Publisher() {
+  if (!impl_) return;
+  // Requests and regions go before their transport, the client last.
+  impl_->pipeline.reset();
+  impl_->transport.reset();
+  try {
+    if (impl_->client) impl_->client->leave();
+  } catch (const Error&) {
+  }
+}
+
+void Publisher::register_tensor(const std::string& name, const TensorView& tensor) {
+  Impl& m = *impl_;
+  if (m.plan)
+    fail(Errc::invalid_argument, "trainer rank ", m.opt.rank, ": register_tensor('", name,
+         "') after the first push");
+  auto it = m.index.find(name);
+  if (it == m.index.end())
+    fail(Errc::not_found, "trainer rank ", m.opt.rank, ": param '", name,
+         "' is not in the trainer layout (", m.index.size(), " params)");
+  const LoadSpec& spec = m.opt.layout.params[it->second];
+  const Shape expected = local_shape(spec, m.opt.layout.mesh, m.opt.rank);
+  if (tensor.dtype != spec.dtype)
+    fail(Errc::mismatch, "trainer rank ", m.opt.rank, ": param '", name, "' registered as ",
+         dtype_name(tensor.dtype), " but its LoadSpec says ", dtype_name(spec.dtype));
+  if (tensor.shape != expected)
+    fail(Errc::mismatch, "trainer rank ", m.opt.rank, ": param '", name, "' registered with shape ",
+         shape_str(tensor.shape), " but rank ", m.opt.rank, "'s local shape is ",
+         shape_str(expected));
+  if (!tensor.data && tensor.numel() > 0)
+    fail(Errc::invalid_argument, "trainer rank ", m.opt.rank, ": param '", name,
+         "' registered with a null pointer");
+  m.tensors[it->second] = tensor;
+  m.registered[it->second] = true;
+}
+
+void Publisher::register_tensor(const std::string& name, void* data, DType dtype,
+                                const Shape& shape, MemoryKind memory, int device) {
+  TensorView v = host_view(data, dtype, shape);
+  v.memory = memory;
+  v.device = device;
+  register_tensor(name, v);
+}
+
+void Publisher::prepare() {
+  std::lock_guard lock(impl_->push_mutex);
+  impl_->ensure_ready();
+}
+
+PushResult Publisher::push(int64_t step) {
+  return impl_->push(step);
+}
+
+std::future<PushResult> Publisher::push_async(int64_t step) {
+  return std::async(std::launch::async, [this, step] { return impl_->push(step); });
+}
+
+const Plan& Publisher::plan() const {
+  if (!impl_->plan) fail(Errc::invalid_argument, "publisher: no plan before the first push");
+  return *impl_->plan;
+}
+
+int Publisher::rank() const {
+  return impl_->opt.rank;
+}
+
+std::size_t Publisher::staging_bytes() const {
+  return impl_->pipeline ? 2 * impl_->pipeline->slot_bytes() : 0;
+}
+
+}  // namespace weightsync
