@@ -50,7 +50,7 @@ struct SafetensorsWriter::Impl {
   std::vector<Entry> entries;
   std::vector<uint64_t> ends;  // end offset of each entry in the data section
   uint64_t written = 0;        // data bytes accepted so far
-  size_t next = 0;             // first entry not completely written
+  size_t cursor = 0;           // the next entry write_tensor() may name (see sync_cursor)
   std::vector<char> staging;
   bool finished = false;
 
@@ -77,9 +77,19 @@ struct SafetensorsWriter::Impl {
     else
       staging.insert(staging.end(), p, p + n);
   }
-  void advance(uint64_t n) {
-    written += n;
-    while (next < ends.size() && ends[next] <= written) ++next;
+  uint64_t size_of(size_t i) const { return ends[i] - begin_of(i); }
+  // Moves the cursor past entries that write() has already covered. A
+  // zero-sized entry at the write position stays: write_tensor may name it.
+  void sync_cursor() {
+    while (cursor < ends.size() &&
+           (size_of(cursor) > 0 ? ends[cursor] <= written : begin_of(cursor) < written))
+      ++cursor;
+  }
+  // The entry the next data byte belongs to (entries.size() when all are written).
+  size_t filling() const {
+    size_t i = 0;
+    while (i < ends.size() && ends[i] <= written) ++i;
+    return i;
   }
   void close_fd() {
     if (fd >= 0) ::close(fd);
@@ -129,7 +139,6 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<Entry> entrie
     ::unlink(w.tmp_path.c_str());
     throw;
   }
-  w.advance(0);  // skips leading zero-sized tensors
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
@@ -145,39 +154,43 @@ void SafetensorsWriter::write(const void* data, std::size_t bytes) {
     fail(Errc::invalid_argument, w.path, ": writing ", bytes, " bytes at data offset ", w.written,
          " runs past the ", w.total(), " bytes declared for the tensors");
   w.append(static_cast<const char*>(data), bytes);
-  w.advance(bytes);
+  w.written += bytes;
 }
 
 void SafetensorsWriter::write_tensor(std::string_view name, const void* data, std::size_t bytes) {
   Impl& w = *impl_;
   if (w.finished)
     fail(Errc::invalid_argument, w.path, ": write_tensor('", name, "') after finish()");
-  if (w.next >= w.entries.size())
+  w.sync_cursor();
+  // Zero-sized tensors hold no bytes: naming a later tensor skips them.
+  size_t i = w.cursor;
+  while (i < w.entries.size() && w.entries[i].name != name && w.size_of(i) == 0) ++i;
+  if (i >= w.entries.size())
     fail(Errc::invalid_argument, w.path, ": write_tensor('", name,
          "') but every declared tensor is already written");
-  const Entry& e = w.entries[w.next];
+  const Entry& e = w.entries[i];
   if (e.name != name)
     fail(Errc::invalid_argument, w.path, ": write_tensor('", name,
          "') but the next declared tensor is '", e.name,
          "' (tensors are written in declaration order)");
-  if (w.written != w.begin_of(w.next))
+  if (w.written != w.begin_of(i))
     fail(Errc::invalid_argument, w.path, ": write_tensor('", name, "') but ",
-         w.written - w.begin_of(w.next), " bytes of it were already written with write()");
-  const uint64_t expected = w.ends[w.next] - w.begin_of(w.next);
-  if (bytes != expected)
+         w.written - w.begin_of(i), " bytes of it were already written with write()");
+  if (bytes != w.size_of(i))
     fail(Errc::mismatch, w.path, ": tensor '", name, "' ", dtype_name(e.dtype), " ",
-         shape_str(e.shape), " needs ", expected, " bytes, got ", bytes);
+         shape_str(e.shape), " needs ", w.size_of(i), " bytes, got ", bytes);
   write(data, bytes);
+  w.cursor = i + 1;
 }
 
 void SafetensorsWriter::finish() {
   Impl& w = *impl_;
   if (w.finished) fail(Errc::invalid_argument, w.path, ": finish() called twice");
   if (w.written != w.total()) {
-    const Entry& e = w.entries[w.next];
+    const size_t i = w.filling();
     fail(Errc::mismatch, w.path, ": finish() after ", w.written, " of ", w.total(),
-         " data bytes; tensor '", e.name, "' has ", w.written - w.begin_of(w.next), " of its ",
-         w.ends[w.next] - w.begin_of(w.next), " bytes");
+         " data bytes; tensor '", w.entries[i].name, "' has ", w.written - w.begin_of(i),
+         " of its ", w.size_of(i), " bytes");
   }
   w.flush();
   // No fsync: the file is complete for every reader on this machine once
