@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <unordered_map>
@@ -222,10 +224,27 @@ int64_t PlanBuilder::item_bytes(const PlanItem& item) const {
          static_cast<int64_t>(itemsize(plan_.keys_[static_cast<size_t>(piece.key)].dtype));
 }
 
+// Trainer NIC ids, so that senders sharing a NIC are balanced as one.
+void PlanBuilder::init_loads() {
+  const int world = plan_.trainer_world_;
+  rank_nic_.resize(static_cast<size_t>(world));
+  rank_load_.assign(static_cast<size_t>(world), 0);
+  nic_load_.assign(static_cast<size_t>(world), 0);
+  std::map<std::pair<int, int>, int32_t> nic_ids;
+  for (int r = 0; r < world; ++r) {
+    const std::pair<int, int> nic{topology_.trainer_node(r, world),
+                                  topology_.trainer_slot(r, world) / topology_.gpus_per_nic};
+    rank_nic_[static_cast<size_t>(r)] = nic_ids.emplace(nic, r).first->second;
+  }
+}
+
 void PlanBuilder::build_p2p() {
   const std::vector<Overlap> overlaps = all_overlaps();
+  const size_t n = overlaps.size() * static_cast<size_t>(engine_.config.replicas);
   std::vector<PlanItem> items;
-  items.reserve(overlaps.size() * static_cast<size_t>(engine_.config.replicas));
+  std::vector<int64_t> bytes;
+  items.reserve(n);
+  bytes.reserve(n);
   const int tp = engine_.config.tp;
   // Replica-major so that each replica spreads over the holders the previous
   // ones left least loaded.
@@ -236,9 +255,10 @@ void PlanBuilder::build_p2p() {
       item.segment = o.segment;
       item.dst_rank = rep * tp + plan_.segments_[static_cast<size_t>(o.segment)].tp_rank;
       items.push_back(item);
+      bytes.push_back(o.bytes);
     }
   }
-  pack_p2p_links(items);
+  pack_p2p_links(items, bytes);
 }
 
 uint64_t PlanBuilder::hash_inputs() const {
@@ -280,29 +300,35 @@ uint64_t PlanBuilder::hash_inputs() const {
 
 Plan PlanBuilder::build() {
   const auto t0 = std::chrono::steady_clock::now();
+  // WEIGHTSYNC_PLAN_PROFILE=1 prints the time of each phase to stderr.
+  const bool profile = std::getenv("WEIGHTSYNC_PLAN_PROFILE") != nullptr;
+  auto last = t0;
+  auto phase = [&](const char* name) {
+    if (!profile) return;
+    const auto now = std::chrono::steady_clock::now();
+    std::fprintf(stderr, "plan phase %-10s %.3f s\n", name,
+                 std::chrono::duration<double>(now - last).count());
+    last = now;
+  };
   intern_keys();
   collect_pieces();
+  phase("pieces");
   collect_segments();
   group_pieces();
-  // Trainer NIC ids, so that senders sharing a NIC are balanced as one.
-  const int world = plan_.trainer_world_;
-  rank_nic_.resize(static_cast<size_t>(world));
-  rank_load_.assign(static_cast<size_t>(world), 0);
-  nic_load_.assign(static_cast<size_t>(world), 0);
-  std::map<std::pair<int, int>, int32_t> nic_ids;
-  for (int r = 0; r < world; ++r) {
-    const std::pair<int, int> nic{topology_.trainer_node(r, world),
-                                  topology_.trainer_slot(r, world) / topology_.gpus_per_nic};
-    rank_nic_[static_cast<size_t>(r)] = nic_ids.emplace(nic, r).first->second;
-  }
+  phase("groups");
+  init_loads();
   plan_.plan_id_ = hash_inputs();
+  phase("hash");
   if (plan_.mode() == PlanMode::p2p) {
     build_p2p();
+    phase("items");
     schedule_p2p(plan_, topology_);
   } else {
     build_broadcast();
+    phase("items");
     schedule_broadcast(plan_, topology_);
   }
+  phase("schedule");
   plan_.stats_.plan_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return std::move(plan_);

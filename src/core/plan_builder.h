@@ -39,11 +39,12 @@ class PlanBuilder {
   void collect_pieces();
   void collect_segments();
   void group_pieces();
+  void init_loads();
   std::vector<Overlap> overlaps_of_key(int32_t key, const std::vector<int32_t>& segs) const;
   std::vector<Overlap> all_overlaps() const;
   int32_t choose_holder(const PieceGroup& group, int64_t bytes);
   void build_p2p();
-  void pack_p2p_links(std::vector<PlanItem>& items);
+  void pack_p2p_links(std::vector<PlanItem>& items, std::vector<int64_t>& bytes);
   void build_broadcast();
   void build_apply_items();
   uint64_t hash_inputs() const;

@@ -22,13 +22,11 @@ class BucketFiller {
   BucketFiller(Plan& plan, std::vector<Bucket>& buckets, int64_t limit)
       : plan_(plan), buckets_(buckets), limit_(limit) {}
 
-  // Places `box` (of `key`): whole when it fits, else cut along its outer dim
-  // into slabs that fill buckets. `emit(bucket, offset, lo, len, d)` receives
-  // each slab (len 0: uncut).
-  template <class Emit>
-  void place(int32_t src, int32_t dst, int32_t key, const Box& box, Emit emit) {
-    const int64_t item = static_cast<int64_t>(itemsize(plan_.keys()[key].dtype));
-    const int64_t bytes = box.numel() * item;
+  // Places an item of `bytes` whole when it fits, else cuts its HF box
+  // (`box_of()`, only computed then) along its outer dim into slabs that fill
+  // buckets. `emit(bucket, offset, lo, len, d)` receives each slab (len 0: uncut).
+  template <class BoxOf, class Emit>
+  void place(int32_t src, int32_t dst, int32_t key, int64_t bytes, BoxOf box_of, Emit emit) {
     if (bytes <= limit_) {
       if (open_ < 0 || used_ + bytes > limit_) open(src, dst);
       emit(open_, used_, 0, 0, 0);
@@ -36,6 +34,7 @@ class BucketFiller {
       buckets_.back().bytes = used_;
       return;
     }
+    const Box box = box_of();
     const size_t d = split_dim_of(box);
     const int64_t slab = bytes / box.lengths[d];
     if (slab > limit_)
@@ -80,7 +79,7 @@ void index_items(std::vector<Bucket>& buckets, const std::vector<PlanItem>& item
 
 }  // namespace
 
-void PlanBuilder::pack_p2p_links(std::vector<PlanItem>& items) {
+void PlanBuilder::pack_p2p_links(std::vector<PlanItem>& items, std::vector<int64_t>& bytes) {
   // Counting sort by link (src trainer rank, dst engine rank), stable.
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
   const size_t links = static_cast<size_t>(plan_.trainer_world_) * engines;
@@ -91,33 +90,35 @@ void PlanBuilder::pack_p2p_links(std::vector<PlanItem>& items) {
   std::vector<uint32_t> start(links + 1, 0);
   for (const PlanItem& it : items) ++start[link_of(it) + 1];
   for (size_t l = 0; l < links; ++l) start[l + 1] += start[l];
-  std::vector<PlanItem> by_link(items.size());
-  for (const PlanItem& it : items) by_link[start[link_of(it)]++] = it;
-  items.clear();
-  items.shrink_to_fit();
+  std::vector<uint32_t> order(items.size());
+  for (size_t i = 0; i < items.size(); ++i)
+    order[start[link_of(items[i])]++] = static_cast<uint32_t>(i);
 
   std::vector<PlanItem> out;
-  out.reserve(by_link.size() + by_link.size() / 16);
+  out.reserve(items.size() + items.size() / 64);
   BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
   size_t prev_link = links;
-  for (const PlanItem& it : by_link) {
+  for (uint32_t i : order) {
+    const PlanItem& it = items[i];
     const size_t link = link_of(it);
     if (link != prev_link) filler.close();
     prev_link = link;
-    const Box hf = item_hf_box(plan_, it);
-    const int32_t src = plan_.pieces_[static_cast<size_t>(it.piece)].rank;
-    filler.place(src, it.dst_rank, plan_.pieces_[static_cast<size_t>(it.piece)].key, hf,
-                 [&](int32_t bucket, int64_t offset, int64_t lo, int64_t len, size_t d) {
-                   PlanItem x = it;
-                   x.bucket = bucket;
-                   x.offset = static_cast<uint32_t>(offset);
-                   x.split_lo = static_cast<int32_t>(lo);
-                   x.split_len = static_cast<int32_t>(len);
-                   x.split_dim = static_cast<uint8_t>(d);
-                   out.push_back(x);
-                 });
+    const auto& piece = plan_.pieces_[static_cast<size_t>(it.piece)];
+    filler.place(
+        piece.rank, it.dst_rank, piece.key, bytes[i], [&] { return item_hf_box(plan_, it); },
+        [&](int32_t bucket, int64_t offset, int64_t lo, int64_t len, size_t d) {
+          PlanItem x = it;
+          x.bucket = bucket;
+          x.offset = static_cast<uint32_t>(offset);
+          x.split_lo = static_cast<int32_t>(lo);
+          x.split_len = static_cast<int32_t>(len);
+          x.split_dim = static_cast<uint8_t>(d);
+          out.push_back(x);
+        });
   }
   if (out.size() > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
+  items.clear();
+  items.shrink_to_fit();
   plan_.items_ = std::move(out);
   index_items(plan_.buckets_, plan_.items_);
 }
@@ -129,8 +130,10 @@ void PlanBuilder::build_broadcast() {
     if (key_segments_[k].empty()) continue;  // no engine rank loads it
     const Box whole = Box::full(plan_.keys_[k].shape);
     const int32_t key = static_cast<int32_t>(k);
+    const int64_t bytes = whole.numel() * static_cast<int64_t>(itemsize(plan_.keys_[k].dtype));
     filler.place(
-        -1, -1, key, whole, [&](int32_t bucket, int64_t, int64_t lo, int64_t len, size_t d) {
+        -1, -1, key, bytes, [&] { return whole; },
+        [&](int32_t bucket, int64_t, int64_t lo, int64_t len, size_t d) {
           Box slab = whole;
           if (len > 0) slab.offsets[d] = lo, slab.lengths[d] = len;
           int64_t covered = 0;
