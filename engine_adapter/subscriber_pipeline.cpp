@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 namespace weightsync::engine {
@@ -154,6 +155,7 @@ void ReceivePipeline::wait(Slot& slot, const std::function<void()>& poll,
       last_poll = now;
       poll();
     }
+    std::this_thread::yield();  // see publisher_pipeline.cpp
   }
 }
 

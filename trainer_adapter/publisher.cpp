@@ -122,6 +122,7 @@ PushResult Publisher::Impl::push(int64_t step) {
   PushResult out;
   out.step = step;
   early_result.reset();
+  poll();  // membership news since the last step (engines that left are skipped)
   current_step = step;
   {
     TraceSpan span(opt.tracer, "begin", "control");

@@ -106,9 +106,13 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
     double sync = 0, pack = 0, gather = 0, wire = 0, receive = 0, apply = 0, commit = 0;
     int64_t rank_bytes = 0, total = 0;
     nlohmann::json committed = nlohmann::json::array(), verified = nlohmann::json::array();
+    nlohmann::json engine_committed = nlohmann::json::array();
+    bool decided = false;  // a trainer saw the coordinator's decision
     for (const auto& t : run.trainers) {
       const auto* st = step_of(t, s);
       if (!st || !st->value("ok", false)) continue;
+      if (!decided) committed = (*st)["committed"];  // the coordinator's word
+      decided = true;
       sync = std::max(sync, st->value("seconds", 0.0));
       pack = std::max(pack, phase(st, "pack"));
       gather = std::max(gather, phase(st, "gather"));
@@ -122,13 +126,15 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
       apply = std::max(apply, phase(st, "apply"));
       commit = std::max(commit, phase(st, "commit"));
       if (st->value("committed", false)) {
-        committed.push_back(g);
+        engine_committed.push_back(g);
         rank_bytes = std::max<int64_t>(rank_bytes, st->value("bytes", int64_t{0}));
         total += st->value("bytes", int64_t{0});
       }
       for (const auto& c : e.value("checks", nlohmann::json::array()))
         if (c.value("version", int64_t{-2}) == s && c.value("ok", false)) verified.push_back(g);
     }
+    // Without a trainer's view (all failed), what the engines report.
+    if (!decided) committed = engine_committed;
     row["sync_s"] = sync;
     row["engine_rank_bytes"] = rank_bytes;
     row["engine_rank_gbps"] = sync > 0 ? static_cast<double>(rank_bytes) / sync / 1e9 : 0.0;
