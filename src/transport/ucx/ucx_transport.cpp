@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <limits>
+#include <set>
+#include <sstream>
 #include <thread>
 
 namespace weightsync::transport::ucx {
@@ -28,6 +30,34 @@ std::string address_key(const std::string& prefix, int rank) {
 
 // UCX settings from the options; the environment (UCX_*) still applies to
 // everything not set here.
+bool is_shared_memory(const std::string& tl) {
+  static const std::set<std::string> shm{"self",  "posix", "sysv", "cma", "knem",
+                                         "xpmem", "shm",   "sm",   "mm"};
+  return shm.count(tl) > 0;
+}
+
+// Whether endpoints ask UCX to report peer failures. UCX 1.13's shared-memory
+// transports cannot, and asking excludes them; so with only those selected,
+// do not ask (dead peers then show as timeouts). params["peer_errors"]:
+// "on", "off" or "auto" (the default).
+bool want_peer_errors(const TransportOptions& options, bool& forced) {
+  const auto mode =
+      options.params.count("peer_errors") ? options.params.at("peer_errors") : std::string("auto");
+  forced = mode != "auto";
+  if (mode == "on") return true;
+  if (mode == "off") return false;
+  if (mode != "auto")
+    fail(Errc::invalid_argument, "ucx transport: peer_errors=", mode,
+         " (expected on, off or auto)");
+  std::string tls = options.params.count("tls") ? options.params.at("tls") : "";
+  if (tls.empty() && std::getenv("UCX_TLS")) tls = std::getenv("UCX_TLS");
+  if (tls.empty() || tls[0] == '^') return true;
+  std::stringstream list(tls);
+  for (std::string tl; std::getline(list, tl, ',');)
+    if (!is_shared_memory(tl)) return true;
+  return false;
+}
+
 std::map<std::string, std::string> ucx_settings(const TransportOptions& options) {
   std::map<std::string, std::string> s;
   if (auto it = options.params.find("tls"); it != options.params.end()) s["TLS"] = it->second;
@@ -42,14 +72,14 @@ std::map<std::string, std::string> ucx_settings(const TransportOptions& options)
 
 void send_callback(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<UcxOp*>(user_data);
-  op->transport->on_complete(op, status);
+  op->transport->on_complete(op, request, status);
 }
 
 void recv_callback(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                    void* user_data) {
   auto* op = static_cast<UcxOp*>(user_data);
   if (info) op->info = *info;
-  op->transport->on_complete(op, status);
+  op->transport->on_complete(op, request, status);
 }
 
 void peer_error_callback(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -117,6 +147,7 @@ UcxTransport::UcxTransport(const TransportOptions& options)
   if (world_ > (1 << kRankBits))
     fail(Errc::invalid_argument, "ucx transport: world of ", world_, " ranks exceeds ",
          1 << kRankBits);
+  peer_errors_ = want_peer_errors(options, peer_errors_forced_);
   worker_ = std::make_unique<UcxWorker>(ucx_settings(options));
   peers_.resize(static_cast<std::size_t>(world_));
   for (int r = 0; r < world_; ++r) {
@@ -198,6 +229,9 @@ void UcxTransport::check_post(int peer, Tag tag, const Buffer& buffer, const cha
   if (buffer.region && !buffer.region->contains(buffer))
     fail(Errc::invalid_argument, "ucx transport: ", what, " rank ", peer,
          ": buffer lies outside its registered region");
+}
+
+void UcxTransport::check_alive(int peer, const char* what) const {
   if (peers_[peer].failed)
     fail(Errc::peer_failure, "ucx transport: ", what, " rank ", peer, ": peer rank ", peer,
          " failed (", peers_[peer].failure, ")");
@@ -205,23 +239,30 @@ void UcxTransport::check_post(int peer, Tag tag, const Buffer& buffer, const cha
 
 ucp_ep_h UcxTransport::endpoint(int peer) {
   UcxPeer& p = peers_[peer];
-  if (p.ep) return p.ep;
+  if (p.ep || p.failed) return p.ep;  // never reconnect to a failed peer
   const auto address =
       options_.store->get(address_key(options_.prefix, peer), options_.bootstrap_timeout);
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_mode = peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   params.err_handler.cb = peer_error_callback;
   params.err_handler.arg = &p;
-  check(ucp_ep_create(worker_->worker(), &params, &p.ep),
-        cat("ucx transport: connecting to rank ", peer));
+  ucs_status_t status = ucp_ep_create(worker_->worker(), &params, &p.ep);
+  if (status == UCS_ERR_UNREACHABLE && peer_errors_ && !peer_errors_forced_) {
+    // None of the transports that reach this peer can report its failure
+    // (UCX 1.13 shared memory); connect without, and rely on timeouts.
+    params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    status = ucp_ep_create(worker_->worker(), &params, &p.ep);
+  }
+  check(status, cat("ucx transport: connecting to rank ", peer));
   return p.ep;
 }
 
 void UcxTransport::connect(int peer) {
   check_post(peer, 0, Buffer{}, "connect to");
+  check_alive(peer, "connect to");
   endpoint(peer);
 }
 
@@ -250,14 +291,15 @@ std::unique_ptr<Request> UcxTransport::finish_post(UcxOp* op, ucs_status_ptr_t p
   }
   if (posted == nullptr) {
     op->done = true;  // completed in place; no callback follows
-  } else {
-    op->ucx_request = posted;
+  } else if (!op->done) {
+    op->ucx_request = posted;  // else the callback already ran (and freed it)
   }
   return std::make_unique<UcxRequest>(*this, op);
 }
 
 std::unique_ptr<Request> UcxTransport::send(int peer, Tag tag, const Buffer& buffer) {
   check_post(peer, tag, buffer, "send to");
+  check_alive(peer, "send to");
   ucp_ep_h ep = endpoint(peer);
   UcxOp* op = new_op(Request::Kind::send, peer, tag, buffer.bytes);
   ucp_request_param_t param{};
@@ -274,21 +316,29 @@ std::unique_ptr<Request> UcxTransport::send(int peer, Tag tag, const Buffer& buf
 
 std::unique_ptr<Request> UcxTransport::recv(int peer, Tag tag, const Buffer& buffer) {
   check_post(peer, tag, buffer, "receive from");
+  // A receive from a failed peer is still posted: a message it sent before
+  // it left may be waiting here, unexpected.
   endpoint(peer);  // so that the sender's death is noticed
   UcxOp* op = new_op(Request::Kind::recv, peer, tag, buffer.bytes);
   ucp_request_param_t param{};
+  // Always through the callback: UCX 1.13 does not fill the receive info of a
+  // receive that completes in place, and the size that arrived is needed.
   param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_RECV_INFO;
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   param.cb.recv = recv_callback;
   param.user_data = op;
-  param.recv_info.tag_info = &op->info;
   if (buffer.region) {
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();
   }
   auto posted = ucp_tag_recv_nbx(worker_->worker(), buffer.data, buffer.bytes, wire_tag(peer, tag),
                                  ~ucp_tag_t{0}, &param);
-  return finish_post(op, posted, cat("receive from rank ", peer).c_str());
+  auto request = finish_post(op, posted, cat("receive from rank ", peer).c_str());
+  if (peers_[peer].failed && !op->done) {
+    op->peer_failed = true;  // nothing more can come from it
+    ucp_request_cancel(worker_->worker(), op->ucx_request);
+  }
+  return request;
 }
 
 void UcxTransport::progress() {
@@ -298,10 +348,11 @@ void UcxTransport::progress() {
   if (failures_pending_) handle_failures();
 }
 
-void UcxTransport::on_complete(UcxOp* op, ucs_status_t status) {
+void UcxTransport::on_complete(UcxOp* op, void* request, ucs_status_t status) {
   op->done = true;
   op->status = status;
-  if (op->ucx_request) ucp_request_free(op->ucx_request);
+  // May run inside ucp_tag_*_nbx, before op->ucx_request is set.
+  ucp_request_free(request);
   op->ucx_request = nullptr;
   if (status != UCS_OK && peers_[op->peer].failed) op->peer_failed = true;
   if (op->orphaned) {

@@ -77,10 +77,11 @@ class UcxTransport final : public Transport {
 
   // Used by the UCX callbacks.
   void on_peer_error(UcxPeer& peer, ucs_status_t status);
-  void on_complete(UcxOp* op, ucs_status_t status);
+  void on_complete(UcxOp* op, void* request, ucs_status_t status);
 
  private:
   void check_post(int peer, Tag tag, const Buffer& buffer, const char* what) const;
+  void check_alive(int peer, const char* what) const;
   ucp_ep_h endpoint(int peer);
   UcxOp* new_op(Request::Kind kind, int peer, Tag tag, std::size_t bytes);
   std::unique_ptr<Request> finish_post(UcxOp* op, ucs_status_ptr_t posted, const char* what);
@@ -95,6 +96,8 @@ class UcxTransport final : public Transport {
   std::vector<UcxPeer> peers_;
   std::unordered_set<UcxOp*> ops_;  // every op not yet freed
   bool failures_pending_ = false;
+  bool peer_errors_ = true;          // endpoints in UCP_ERR_HANDLING_MODE_PEER
+  bool peer_errors_forced_ = false;  // set by params["peer_errors"], no fallback
 };
 
 }  // namespace weightsync::transport::ucx

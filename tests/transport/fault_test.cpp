@@ -1,0 +1,209 @@
+// The fault-injecting wrapper ("fault:<inner>") injects exactly the faults it
+// is configured with, deterministically, over a real UCX transport.
+#include "harness.h"
+
+#include <gtest/gtest.h>
+
+namespace weightsync::transport_test {
+
+constexpr auto kWait = std::chrono::milliseconds(60000);
+
+// Rank 1 sends two messages; with corrupt_recv=1&count=1 rank 0's first
+// receive has exactly one byte flipped and the second is intact.
+void fault_corrupt_recv(ScenarioContext& c) {
+  Transport& t = c.transport;
+  if (t.rank() == 1) {
+    TestBuffer a(4096, c.memory), b(4096, c.memory);
+    a.fill(1);
+    b.fill(2);
+    auto s1 = t.send(0, 5, a.buffer());
+    auto s2 = t.send(0, 5, b.buffer());
+    s1->wait(kWait);
+    s2->wait(kWait);
+    TestBuffer bye(1, c.memory);
+    t.recv(0, 6, bye.buffer())->wait(kWait);
+    return;
+  }
+  TestBuffer a(4096, c.memory), b(4096, c.memory);
+  t.recv(1, 5, a.buffer())->wait(kWait);
+  t.recv(1, 5, b.buffer())->wait(kWait);
+  require(a.differing(1, 4096) == 1,
+          cat("first message: ", a.differing(1, 4096), " bytes differ, expected exactly 1"));
+  require(b.holds(2, 4096), "second message intact (count=1)");
+  TestBuffer bye(1, c.memory);
+  t.send(1, 6, bye.buffer())->wait(kWait);
+}
+
+// With corrupt_send=1&count=1&tag=6 on the sender, the receiver sees one
+// flipped byte in the first tag-6 message, the second intact, and the
+// sender's own buffer is left untouched.
+void fault_corrupt_send(ScenarioContext& c) {
+  Transport& t = c.transport;
+  TestBuffer a(100000, c.memory), b(100000, c.memory), bye(1, c.memory);
+  if (t.rank() == 1) {
+    a.fill(3);
+    b.fill(4);
+    t.send(0, 6, a.buffer())->wait(kWait);
+    t.send(0, 6, b.buffer())->wait(kWait);
+    require(a.holds(3, a.size()), "the sender's buffer is not modified");
+    t.recv(0, 7, bye.buffer())->wait(kWait);
+    return;
+  }
+  t.recv(1, 6, a.buffer())->wait(kWait);
+  t.recv(1, 6, b.buffer())->wait(kWait);
+  require(a.differing(3, a.size()) == 1,
+          cat("first message: ", a.differing(3, a.size()), " bytes differ, expected exactly 1"));
+  require(b.holds(4, b.size()), "second message intact");
+  t.send(1, 7, bye.buffer())->wait(kWait);
+}
+
+// With drop_send=1&count=1&tag=8 on the sender, the first tag-8 message never
+// arrives: rank 0's first receive gets the second, its next one times out.
+void fault_drop_send(ScenarioContext& c) {
+  Transport& t = c.transport;
+  TestBuffer a(2048, c.memory), b(2048, c.memory), bye(1, c.memory);
+  if (t.rank() == 1) {
+    a.fill(5);
+    b.fill(6);
+    require(t.send(0, 8, a.buffer())->wait(kWait) == a.size(), "a dropped send completes");
+    t.send(0, 8, b.buffer())->wait(kWait);
+    t.recv(0, 9, bye.buffer())->wait(kWait);
+    return;
+  }
+  t.recv(1, 8, a.buffer())->wait(kWait);
+  require(a.holds(6, a.size()), "the first message to arrive is the second one sent");
+  require_error([&] { t.recv(1, 8, b.buffer())->wait(std::chrono::milliseconds(300)); },
+                Errc::timeout, {"rank 1"});
+  t.send(1, 9, bye.buffer())->wait(kWait);
+}
+
+namespace {
+
+void expect_scenario(const std::string& scenario, const std::string& transport) {
+  std::string failures;
+  try {
+    failures = run_scenario(scenario, transport, 2);
+  } catch (const std::exception& e) {
+    FAIL() << scenario << ", rank 0: " << e.what();
+  }
+  EXPECT_EQ(failures, "");
+}
+
+TEST(FaultTransport, CorruptsOneReceivedByte) {
+  expect_scenario("fault_corrupt_recv", "fault:ucx?tls=tcp,self&corrupt_recv=1&count=1&tag=5");
+}
+
+TEST(FaultTransport, CorruptsOneSentByteWithoutTouchingTheSendersBuffer) {
+  expect_scenario("fault_corrupt_send", "fault:ucx?tls=tcp,self&corrupt_send=1&count=1&tag=6");
+}
+
+TEST(FaultTransport, DropsASend) {
+  expect_scenario("fault_drop_send", "fault:ucx?tls=tcp,self&drop_send=1&count=1&tag=8");
+}
+
+// Single-process cases: a world of one talking to itself over UCX "self".
+std::unique_ptr<Transport> self_transport(const TempDir& dir, const std::string& faults,
+                                          int world = 1) {
+  return make_test_transport("fault:ucx?tls=tcp,self&" + faults, dir.path, 0, world);
+}
+
+std::size_t round_trip(Transport& t, Tag tag, TestBuffer& in, const TestBuffer& out) {
+  auto r = t.recv(0, tag, in.buffer());
+  auto s = t.send(0, tag, out.buffer());
+  s->wait(kWait);
+  return r->wait(kWait);
+}
+
+TEST(FaultTransport, FailsEveryOperationAfterN) {
+  TempDir dir;
+  auto t = self_transport(dir, "fail_after=2");
+  TestBuffer in(256, MemoryKind::host), out(256, MemoryKind::host);
+  out.fill(1);
+  EXPECT_EQ(round_trip(*t, 1, in, out), 256u);  // operations 1 and 2
+  EXPECT_TRUE(in.holds(1, 256));
+  auto third = t->send(0, 2, out.buffer());
+  try {
+    third->wait(kWait);
+    ADD_FAILURE() << "the third operation succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::transport);
+    EXPECT_NE(std::string(e.what()).find("injected failure"), std::string::npos) << e.what();
+  }
+}
+
+TEST(FaultTransport, DeadPeerFailsEveryOperationWithIt) {
+  TempDir dir;
+  auto t = self_transport(dir, "dead=1", 2);  // rank 1 never exists: it is never contacted
+  TestBuffer b(16, MemoryKind::host);
+  EXPECT_TRUE(t->peer_failed(1));
+  EXPECT_FALSE(t->peer_failed(0));
+  for (auto* r : {t->send(1, 1, b.buffer()).release(), t->recv(1, 1, b.buffer()).release()}) {
+    std::unique_ptr<Request> owned(r);
+    try {
+      owned->wait(kWait);
+      ADD_FAILURE() << "an operation with the dead rank 1 succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::peer_failure) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(t->connect(1), Error);
+}
+
+TEST(FaultTransport, DelayHoldsCompletionBack) {
+  TempDir dir;
+  auto t = self_transport(dir, "delay_ms=200");
+  TestBuffer in(64, MemoryKind::host), out(64, MemoryKind::host);
+  out.fill(3);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = t->recv(0, 1, in.buffer());
+  auto s = t->send(0, 1, out.buffer());
+  EXPECT_FALSE(s->test());  // a lower bound set by the wrapper, not a race
+  s->wait(kWait);
+  r->wait(kWait);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(200));
+  EXPECT_TRUE(in.holds(3, 64));
+}
+
+// Which messages are corrupted, and where, depends only on the seed.
+std::vector<std::vector<uint8_t>> corrupted_run(uint64_t seed) {
+  TempDir dir;
+  auto t = self_transport(dir, "corrupt_recv=0.5&seed=" + std::to_string(seed));
+  TestBuffer in(256, MemoryKind::host), out(256, MemoryKind::host);
+  out.fill(9);
+  std::vector<std::vector<uint8_t>> received;
+  for (int i = 0; i < 24; ++i) {
+    round_trip(*t, 1, in, out);
+    received.push_back(in.read());
+  }
+  return received;
+}
+
+TEST(FaultTransport, SameSeedSameFaults) {
+  const auto a = corrupted_run(42);
+  const auto b = corrupted_run(42);
+  EXPECT_EQ(a, b);
+  int corrupted = 0;
+  TestBuffer reference(256, MemoryKind::host);
+  reference.fill(9);
+  for (const auto& m : a) corrupted += m != reference.read();
+  EXPECT_GT(corrupted, 0);
+  EXPECT_LT(corrupted, 24);
+}
+
+TEST(FaultTransport, RejectsMalformedSettings) {
+  TempDir dir;
+  for (const char* bad : {"corrupt_recv=2", "drop_send=x", "fail_after=-1", "dead=a,b"}) {
+    try {
+      self_transport(dir, bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::string(bad).substr(0, 6)), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace weightsync::transport_test
