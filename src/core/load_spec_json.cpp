@@ -260,8 +260,13 @@ json TrainerLayout::to_json() const {
 
 void TrainerLayout::validate() const {
   validate_mesh(mesh);
-  std::unordered_set<std::string> names;
-  std::unordered_map<std::string, const std::string*> key_owner;
+  // Views into the params: no copies of tens of thousands of key strings.
+  std::unordered_set<std::string_view> names;
+  std::unordered_map<std::string_view, const std::string*> key_owner;
+  names.reserve(params.size());
+  size_t nkeys = 0;
+  for (const LoadSpec& spec : params) nkeys += spec.hf_keys.size();
+  key_owner.reserve(nkeys);
   for (const LoadSpec& spec : params) {
     const std::string where = cat("trainer layout: param '", spec.name, "'");
     if (spec.name.empty()) fail(Errc::invalid_layout, "trainer layout: a param has an empty name");

@@ -26,15 +26,15 @@ std::string experts_prefix(const std::string& key) {
 }
 
 // The two fused params of one MoE layer.
-void add_moe_params(TrainerLayout& layout, const MoeLayerKeys& moe, const Shape& gate_shape,
+void add_moe_params(TrainerLayout& layout, MoeLayerKeys moe, const Shape& gate_shape,
                     const Shape& down_shape, DType dtype) {
   const int64_t e = static_cast<int64_t>(moe.gate.size());
   const std::string prefix = experts_prefix(moe.gate.at(0));
   LoadSpec gate_up;
   gate_up.name = prefix + ".gate_up_proj";
   for (int64_t x = 0; x < e; ++x) {
-    gate_up.hf_keys.push_back(moe.gate[x]);
-    gate_up.hf_keys.push_back(moe.up[x]);
+    gate_up.hf_keys.push_back(std::move(moe.gate[x]));
+    gate_up.hf_keys.push_back(std::move(moe.up[x]));
   }
   gate_up.fused_dim = 0;
   gate_up.global_shape = {e * 2 * gate_shape[0], gate_shape[1]};
@@ -43,7 +43,7 @@ void add_moe_params(TrainerLayout& layout, const MoeLayerKeys& moe, const Shape&
   gate_up.shards = dim0_shards(layout.mesh, true);
   LoadSpec down;
   down.name = prefix + ".down_proj";
-  down.hf_keys = moe.down;
+  down.hf_keys = std::move(moe.down);
   down.fused_dim = 0;
   down.global_shape = {e * down_shape[0], down_shape[1]};
   down.origin_shape = down.global_shape;
@@ -62,32 +62,48 @@ TrainerLayout make_trainer_layout(const HfModelConfig& config, const Mesh& mesh,
   TrainerLayout layout;
   layout.mesh = mesh;
   const DType dtype = options.dtype.value_or(config.dtype);
-  const std::vector<HfTensorSpec> tensors = hf_tensors(config);
-  // Expert key -> its MoE layer, so the fused params take the place of the
-  // layer's first expert tensor in checkpoint order.
-  const std::vector<MoeLayerKeys> moe_layers = hf_moe_layers(config);
-  std::unordered_map<std::string, size_t> expert_layer;
+  std::vector<HfTensorSpec> tensors = hf_tensors(config);
+  std::vector<MoeLayerKeys> moe_layers = hf_moe_layers(config);
+  // Pass 1: the MoE layer of every expert tensor (-1: dense) and each layer's
+  // expert shapes. Views into moe_layers keep the lookup free of copies; big
+  // models have tens of thousands of expert keys.
+  size_t expert_keys = 0;
+  for (const MoeLayerKeys& moe : moe_layers) expert_keys += 3 * moe.gate.size();
+  std::unordered_map<std::string_view, int64_t> expert_layer;
+  expert_layer.reserve(expert_keys);
   for (size_t l = 0; l < moe_layers.size(); ++l)
     for (const auto* keys : {&moe_layers[l].gate, &moe_layers[l].up, &moe_layers[l].down})
-      for (const std::string& k : *keys) expert_layer.emplace(k, l);
-  std::unordered_map<std::string, const HfTensorSpec*> by_key;
-  for (const HfTensorSpec& t : tensors) by_key.emplace(t.key, &t);
-  std::set<size_t> emitted;
-  for (const HfTensorSpec& t : tensors) {
-    if (auto it = expert_layer.find(t.key); it != expert_layer.end()) {
-      if (!emitted.insert(it->second).second) continue;
-      const MoeLayerKeys& moe = moe_layers[it->second];
-      add_moe_params(layout, moe, by_key.at(moe.gate.at(0))->shape,
-                     by_key.at(moe.down.at(0))->shape, dtype);
+      for (const std::string& k : *keys) expert_layer.emplace(k, static_cast<int64_t>(l));
+  std::vector<int64_t> layer_of(tensors.size(), -1);
+  std::vector<Shape> gate_shape(moe_layers.size()), down_shape(moe_layers.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto it = expert_layer.find(tensors[i].key);
+    if (it == expert_layer.end()) continue;
+    layer_of[i] = it->second;
+    const MoeLayerKeys& moe = moe_layers[it->second];
+    if (tensors[i].key == moe.gate.front()) gate_shape[it->second] = tensors[i].shape;
+    if (tensors[i].key == moe.down.front()) down_shape[it->second] = tensors[i].shape;
+  }
+  expert_layer.clear();  // its views die with the moves below
+  // Pass 2: a layer's fused params take the place of its first expert tensor.
+  std::vector<bool> emitted(moe_layers.size(), false);
+  layout.params.reserve(tensors.size() - expert_keys + 2 * moe_layers.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    HfTensorSpec& t = tensors[i];
+    if (layer_of[i] >= 0) {
+      if (emitted[layer_of[i]]) continue;
+      emitted[layer_of[i]] = true;
+      add_moe_params(layout, std::move(moe_layers[layer_of[i]]), gate_shape[layer_of[i]],
+                     down_shape[layer_of[i]], dtype);
       continue;
     }
     LoadSpec spec;
     spec.name = t.key;
-    spec.hf_keys = {t.key};
+    spec.hf_keys = {std::move(t.key)};
     spec.global_shape = t.shape;
-    spec.origin_shape = t.shape;
+    spec.origin_shape = std::move(t.shape);
     spec.dtype = dtype;
-    if (!t.shape.empty()) spec.shards = dim0_shards(mesh, false);
+    if (!spec.global_shape.empty()) spec.shards = dim0_shards(mesh, false);
     layout.params.push_back(std::move(spec));
   }
   layout.validate();

@@ -105,10 +105,11 @@ std::map<std::string, Bytes> reassemble(const TrainerLayout& layout,
                  Box::full(p.local_box.lengths), mask_view, p.local_box);
       }
       const auto* bytes = static_cast<const uint8_t*>(local.data);
-      for (size_t i = 0; i < mask.size(); ++i)
-        if (!mask[i])
-          for (size_t b = 0; b < isz; ++b)
-            EXPECT_EQ(bytes[i * isz + b], 0) << spec.name << " rank " << r << " element " << i;
+      for (size_t i = 0; i < mask.size(); ++i) {
+        if (mask[i]) continue;
+        for (size_t b = 0; b < isz; ++b)
+          EXPECT_EQ(bytes[i * isz + b], 0) << spec.name << " rank " << r << " element " << i;
+      }
     }
   }
   return out;
