@@ -180,6 +180,15 @@ std::vector<Piece> local_pieces(const LoadSpec& spec, const Mesh& mesh, int64_t 
   if (origin.size() != nd)
     fail(Errc::invalid_layout, "param '", spec.name, "': origin_shape ", shape_str(origin),
          " has another rank than global_shape ", shape_str(spec.global_shape));
+  // Cheap guards for specs that skipped validate(): keys must split the fused
+  // extent evenly, or a piece could name a key that does not exist.
+  if (spec.hf_keys.empty() ||
+      (spec.fused_dim && (*spec.fused_dim < 0 || static_cast<size_t>(*spec.fused_dim) >= nd ||
+                          origin[*spec.fused_dim] % static_cast<int64_t>(spec.hf_keys.size()))) ||
+      (!spec.fused_dim && spec.hf_keys.size() > 1))
+    fail(Errc::invalid_layout, "param '", spec.name, "': ", spec.hf_keys.size(),
+         " hf_keys do not split origin_shape ", shape_str(origin), " along fused_dim ",
+         spec.fused_dim ? std::to_string(*spec.fused_dim) : std::string("null"));
   std::vector<std::vector<PlacedRun>> placed(nd);
   size_t count = 1;
   for (size_t d = 0; d < nd; ++d) {

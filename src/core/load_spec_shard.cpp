@@ -43,24 +43,26 @@ void check_rank(const Mesh& mesh, int64_t rank) {
          shape_str(mesh.shape), " has ", mesh.world(), " ranks (0..", mesh.world() - 1, ")");
 }
 
+void check_spec_keys(const Checkpoint& checkpoint, const LoadSpec& spec) {
+  const Shape expected = spec.hf_key_shape();
+  for (const std::string& key : spec.hf_keys) {
+    if (!checkpoint.contains(key))
+      fail(Errc::not_found, "checkpoint '", checkpoint.path(), "' has no tensor '", key,
+           "' (needed by trainer param '", spec.name, "')");
+    const TensorInfo& info = checkpoint.info(key);
+    if (info.shape != expected)
+      fail(Errc::mismatch, "checkpoint tensor '", key, "' has shape ", shape_str(info.shape),
+           " but trainer param '", spec.name, "' expects ", shape_str(expected));
+    if (info.dtype != spec.dtype)
+      fail(Errc::mismatch, "checkpoint tensor '", key, "' has dtype ", dtype_name(info.dtype),
+           " but trainer param '", spec.name, "' expects ", dtype_name(spec.dtype));
+  }
+}
+
 }  // namespace
 
 void check_checkpoint(const Checkpoint& checkpoint, const TrainerLayout& layout) {
-  for (const LoadSpec& spec : layout.params) {
-    const Shape expected = spec.hf_key_shape();
-    for (const std::string& key : spec.hf_keys) {
-      if (!checkpoint.contains(key))
-        fail(Errc::not_found, "checkpoint '", checkpoint.path(), "' has no tensor '", key,
-             "' (needed by trainer param '", spec.name, "')");
-      const TensorInfo& info = checkpoint.info(key);
-      if (info.shape != expected)
-        fail(Errc::mismatch, "checkpoint tensor '", key, "' has shape ", shape_str(info.shape),
-             " but trainer param '", spec.name, "' expects ", shape_str(expected));
-      if (info.dtype != spec.dtype)
-        fail(Errc::mismatch, "checkpoint tensor '", key, "' has dtype ", dtype_name(info.dtype),
-             " but trainer param '", spec.name, "' expects ", dtype_name(spec.dtype));
-    }
-  }
+  for (const LoadSpec& spec : layout.params) check_spec_keys(checkpoint, spec);
 }
 
 void fill_local_tensor(const Checkpoint& checkpoint, const LoadSpec& spec, const Mesh& mesh,
@@ -72,6 +74,7 @@ void fill_local_tensor(const Checkpoint& checkpoint, const LoadSpec& spec, const
     fail(Errc::mismatch, "param '", spec.name, "' on rank ", rank, ": destination ",
          dtype_name(dst.dtype), shape_str(dst.shape), " is not a contiguous host tensor of ",
          dtype_name(spec.dtype), shape_str(local));
+  check_spec_keys(checkpoint, spec);
   if (dst.nbytes() == 0) return;
   std::memset(dst.data, 0, dst.nbytes());
   copy_local_rows(checkpoint, spec, local_pieces(spec, mesh, rank), local, 0,
@@ -80,6 +83,8 @@ void fill_local_tensor(const Checkpoint& checkpoint, const LoadSpec& spec, const
 
 void write_rank_shard(const Checkpoint& checkpoint, const TrainerLayout& layout, int64_t rank,
                       const std::string& out_path, std::size_t buffer_bytes) {
+  // Layouts built in code may have skipped validation; pieces rely on it.
+  layout.validate();
   check_rank(layout.mesh, rank);
   check_checkpoint(checkpoint, layout);
   std::vector<SafetensorsWriter::Entry> entries;

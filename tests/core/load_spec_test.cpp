@@ -183,6 +183,23 @@ TEST(LoadSpec, FusedOnSecondDimWithPadding) {
   EXPECT_EQ(p[0].local_box, (Box{{0, 0}, {2, 2}}));
 }
 
+TEST(LoadSpec, UnvalidatedFusedSpecIsAnErrorNotABadKeyIndex) {
+  // 5 rows cannot split into 2 keys: without the guard, row 4 would map to key 2.
+  LoadSpec s = spec_of({5, 2}, {});
+  s.hf_keys = {"a", "b"};
+  s.fused_dim = 0;
+  const Mesh m = mesh_of({"fsdp"}, {1});
+  try {
+    local_pieces(s, m, 0);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_layout);
+    EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
+  }
+  s.fused_dim.reset();
+  EXPECT_THROW(local_pieces(s, m, 0), Error);
+}
+
 TEST(LoadSpec, ContiguousRunsMergeIntoOnePiece) {
   // Interleave over an axis of size 1 leaves F adjacent runs: one piece.
   const Mesh m = mesh_of({"etp"}, {1});
