@@ -3,6 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+
 namespace weightsync {
 namespace {
 
@@ -97,6 +101,38 @@ TEST(EngineConfig, UnknownValuesAreLayoutErrors) {
   j["framework"] = "sglang";
   j["moe_order"] = "w31";
   EXPECT_EQ(EngineConfig::from_json(j, "").moe_order, "w31");
+}
+
+}  // namespace
+}  // namespace weightsync
+
+namespace weightsync {
+namespace {
+
+// `weightsync engine-layout --json` prints the same layout as the library.
+TEST(EngineLayoutCli, JsonMatchesTheLibrary) {
+  const std::string engine_json =
+      std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs/examples/engine_tiny_mixtral_vllm_tp2_rr.json";
+  const std::string out = ::testing::TempDir() + "ws_engine_layout.json";
+  const std::string cmd = std::string(WEIGHTSYNC_CLI) + " engine-layout --engine " + engine_json +
+                          " --rank 1 --json > " + out;
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(out);
+  const auto j = nlohmann::json::parse(in);
+  const auto layout = make_engine_layout(EngineConfig::load(engine_json));
+  ASSERT_EQ(j["ranks"].size(), 1u);
+  const auto& params = j["ranks"][0]["params"];
+  const auto& want = layout.ranks[1].params;
+  ASSERT_EQ(params.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(params[i]["name"], want[i].name);
+    EXPECT_EQ(params[i]["shape"].get<Shape>(), want[i].shape);
+    ASSERT_EQ(params[i]["segments"].size(), want[i].segments.size());
+    const auto& s = params[i]["segments"].back();
+    EXPECT_EQ(s["hf_key"], want[i].segments.back().hf_key);
+    EXPECT_EQ(s["param_box"]["offsets"].get<Shape>(), want[i].segments.back().param_box.offsets);
+  }
+  std::remove(out.c_str());
 }
 
 }  // namespace
