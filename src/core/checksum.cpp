@@ -4,6 +4,7 @@
 // GB/s per core, well above what one transport stream moves.
 #include <weightsync/checksum.h>
 
+#include <bit>
 #include <cstring>
 
 namespace weightsync {
@@ -20,7 +21,11 @@ inline uint64_t rotl(uint64_t x, int r) noexcept {
 
 inline uint64_t load64(const unsigned char* p) noexcept {
   uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];  // little-endian, any host
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(&v, p, sizeof v);  // one unaligned load
+  } else {
+    for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];  // the same value on any host
+  }
   return v;
 }
 

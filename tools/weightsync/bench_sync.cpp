@@ -28,7 +28,8 @@ namespace fs = std::filesystem;
 
 constexpr const char* kUsage =
     "usage: weightsync bench [sync] [--json] [--trace F] [--steps K] [--size-gb G]\n"
-    "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n\n"
+    "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
+    "                        [--transport NAME] [--timeout S] [--work-dir D]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -37,7 +38,11 @@ constexpr const char* kUsage =
     "(plain UCX tag transfers of the same bytes between the same processes) and the\n"
     "peer baseline (tools/bench/peer_baseline.py under /usr/bin/python3).\n"
     "--json prints one object: sync_s_p50, sync_s_p99, engine_rank_gbps, raw_gbps,\n"
-    "ratio_to_raw, peer_gbps, ratio_to_peer, peak_rss_mb, ...\n";
+    "ratio_to_raw, peer_gbps, ratio_to_peer, peak_rss_mb, ...\n"
+    "--transport applies to the sync and the raw ceiling alike, e.g.\n"
+    "'ucx?tls=posix,sysv,cma,self' for UCX's shared-memory transports only (the\n"
+    "default lets UCX choose, which on some hosts is TCP over loopback).\n"
+    "--bucket-bytes defaults to 64 MiB; --steps to 5; --timeout (s per step) to 600.\n";
 
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -221,8 +226,9 @@ void print_human(const nlohmann::json& r) {
 }
 
 int run_sync_bench(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "no-peer"},
-            {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir"});
+  Args args(
+      argv, {"json", "no-peer"},
+      {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir", "transport"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
   if (steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
   const double gb = args.get_double("size-gb", 1.0);
@@ -230,6 +236,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   demo::JobSpec job;
   job.steps = steps + 1;
   job.mode = args.get_or("mode", "p2p");
+  job.transport = args.get_or("transport", "ucx");
   job.bucket_bytes = args.get_int("bucket-bytes", int64_t{64} << 20);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.verify = false;

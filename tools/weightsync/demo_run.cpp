@@ -178,9 +178,12 @@ void print_summary(std::ostream& out, const nlohmann::json& summary) {
         << ", commit " << p["commit"].get<double>() * 1e3 << "\n";
   }
   for (const auto& c : summary["children"]) {
-    if (c["status"] != "exit 0")
-      out << c["label"].get<std::string>() << ": " << c["status"].get<std::string>() << " (log "
-          << c["log"].get<std::string>() << ")\n";
+    if (c["status"] == "exit 0") continue;
+    out << c["label"].get<std::string>() << ": " << c["status"].get<std::string>() << " (log "
+        << c["log"].get<std::string>() << ")\n";
+    // The end of its log says why, without opening the file.
+    const std::string tail = tail_of_file(c["log"].get<std::string>(), 600);
+    if (!tail.empty()) out << "  | " << tail << (tail.back() == '\n' ? "" : "\n");
   }
 }
 
