@@ -31,13 +31,17 @@ std::string who(const Member& m) {
   return cat(role_name(m.role), " rank ", m.rank);
 }
 
+// Memory bounds against a client that parks many waits or sends huge names.
+constexpr int kMaxWaitsPerConnection = 256;
+constexpr size_t kMaxNameBytes = 4096;
+
 }  // namespace
 
 CoordinatorState::CoordinatorState(const CoordinatorOptions& options, Outbox& outbox)
     : options_(options), outbox_(outbox) {}
 
 void CoordinatorState::on_connect(ConnId conn, Clock::time_point now) {
-  conns_[conn] = Conn{now, now, false, {}};
+  conns_[conn] = Conn{now, now, false, {}, 0};
 }
 
 void CoordinatorState::on_message(ConnId conn, const wire::Message& m, Clock::time_point now) {
@@ -99,7 +103,10 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
       [&](const MemberWaiter& w) { return !members_satisfy(w.trainers, w.engines); });
   std::vector<MemberWaiter> done(ready, member_waiters_.end());
   member_waiters_.erase(ready, member_waiters_.end());
-  for (const auto& w : done) reply(w.conn, w.request, Json{{"members", members_json()}});
+  for (const auto& w : done) {
+    answered(w.conn);
+    reply(w.conn, w.request, Json{{"members", members_json()}});
+  }
 }
 
 void CoordinatorState::on_disconnect(ConnId conn, const std::string& reason) {
@@ -191,6 +198,7 @@ void CoordinatorState::handle_request(ConnId conn, Conn& c, const wire::Message&
     case Kind::wait_members: {
       const int t = b.at("trainers").get<int>(), e = b.at("engines").get<int>();
       if (members_satisfy(t, e)) return reply(conn, id, Json{{"members", members_json()}});
+      if (!admit(conn, id, "wait_members")) return;
       MemberWaiter w{{conn, id, deadline_after(now, wire::get_u64(b, "timeout_ms"))}, t, e};
       member_waiters_.push_back(w);
       return;
@@ -217,6 +225,9 @@ void CoordinatorState::kv_set(ConnId conn, uint64_t id, const std::string& key,
                               std::vector<uint8_t> value, size_t limit) {
   const std::string_view what = key[0] == 'p' ? "plan" : "key";
   const std::string name = key.substr(2);
+  if (name.size() > kMaxNameBytes)
+    return reply_error(conn, id, Errc::invalid_argument,
+                       cat(what, " name of ", name.size(), " bytes exceeds ", kMaxNameBytes));
   if (value.size() > limit)
     return reply_error(
         conn, id, Errc::invalid_argument,
@@ -232,8 +243,10 @@ void CoordinatorState::kv_set(ConnId conn, uint64_t id, const std::string& key,
   auto range = store_waiters_.equal_range(key);
   if (range.first != range.second) {
     const Json answer{{"value", wire::base64_encode(value)}};
-    for (auto w = range.first; w != range.second; ++w)
+    for (auto w = range.first; w != range.second; ++w) {
+      answered(w->second.conn);
       reply(w->second.conn, w->second.request, answer);
+    }
     store_waiters_.erase(range.first, range.second);
   }
   store_[key] = std::move(value);
@@ -244,6 +257,7 @@ void CoordinatorState::kv_get(ConnId conn, uint64_t id, const std::string& key,
                               Clock::time_point deadline) {
   auto it = store_.find(key);
   if (it != store_.end()) return reply(conn, id, Json{{"value", wire::base64_encode(it->second)}});
+  if (!admit(conn, id, key.substr(2))) return;
   store_waiters_.emplace(key, Waiter{conn, id, deadline});
 }
 
@@ -252,17 +266,45 @@ void CoordinatorState::barrier(ConnId conn, uint64_t id, const Json& body, Clock
   const int count = body.at("count").get<int>();
   if (count < 1)
     return reply_error(conn, id, Errc::invalid_argument, cat("barrier '", name, "': count 0"));
+  if (!admit(conn, id, name)) return;
   Barrier& b = barriers_[name];
   if (b.arrived.empty()) b.count = count;
-  if (b.count != count)
+  if (b.count != count) {
+    answered(conn);
     return reply_error(conn, id, Errc::invalid_argument,
                        cat("barrier '", name, "': count ", count, " differs from the ", b.count,
                            " given by the members already waiting"));
+  }
   b.arrived.push_back(Waiter{conn, id, deadline_after(now, wire::get_u64(body, "timeout_ms"))});
   if (static_cast<int>(b.arrived.size()) < b.count) return;
   const std::vector<Waiter> done = std::move(b.arrived);
   barriers_.erase(name);
-  for (const Waiter& w : done) reply(w.conn, w.request);
+  for (const Waiter& w : done) {
+    answered(w.conn);
+    reply(w.conn, w.request);
+  }
+}
+
+bool CoordinatorState::admit(ConnId conn, uint64_t id, const std::string& name) {
+  Conn& c = conns_.at(conn);
+  if (name.size() > kMaxNameBytes) {
+    reply_error(conn, id, Errc::invalid_argument,
+                cat("name of ", name.size(), " bytes exceeds ", kMaxNameBytes));
+    return false;
+  }
+  if (c.waits >= kMaxWaitsPerConnection) {
+    reply_error(conn, id, Errc::invalid_argument,
+                cat("more than ", kMaxWaitsPerConnection,
+                    " waits pending on this connection; wait for some to finish"));
+    return false;
+  }
+  ++c.waits;
+  return true;
+}
+
+void CoordinatorState::answered(ConnId conn) {
+  auto it = conns_.find(conn);
+  if (it != conns_.end() && it->second.waits > 0) --it->second.waits;
 }
 
 void CoordinatorState::reply(ConnId conn, uint64_t id, Json fields) {
@@ -317,6 +359,7 @@ void CoordinatorState::expire_waiters(Clock::time_point now) {
       continue;
     }
     const bool plan = w->first[0] == 'p';
+    answered(w->second.conn);
     reply_error(w->second.conn, w->second.request, Errc::timeout,
                 cat(plan ? "plan '" : "key '", w->first.substr(2),
                     "' was not set within the requested timeout"));
@@ -326,19 +369,23 @@ void CoordinatorState::expire_waiters(Clock::time_point now) {
     Barrier& bar = b->second;
     const size_t before = bar.arrived.size();
     for (const Waiter& w : bar.arrived)
-      if (w.deadline <= now)
+      if (w.deadline <= now) {
+        answered(w.conn);
         reply_error(w.conn, w.request, Errc::timeout,
                     cat("barrier '", b->first, "': only ", before, " of ", bar.count,
                         " members arrived within the requested timeout"));
+      }
     std::erase_if(bar.arrived, [&](const Waiter& w) { return w.deadline <= now; });
     b = bar.arrived.empty() ? barriers_.erase(b) : std::next(b);
   }
   for (const auto& w : member_waiters_)
-    if (w.deadline <= now)
+    if (w.deadline <= now) {
+      answered(w.conn);
       reply_error(w.conn, w.request, Errc::timeout,
                   cat("wait_members: fewer than ", w.trainers, " trainers and ", w.engines,
                       " engines registered within the requested timeout (", members().size(),
                       " members live)"));
+    }
   std::erase_if(member_waiters_, [&](const MemberWaiter& w) { return w.deadline <= now; });
 }
 

@@ -52,6 +52,7 @@ class CoordinatorState {
     Clock::time_point last_seen;
     bool registered = false;
     Member member;
+    int waits = 0;  // requests parked in waiters (capped per connection)
   };
   struct Waiter {
     ConnId conn;
@@ -105,6 +106,8 @@ class CoordinatorState {
   void try_decide();
   void decide();
 
+  bool admit(ConnId conn, uint64_t id, const std::string& name);
+  void answered(ConnId conn);
   void reply(ConnId conn, uint64_t id, wire::Json fields = wire::Json::object());
   void reply_error(ConnId conn, uint64_t id, Errc code, const std::string& message);
   void expire_waiters(Clock::time_point now);

@@ -174,6 +174,42 @@ TEST_F(Hostile, SlowReaderIsDroppedWhenItsQueueOverflows) {
       << "the coordinator buffered every reply instead of dropping the reader";
 }
 
+TEST_F(Hostile, ParkedWaitsAndNameLengthsAreCapped) {
+  RawPeer p(coord_.port());
+  ASSERT_TRUE(p.hello("engine", 0, 1));
+  ASSERT_TRUE(p.read_frame(10s).has_value());
+  // Park waits on keys nobody sets until the coordinator refuses more.
+  constexpr int kWaits = 300;
+  for (int i = 0; i < kWaits; ++i)
+    ASSERT_TRUE(p.send_json({{"v", 1},
+                             {"kind", "kv_get"},
+                             {"id", 10 + i},
+                             {"key", "never/" + std::to_string(i)},
+                             {"timeout_ms", 60000}}));
+  const auto refused = p.read_frame(20s);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->value("kind", ""), "error");
+  EXPECT_EQ(refused->value("code", ""), "invalid_argument");
+  EXPECT_NE(refused->value("message", "").find("waits pending"), std::string::npos);
+  // A huge key is refused as well, and the connection stays usable.
+  p.send_json({{"v", 1},
+               {"kind", "kv_set"},
+               {"id", 1},
+               {"key", std::string(10000, 'k')},
+               {"value", "AAAA"}});
+  p.send_json({{"v", 1}, {"kind", "members"}, {"id", 2}});
+  std::optional<Json> big_key, members;
+  for (int i = 0; i < 2 * kWaits && !(big_key && members); ++i) {
+    auto f = p.read_frame(20s);
+    ASSERT_TRUE(f.has_value()) << "connection closed or silent";
+    if (f->value("id", 0) == 1) big_key = f;
+    if (f->value("id", 0) == 2) members = f;
+  }
+  ASSERT_TRUE(big_key && members);
+  EXPECT_EQ(big_key->value("code", ""), "invalid_argument");
+  EXPECT_EQ(members->value("kind", ""), "reply");
+}
+
 TEST_F(Hostile, ConnectionsBeyondTheCapAreRefused) {
   // The cap of this fixture's coordinator is large; use a small one here.
   auto o = fast_coordinator();

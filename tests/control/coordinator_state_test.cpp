@@ -1,0 +1,145 @@
+// CoordinatorState without sockets: a recording Outbox and a clock the test
+// moves by hand, so deadline behaviour is checked without waiting.
+#include "control/coordinator_state.h"
+
+#include <gtest/gtest.h>
+
+namespace weightsync::control {
+namespace {
+
+using namespace std::chrono_literals;
+using wire::Json;
+
+struct Recorder final : Outbox {
+  void send(ConnId conn, const Json& m) override { sent[conn].push_back(m); }
+  void close(ConnId conn, std::optional<Errc> code, const std::string& message) override {
+    closed[conn] = code ? std::string(errc_name(*code)) : "";
+  }
+  // Kinds sent to `conn`, in order, then forgotten.
+  std::vector<std::string> take(ConnId conn) {
+    std::vector<std::string> kinds;
+    for (const auto& m : sent[conn]) kinds.push_back(m.at("kind"));
+    sent[conn].clear();
+    return kinds;
+  }
+  std::map<ConnId, std::vector<Json>> sent;
+  std::map<ConnId, std::string> closed;
+};
+
+class StateTest : public ::testing::Test {
+ protected:
+  StateTest() : state_(options(), out_) {}
+  static CoordinatorOptions options() {
+    CoordinatorOptions o;
+    o.hello_timeout = 1s;
+    o.heartbeat_timeout = 2s;
+    o.step_timeout = 10s;
+    return o;
+  }
+  void message(ConnId conn, Json body) {
+    body["v"] = 1;
+    state_.on_message(conn, wire::parse_message(body.dump()), now_);
+  }
+  void join(ConnId conn, const std::string& role, int rank, int world) {
+    state_.on_connect(conn, now_);
+    message(conn, {{"kind", "hello"}, {"id", 1}, {"role", role}, {"rank", rank}, {"world", world}});
+    ASSERT_EQ(out_.take(conn), std::vector<std::string>{"welcome"});
+  }
+  void request(ConnId conn, const std::string& kind, Json fields) {
+    fields["kind"] = kind;
+    fields["id"] = ++next_id_;
+    message(conn, fields);
+  }
+  Recorder out_;
+  CoordinatorState state_;
+  Clock::time_point now_ = Clock::now();
+  uint64_t next_id_ = 100;
+};
+
+TEST_F(StateTest, EngineThatAckedOkThenDiedIsNotCommitted) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 2);
+  join(3, "engine", 1, 2);
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"step_begin"});
+  request(2, "ack", {{"step", 1}, {"ok", true}, {"bytes", 1}, {"checksum", 1}});
+  state_.on_disconnect(2, "connection lost");
+  request(3, "ack", {{"step", 1}, {"ok", true}, {"bytes", 1}, {"checksum", 1}});
+  request(1, "sent", {{"step", 1}, {"ok", true}});
+  EXPECT_EQ(state_.committed_version(0), -1);
+  EXPECT_EQ(state_.committed_version(1), 1);
+  const auto& result = out_.sent[1].back();
+  ASSERT_EQ(result.at("kind"), "step_result");
+  EXPECT_EQ(result.at("committed"), Json::array({1}));
+  EXPECT_EQ(result.at("failed")[0].at("rank"), 0);
+}
+
+TEST_F(StateTest, MembersJoiningMidStepWaitForTheNextStep) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 2);
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  join(3, "engine", 1, 2);
+  request(3, "ack", {{"step", 1}, {"ok", true}, {"bytes", 1}, {"checksum", 1}});
+  ASSERT_EQ(out_.sent[3].back().at("kind"), "error") << "not a participant";
+  request(2, "ack", {{"step", 1}, {"ok", true}, {"bytes", 1}, {"checksum", 1}});
+  request(1, "sent", {{"step", 1}, {"ok", true}});
+  EXPECT_EQ(out_.sent[1].back().at("committed"), Json::array({0}));
+  out_.take(3);
+  request(1, "begin_step", {{"step", 2}, {"plan_id", "p"}});
+  EXPECT_EQ(out_.take(3), std::vector<std::string>{"step_begin"});
+}
+
+TEST_F(StateTest, DeadlinesExpireOnlyWhenTheirTimeHasCome) {
+  state_.on_connect(9, now_);  // never says hello
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 1);
+  request(2, "kv_get", {{"key", "k"}, {"timeout_ms", 1500}});
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  out_.take(2);
+  state_.on_tick(now_ + 900ms);
+  EXPECT_TRUE(out_.closed.empty());
+  EXPECT_TRUE(out_.take(2).empty());
+  // Keep both members alive with heartbeats; only the silent connection goes.
+  now_ += 1100ms;
+  message(1, {{"kind", "heartbeat"}});
+  message(2, {{"kind", "heartbeat"}});
+  state_.on_tick(now_);
+  EXPECT_EQ(out_.closed, (std::map<ConnId, std::string>{{9, "timeout"}}));
+  now_ += 500ms;
+  state_.on_tick(now_);
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"error"}) << "kv_get timed out";
+  // The step timeout fails the engine that never acked and the trainer that
+  // never reported: everyone aborts.
+  now_ += 9s;
+  message(1, {{"kind", "heartbeat"}});
+  message(2, {{"kind", "heartbeat"}});
+  state_.on_tick(now_);
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"abort"});
+  EXPECT_EQ(out_.sent[1].back().at("trainers_ok"), false);
+}
+
+TEST_F(StateTest, HeartbeatTimeoutDropsTheMemberAndTellsTheOthers) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 1);
+  now_ += 1500ms;
+  message(1, {{"kind", "heartbeat"}});
+  now_ += 1000ms;
+  state_.on_tick(now_);
+  EXPECT_EQ(out_.closed.count(2), 1u);
+  EXPECT_EQ(out_.closed.count(1), 0u);
+  EXPECT_EQ(out_.take(1), std::vector<std::string>{"member_left"});
+  EXPECT_EQ(state_.members().size(), 1u);
+}
+
+TEST_F(StateTest, LeaveRepliesThenClosesQuietly) {
+  join(1, "engine", 0, 1);
+  join(2, "observer", 0, 1);
+  request(1, "leave", Json::object());
+  EXPECT_EQ(out_.take(1), std::vector<std::string>{"reply"});
+  EXPECT_EQ(out_.closed.at(1), "") << "no error frame for a graceful leave";
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"member_left"});
+  EXPECT_TRUE(state_.members().size() == 1u);
+}
+
+}  // namespace
+}  // namespace weightsync::control
