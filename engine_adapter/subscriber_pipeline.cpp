@@ -146,6 +146,7 @@ void ReceivePipeline::post(size_t k, Slot& slot, int64_t step, Transport& t) {
 void ReceivePipeline::wait(Slot& slot, const std::function<void()>& poll,
                            Clock::time_point deadline) {
   auto last_poll = Clock::now();
+  int spins = 0;
   while (!slot.request->test()) {
     const auto now = Clock::now();
     if (now >= deadline)
@@ -155,7 +156,7 @@ void ReceivePipeline::wait(Slot& slot, const std::function<void()>& poll,
       last_poll = now;
       poll();
     }
-    std::this_thread::yield();  // see publisher_pipeline.cpp
+    if (++spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));  // see drain()
   }
 }
 

@@ -176,6 +176,7 @@ void SendPipeline::post(const SendAction& a, Slot& slot, int64_t step, Transport
 void SendPipeline::drain(Slot& slot, std::vector<bool>& dead, const std::function<void()>& poll,
                          PushPhases& phases) {
   auto last_poll = Clock::now();
+  int spins = 0;
   while (!slot.requests.empty()) {
     for (size_t i = 0; i < slot.requests.size();) {
       const int g = slot.engines[i];
@@ -217,9 +218,9 @@ void SendPipeline::drain(Slot& slot, std::vector<bool>& dead, const std::functio
       last_poll = now;
       poll();
     }
-    // Ranks often outnumber cores (the demo runs 8 processes on 2): let the
-    // peer that must make progress for this request run.
-    std::this_thread::yield();
+    // Ranks often outnumber cores (the demo runs 8 processes on 2): after a
+    // short spin, give the core to the peer that must make progress.
+    if (++spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   (void)phases;
 }
