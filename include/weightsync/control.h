@@ -48,7 +48,7 @@ Role parse_role(std::string_view name);  // Errc::invalid_argument for anything 
 struct Member {
   uint64_t id = 0;  // unique for the coordinator's lifetime, never reused
   Role role = Role::observer;
-  int rank = 0;      // global rank within the role
+  int rank = 0;      // global rank within the role (unique among live trainers / engines)
   int world = 1;     // size of the role's world, as the member declared it
   int replica = -1;  // engine replica, -1 when not given
   std::string layout_hash;
