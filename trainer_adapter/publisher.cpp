@@ -122,8 +122,8 @@ PushResult Publisher::Impl::push(int64_t step) {
   PushResult out;
   out.step = step;
   early_result.reset();
-  poll();  // membership news since the last step (engines that left are skipped)
-  current_step = step;
+  current_step = step;  // first: a late result of an earlier step is ignored
+  poll();               // membership news since the last step (engines that left are skipped)
   {
     TraceSpan span(opt.tracer, "begin", "control");
     const auto t = Clock::now();

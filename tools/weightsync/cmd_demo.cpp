@@ -12,6 +12,7 @@
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>
 
+#include <charconv>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -52,6 +53,14 @@ constexpr const char* kUsage =
     "Exit code 0 only if every engine rank committed every step and matched the\n"
     "reference after each one.\n";
 
+int parse_int(const std::string& text, const char* option) {
+  int v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size())
+    fail(Errc::invalid_argument, option, " expects an integer, got '", text, "'");
+  return v;
+}
+
 // Operations of kind `op` that `role` rank posts per step, from the plan.
 int64_t ops_per_step(const Plan& plan, const std::string& role, int rank) {
   if (role == "engine") return static_cast<int64_t>(plan.buckets_received_by(rank).size());
@@ -71,8 +80,10 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   k.role = spec.substr(0, a);
   if (k.role != "trainer" && k.role != "engine")
     fail(Errc::invalid_argument, "--kill: role must be trainer or engine, got '", k.role, "'");
-  k.rank = std::stoi(spec.substr(a + 1, b - a - 1));
-  const int step = std::stoi(spec.substr(b + 1));
+  k.rank = parse_int(spec.substr(a + 1, b - a - 1), "--kill RANK");
+  const int step = parse_int(spec.substr(b + 1), "--kill STEP");
+  if (step < 1 || step > job.steps)
+    fail(Errc::invalid_argument, "--kill: step ", step, " is not among steps 1..", job.steps);
   PlanOptions po;
   po.mode = parse_plan_mode(job.mode);
   po.bucket_bytes = job.bucket_bytes;
@@ -94,11 +105,9 @@ void describe_default(std::ostream& out, const demo::ModelFiles& m, const demo::
       << "each step\n";
 }
 
-int run_demo(const std::vector<std::string>& argv) {
-  Args args(
-      argv, {"staging", "no-verify", "json"},
-      {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport", "bucket-bytes",
-       "timeout", "trace", "summary", "work-dir", "kill", "engine-transport"});
+// The job the options describe; writes the embedded model when no
+// --checkpoint is given (returned in `model`).
+demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& model) {
   demo::JobSpec job;
   job.steps = static_cast<int>(args.get_int("steps", 3));
   if (job.steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
@@ -113,9 +122,7 @@ int run_demo(const std::vector<std::string>& argv) {
   job.trace = args.has("trace");
   job.work_dir = args.has("work-dir") ? args.require("work-dir") : demo::make_temp_dir("demo");
   std::filesystem::create_directories(job.work_dir);
-  const bool custom = args.has("checkpoint");
-  std::optional<demo::ModelFiles> model;
-  if (custom) {
+  if (args.has("checkpoint")) {
     job.checkpoint = std::filesystem::absolute(args.require("checkpoint")).string();
     job.trainer = std::filesystem::absolute(args.require("trainer")).string();
     job.engine = std::filesystem::absolute(args.require("engine")).string();
@@ -133,11 +140,21 @@ int run_demo(const std::vector<std::string>& argv) {
     const auto colon = et->find(':');
     if (colon == std::string::npos)
       fail(Errc::invalid_argument, "--engine-transport expects G:NAME, got '", *et, "'");
-    const auto g = static_cast<size_t>(std::stoi(et->substr(0, colon)));
+    const auto g = static_cast<size_t>(parse_int(et->substr(0, colon), "--engine-transport G"));
     job.engine_transport.resize(g + 1);
     job.engine_transport[g] = et->substr(colon + 1);
   }
   if (auto k = args.get("kill")) job.kill = parse_kill(*k, job);
+  return job;
+}
+
+int run_demo(const std::vector<std::string>& argv) {
+  Args args(
+      argv, {"staging", "no-verify", "json"},
+      {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport", "bucket-bytes",
+       "timeout", "trace", "summary", "work-dir", "kill", "engine-transport"});
+  std::optional<demo::ModelFiles> model;
+  const demo::JobSpec job = job_from_args(args, model);
   if (!args.flag("json")) {
     if (model)
       describe_default(std::cout, *model, job);

@@ -98,13 +98,10 @@ nlohmann::json outcome_json(const StepOutcome& o) {
 
 }  // namespace
 
-int run_engine_worker(const JobSpec& job, int global) {
-  register_kill_transport();
-  const Millis timeout(job.timeout_ms);
-  const EngineConfig config = EngineConfig::load(job.engine);
-  const EngineLayout layout = make_engine_layout(config);
-  const int replica = global / config.tp, rank = global % config.tp;
-  const EngineRankLayout& rl = layout.rank_layout(global);
+namespace {
+
+// Zeroed params, plus the reference (materialize) and coverage mask to check them.
+std::vector<Param> make_params(const JobSpec& job, const EngineRankLayout& rl) {
   std::vector<Param> params;
   std::optional<Checkpoint> ckpt;
   if (job.verify) ckpt = Checkpoint::open(job.checkpoint);
@@ -122,32 +119,33 @@ int run_engine_worker(const JobSpec& job, int global) {
     }
     params.push_back(std::move(q));
   }
-  std::unique_ptr<Tracer> tracer;
-  if (job.trace) tracer = std::make_unique<Tracer>(cat("engine ", global), 1000 + global);
+  return params;
+}
+
+SubscriberOptions subscriber_options(const JobSpec& job, const EngineConfig& config, int global,
+                                     Tracer* tracer) {
   SubscriberOptions opt;
   opt.coordinator = job.coordinator;
   opt.token = job.token;
   opt.engine = config;
-  opt.replica = replica;
-  opt.rank = rank;
+  opt.replica = global / config.tp;
+  opt.rank = global % config.tp;
   opt.trainer = TrainerLayout::load(job.trainer);
   opt.transport = worker_transport(job, "engine", global);
   opt.staging = job.staging;
-  opt.connect_timeout = timeout;
-  opt.step_timeout = timeout;
-  opt.tracer = tracer.get();
-  Subscriber sub(opt);
-  for (size_t i = 0; i < params.size(); ++i) sub.register_param(rl.params[i].name, params[i].view);
-  sub.prepare();
+  opt.connect_timeout = Millis(job.timeout_ms);
+  opt.step_timeout = Millis(job.timeout_ms);
+  opt.tracer = tracer;
+  return opt;
+}
 
-  nlohmann::json stats = {{"role", "engine"}, {"rank", global}, {"replica", replica}};
-  if (job.raw_rounds > 0) {
-    auto observer = observer_client(job, timeout);
-    stats["raw"] = run_raw_rounds(job, sub.plan(), *observer, "engine", global);
-  }
+// Runs steps until the last one, or until the trainers are gone; checks the
+// params after every committed step. Fills stats["steps"] and ["checks"].
+bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl,
+                 const std::vector<Param>& params, nlohmann::json& stats) {
   nlohmann::json steps = nlohmann::json::array(), checks = nlohmann::json::array();
   bool ok = true;
-  const auto deadline = Clock::now() + timeout * (job.steps + 1);
+  const auto deadline = Clock::now() + Millis(job.timeout_ms) * (job.steps + 1);
   while (Clock::now() < deadline) {
     auto o = sub.run_step(Millis(300));
     if (!o) {
@@ -163,13 +161,36 @@ int run_engine_worker(const JobSpec& job, int global) {
   }
   stats["steps"] = steps;
   stats["checks"] = checks;
+  return ok;
+}
+
+}  // namespace
+
+int run_engine_worker(const JobSpec& job, int global) {
+  register_kill_transport();
+  const EngineConfig config = EngineConfig::load(job.engine);
+  const EngineLayout layout = make_engine_layout(config);
+  const EngineRankLayout& rl = layout.rank_layout(global);
+  const std::vector<Param> params = make_params(job, rl);
+  std::unique_ptr<Tracer> tracer;
+  if (job.trace) tracer = std::make_unique<Tracer>(cat("engine ", global), 1000 + global);
+  Subscriber sub(subscriber_options(job, config, global, tracer.get()));
+  for (size_t i = 0; i < params.size(); ++i) sub.register_param(rl.params[i].name, params[i].view);
+  sub.prepare();
+
+  nlohmann::json stats = {{"role", "engine"}, {"rank", global}, {"replica", global / config.tp}};
+  if (job.raw_rounds > 0) {
+    auto observer = observer_client(job, Millis(job.timeout_ms));
+    stats["raw"] = run_raw_rounds(job, sub.plan(), *observer, "engine", global);
+  }
+  bool ok = serve_steps(job, sub, rl, params, stats);
   stats["version"] = sub.version();
   // With staging, whatever happened, the params are exactly the version held.
   if (job.verify && job.staging) {
     stats["final_check"] = check(rl, params, sub.version(), job.steps);
     ok &= stats["final_check"]["ok"].get<bool>();
   }
-  if (!job.dump_dir.empty()) dump(job, rl, params, replica, rank);
+  if (!job.dump_dir.empty()) dump(job, rl, params, global / config.tp, global % config.tp);
   stats["peak_rss_mb"] = peak_rss_mb();
   stats["ok"] = ok;
   std::ofstream(job.stats_path("engine", global), std::ios::trunc) << stats.dump(2);

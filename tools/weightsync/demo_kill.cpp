@@ -7,6 +7,8 @@
 #include <weightsync/error.h>
 #include <weightsync/transport.h>
 
+#include <charconv>
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -59,7 +61,14 @@ std::unique_ptr<Transport> make_kill_transport(const TransportOptions& options) 
   const auto op = options.params.count("op") ? options.params.at("op") : "send";
   if (op != "send" && op != "recv")
     fail(Errc::invalid_argument, "transport kill: op must be send or recv, got '", op, "'");
-  const auto after = options.params.count("after") ? std::stoll(options.params.at("after")) : 1;
+  int64_t after = 1;
+  if (options.params.count("after")) {
+    const std::string& text = options.params.at("after");
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), after);
+    if (ec != std::errc() || end != text.data() + text.size() || after < 1)
+      fail(Errc::invalid_argument, "transport kill: after must be a positive integer, got '", text,
+           "'");
+  }
   inner.params.erase("op");
   inner.params.erase("after");
   return std::make_unique<KillTransport>(make_transport(inner), op == "send", after);
