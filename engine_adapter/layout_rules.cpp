@@ -13,6 +13,9 @@
 //   fused experts. SGLang's default is the same separate module.
 // - Qwen2-MoE: shared_expert is a gate_up/down MLP, shared_expert_gate a
 //   replicated [1, H] linear.
+// - vLLM allocates DeepSeek's gate.e_score_correction_bias in float32; here
+//   every parameter takes the engine config's dtype (checkpoint dtype, no
+//   conversion), so a sync moves that bias in the checkpoint's dtype.
 // Adding an architecture: add its HF names to these tables.
 #include "layout_rules.h"
 
