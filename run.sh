@@ -35,7 +35,10 @@ if [ ! -f "$build_dir/build.ninja" ]; then
   # shellcheck disable=SC2086
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${CMAKE_ARGS:-} >/dev/null
 fi
-cmake --build "$build_dir" -j"$(nproc)"
+# demo and bench need only the command; test builds everything.
+targets=()
+case "$job" in demo | bench) targets=(--target weightsync_cli) ;; esac
+cmake --build "$build_dir" -j"$(nproc)" "${targets[@]}"
 
 case "$job" in
   demo) exec "$build_dir/bin/weightsync" demo "$@" ;;
