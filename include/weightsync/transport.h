@@ -125,7 +125,9 @@ class Request {
   // posted (wait again, or cancel()).
   virtual std::size_t wait(std::chrono::milliseconds timeout);
   // Asks the library to abandon the operation; it then completes with
-  // Errc::cancelled (unless it had already finished).
+  // Errc::cancelled (unless it had already finished). A send that may be
+  // partly on the wire cannot be withdrawn: cancelling it gives up the peer
+  // (UCX closes the connection; NCCL aborts the communicator).
   virtual void cancel() = 0;
   // Bytes moved: the posted size for a send, the arrived size for a receive.
   virtual std::size_t transferred() const = 0;
@@ -198,6 +200,13 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 // ucx: tags < 2^48 (the sender rank rides in the high 16 bits; world <= 65536).
 //   The UCX transports used follow UCX_TLS from the environment, or
 //   params["tls"] (e.g. "tcp,self" or "posix,sysv,cma,self") when given.
+//   Other UCX settings: params["UCX_<NAME>"] (e.g. UCX_RNDV_THRESH=64k).
+//   Dead peers are reported (Errc::peer_failure) where the UCX transports can
+//   tell (tcp); UCX 1.13's shared-memory transports cannot, and asking for it
+//   excludes them, so with only shared memory in "tls" the transport does not
+//   ask and a dead peer shows as Errc::timeout. params["peer_errors"] = "on" |
+//   "off" | "auto" (default) overrides. Note: with UCX_TLS unset (all), peer
+//   error reporting makes UCX use tcp even between processes of one host.
 // nccl: CUDA memory only; tags are not matched by NCCL, so both sides must post
 //   operations with a peer in the same order. On a wait timeout the
 //   communicator is aborted (ncclCommAbort) and the transport is unusable.

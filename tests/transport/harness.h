@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,10 @@ struct TransportSpec {
   std::string name;   // e.g. "ucx?tls=tcp,self"
   bool big = false;   // also run the 1 GiB transfer
 };
+// So that test listings show the transport, not the struct's bytes.
+inline void PrintTo(const TransportSpec& spec, std::ostream* out) {
+  *out << spec.name;
+}
 
 struct ScenarioContext {
   Transport& transport;

@@ -61,6 +61,8 @@ bool want_peer_errors(const TransportOptions& options, bool& forced) {
 std::map<std::string, std::string> ucx_settings(const TransportOptions& options) {
   std::map<std::string, std::string> s;
   if (auto it = options.params.find("tls"); it != options.params.end()) s["TLS"] = it->second;
+  for (const auto& [key, value] : options.params)
+    if (key.rfind("UCX_", 0) == 0) s[key.substr(4)] = value;
   // UCX checks idle peers every 20 s by default; a dead shared-memory peer is
   // only noticed by that check, so look more often unless told otherwise.
   if (auto it = options.params.find("keepalive_interval"); it != options.params.end())
