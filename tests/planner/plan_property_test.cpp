@@ -1,0 +1,200 @@
+// Property tests of the planner on random layouts of tiny models: exact cover
+// (element by element), bytes per rank, determinism, balance, schedule rules.
+#include "plan_sim.h"
+
+#include <weightsync/error.h>
+#include <weightsync/trainer_layout.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace weightsync::test {
+namespace {
+
+struct Case {
+  std::string model;
+  TrainerLayout trainer;
+  EngineLayout engine;
+  PlanOptions options;
+};
+
+Case random_case(uint64_t seed, PlanMode mode) {
+  std::mt19937_64 rng(seed);
+  Case c;
+  c.model = tiny_models()[rng() % tiny_models().size()];
+  c.trainer = random_trainer_layout(c.model, rng);
+  c.engine = make_engine_layout(random_engine_config(c.model, rng));
+  c.options.mode = mode;
+  c.options.bucket_bytes = int64_t{1024} << (rng() % 8);  // 1 KiB .. 128 KiB
+  return c;
+}
+
+std::string describe(const Case& c) {
+  return cat(c.model, " trainer world ", c.trainer.mesh.world(), " engine tp ", c.engine.config.tp,
+             " x ", c.engine.config.replicas, c.engine.config.expert_parallel ? " ep" : "",
+             " bucket ", c.options.bucket_bytes);
+}
+
+int64_t param_bytes(const EngineLayout& e, int g) {
+  int64_t bytes = 0;
+  for (const EngineParam& p : e.rank_layout(g).params)
+    for (const Segment& s : p.segments)
+      bytes += s.hf_box.numel() * static_cast<int64_t>(itemsize(p.dtype));
+  return bytes;
+}
+
+class RandomPlans : public ::testing::TestWithParam<int> {};
+
+TEST_P(RandomPlans, P2pCoversEveryElementOnceAndMovesOnlyParamBytes) {
+  const Case c = random_case(1000 + static_cast<uint64_t>(GetParam()), PlanMode::p2p);
+  SCOPED_TRACE(describe(c));
+  const Plan plan = make_plan(c.trainer, c.engine, Topology{}, c.options);
+  const SimResult sim = simulate(plan, c.trainer, c.engine);
+  for (int g = 0; g < c.engine.world(); ++g) {
+    EXPECT_EQ(sim.bytes_in[static_cast<size_t>(g)], param_bytes(c.engine, g)) << "rank " << g;
+    EXPECT_EQ(plan.stats().bytes_per_engine_rank[static_cast<size_t>(g)], param_bytes(c.engine, g));
+  }
+  EXPECT_NO_THROW(verify_plan(plan, c.trainer, c.engine));
+}
+
+TEST_P(RandomPlans, BroadcastDeliversTheModelToEveryRank) {
+  const Case c = random_case(2000 + static_cast<uint64_t>(GetParam()), PlanMode::broadcast);
+  SCOPED_TRACE(describe(c));
+  const Plan plan = make_plan(c.trainer, c.engine, Topology{}, c.options);
+  const SimResult sim = simulate(plan, c.trainer, c.engine);
+  for (int g = 0; g < c.engine.world(); ++g) {
+    EXPECT_EQ(sim.bytes_in[static_cast<size_t>(g)], sim.model_bytes) << "rank " << g;
+    EXPECT_EQ(plan.stats().bytes_per_engine_rank[static_cast<size_t>(g)], sim.model_bytes);
+  }
+  EXPECT_NO_THROW(verify_plan(plan, c.trainer, c.engine));
+}
+
+TEST_P(RandomPlans, SameInputsSamePlanOtherBucketSizeOtherId) {
+  const Case c = random_case(3000 + static_cast<uint64_t>(GetParam()),
+                             GetParam() % 2 ? PlanMode::p2p : PlanMode::broadcast);
+  SCOPED_TRACE(describe(c));
+  const Plan a = make_plan(c.trainer, c.engine, Topology{}, c.options);
+  const Plan b = make_plan(c.trainer, c.engine, Topology{}, c.options);
+  EXPECT_EQ(a.plan_id_hex(), b.plan_id_hex());
+  ASSERT_EQ(a.items().size(), b.items().size());
+  for (size_t i = 0; i < a.items().size(); ++i) {
+    const PlanItem &x = a.items()[i], &y = b.items()[i];
+    EXPECT_TRUE(x.piece == y.piece && x.segment == y.segment && x.dst_rank == y.dst_rank &&
+                x.bucket == y.bucket && x.offset == y.offset && x.split_lo == y.split_lo &&
+                x.split_len == y.split_len && x.split_dim == y.split_dim)
+        << "item " << i;
+  }
+  ASSERT_EQ(a.buckets().size(), b.buckets().size());
+  for (size_t i = 0; i < a.buckets().size(); ++i) {
+    EXPECT_EQ(a.buckets()[i].src_rank, b.buckets()[i].src_rank);
+    EXPECT_EQ(a.buckets()[i].send_seq, b.buckets()[i].send_seq);
+  }
+  PlanOptions other = c.options;
+  other.bucket_bytes *= 2;
+  EXPECT_NE(make_plan(c.trainer, c.engine, Topology{}, other).plan_id(), a.plan_id());
+}
+
+TEST_P(RandomPlans, ScheduleRespectsBucketLimitAndDoubleBuffering) {
+  const Case c = random_case(4000 + static_cast<uint64_t>(GetParam()), PlanMode::p2p);
+  SCOPED_TRACE(describe(c));
+  const Plan plan = make_plan(c.trainer, c.engine, Topology{}, c.options);
+  std::vector<int> seen(plan.buckets().size(), 0);
+  for (int t = 0; t < plan.trainer_world(); ++t) {
+    const auto& order = plan.buckets_sent_by(t);
+    for (size_t k = 0; k < order.size(); ++k) {
+      const Bucket& b = plan.buckets()[static_cast<size_t>(order[k])];
+      ++seen[static_cast<size_t>(b.id)];
+      EXPECT_EQ(b.src_rank, t);
+      EXPECT_LE(b.bytes, c.options.bucket_bytes);
+      EXPECT_EQ(b.send_seq, static_cast<int>(k));
+      EXPECT_EQ(b.slot, k % 2);
+      // Bucket k reuses the slot of bucket k-2: it may start only after it ended.
+      if (k >= 2) {
+        EXPECT_GE(b.start_s, plan.buckets()[static_cast<size_t>(order[k - 2])].end_s);
+      }
+      if (k >= 1) {
+        EXPECT_GE(b.start_s, plan.buckets()[static_cast<size_t>(order[k - 1])].start_s);
+      }
+    }
+  }
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+  for (int g = 0; g < plan.engine_world(); ++g) {
+    const auto& order = plan.buckets_received_by(g);
+    for (size_t k = 1; k < order.size(); ++k)  // one bucket at a time into a rank: no incast
+      EXPECT_GE(plan.buckets()[static_cast<size_t>(order[k])].start_s,
+                plan.buckets()[static_cast<size_t>(order[k - 1])].end_s);
+  }
+  EXPECT_GT(plan.stats().lower_bound_s, 0);
+  EXPECT_LE(plan.stats().lower_bound_s, plan.stats().predicted_s);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, RandomPlans, ::testing::Range(0, 24));
+
+// Every dense param replicated over dp=4: senders must share the work.
+TEST(PlanBalance, ReplicasShareTheBytes) {
+  const HfModelConfig config = HfModelConfig::load(model_config_path("tiny-llama"));
+  Mesh mesh;
+  mesh.axes = {"dp", "fsdp"};
+  mesh.shape = {4, 2};
+  const TrainerLayout trainer = make_trainer_layout(config, mesh);
+  EngineConfig ec;
+  ec.hf = config;
+  ec.dtype = config.dtype;
+  ec.tp = 2;
+  ec.replicas = 2;
+  const EngineLayout engine = make_engine_layout(ec);
+  PlanOptions options;
+  options.bucket_bytes = 4096;
+  const Plan plan = make_plan(trainer, engine, Topology{}, options);
+  const auto& sent = plan.stats().bytes_per_trainer_rank;
+  const double mean =
+      static_cast<double>(std::accumulate(sent.begin(), sent.end(), int64_t{0})) / sent.size();
+  int64_t largest_item = 0;
+  for (const PlanItem& it : plan.items())
+    largest_item = std::max(largest_item, plan.resolve(it).bytes);
+  for (size_t t = 0; t < sent.size(); ++t) {
+    EXPECT_GT(sent[t], 0) << "trainer rank " << t << " sends nothing";
+    EXPECT_LE(static_cast<double>(sent[t]), 1.15 * mean + static_cast<double>(largest_item))
+        << "trainer rank " << t;
+  }
+}
+
+TEST(PlanErrors, EngineKeyMissingFromTrainerIsNamed) {
+  const HfModelConfig config = HfModelConfig::load(model_config_path("tiny-llama"));
+  Mesh mesh;
+  mesh.axes = {"fsdp"};
+  mesh.shape = {2};
+  TrainerLayout trainer = make_trainer_layout(config, mesh);
+  const std::string dropped = trainer.params.back().hf_keys[0];
+  trainer.params.pop_back();
+  EngineConfig ec;
+  ec.hf = config;
+  ec.dtype = config.dtype;
+  try {
+    make_plan(trainer, make_engine_layout(ec), Topology{});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_layout);
+    EXPECT_NE(std::string(e.what()).find(dropped), std::string::npos) << e.what();
+  }
+}
+
+TEST(PlanErrors, BucketBytesOutOfRangeIsAnError) {
+  const HfModelConfig config = HfModelConfig::load(model_config_path("tiny-llama"));
+  Mesh mesh;
+  mesh.axes = {"fsdp"};
+  mesh.shape = {1};
+  EngineConfig ec;
+  ec.hf = config;
+  ec.dtype = config.dtype;
+  PlanOptions options;
+  options.bucket_bytes = 100;
+  EXPECT_THROW(
+      make_plan(make_trainer_layout(config, mesh), make_engine_layout(ec), Topology{}, options),
+      Error);
+}
+
+}  // namespace
+}  // namespace weightsync::test

@@ -1,0 +1,160 @@
+// `weightsync bench plan`: plans the weight transfer of large MoE models at
+// production scale and prints the planner's own time and memory next to the
+// predicted transfer time and its lower bound (the reference, same run).
+#include "cli.h"
+
+#include <weightsync/engine_layout.h>
+#include <weightsync/error.h>
+#include <weightsync/plan.h>
+#include <weightsync/trainer_layout.h>
+
+#include <nlohmann/json.hpp>
+
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+namespace weightsync::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kUsage =
+    "usage: weightsync bench plan [--json] [--topology X.json] [--configs DIR]\n"
+    "                             [--bucket-bytes N] [--broadcast]\n\n"
+    "Plans, p2p, with trainer mesh ep=8,fsdp=32 (256 ranks, XTuner-style layout):\n"
+    "  deepseek-v3: -> 16 vLLM replicas of tp=16 with expert parallel (256 engine ranks)\n"
+    "  kimi-k2:     -> 8 vLLM replicas of tp=16 with expert parallel (128 engine ranks)\n"
+    "and prints per case: plan_s (planner wall time, one core), predicted_s and\n"
+    "lower_bound_s of the transfer, their ratio, and the planner's peak RSS (each case\n"
+    "runs in its own child process). --broadcast adds kimi-k2 in broadcast mode.\n"
+    "Models come from DIR/models/<Name>/config.json (default: configs/ found from the\n"
+    "working directory or the binary). Topology default: 8 GPUs/node, 50 GB/s NIC per GPU.\n";
+
+struct BenchCase {
+  std::string name, model_dir;
+  int replicas = 1;
+  PlanMode mode = PlanMode::p2p;
+};
+
+fs::path find_configs(const Args& args) {
+  if (auto d = args.get("configs")) return *d;
+  std::vector<fs::path> candidates = {"configs"};
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    candidates.push_back(exe.parent_path() / ".." / ".." / "configs");
+    candidates.push_back(exe.parent_path() / ".." / "configs");
+    candidates.push_back(exe.parent_path() / ".." / "share" / "weightsync" / "configs");
+  }
+  for (const auto& c : candidates)
+    if (fs::exists(c / "models" / "Kimi-K2" / "config.json")) return c;
+  fail(Errc::not_found,
+       "bench plan: cannot find configs/models/Kimi-K2/config.json (use --configs)");
+}
+
+nlohmann::json run_case(const BenchCase& c, const fs::path& configs, const Topology& topo,
+                        int64_t bucket_bytes) {
+  const HfModelConfig hf =
+      HfModelConfig::load((configs / "models" / c.model_dir / "config.json").string());
+  const TrainerLayout trainer = make_trainer_layout(hf, parse_mesh_spec("ep=8,fsdp=32"));
+  EngineConfig ec;
+  ec.hf = hf;
+  ec.dtype = trainer.params.front().dtype;
+  ec.tp = 16;
+  ec.expert_parallel = true;
+  ec.replicas = c.replicas;
+  const EngineLayout engine = make_engine_layout(ec);
+  PlanOptions options;
+  options.mode = c.mode;
+  options.bucket_bytes = bucket_bytes;
+  const Plan plan = make_plan(trainer, engine, topo, options);
+  nlohmann::json j = plan.summary_json();
+  j["case"] = c.name;
+  j["ratio"] = plan.stats().predicted_s / plan.stats().lower_bound_s;
+  j["dtype"] = std::string(dtype_name(ec.dtype));
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  j["peak_rss_mib"] = static_cast<double>(ru.ru_maxrss) / 1024.0;
+  return j;
+}
+
+// Runs one case in a child so that its peak RSS is its own.
+nlohmann::json run_isolated(const BenchCase& c, const fs::path& configs, const Topology& topo,
+                            int64_t bucket_bytes) {
+  int fds[2];
+  if (pipe(fds) != 0) fail(Errc::io, "bench plan: pipe failed");
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) fail(Errc::io, "bench plan: fork failed");
+  if (pid == 0) {
+    close(fds[0]);
+    std::string out;
+    try {
+      out = run_case(c, configs, topo, bucket_bytes).dump();
+    } catch (const std::exception& e) {
+      out = nlohmann::json{{"case", c.name}, {"error", e.what()}}.dump();
+    }
+    for (size_t done = 0; done < out.size();) {
+      const ssize_t n = write(fds[1], out.data() + done, out.size() - done);
+      if (n <= 0) _exit(1);
+      done += static_cast<size_t>(n);
+    }
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string text;
+  char buf[4096];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;)
+    text.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (text.empty())
+    fail(Errc::internal, "bench plan: case ", c.name, " died (status ", status, ")");
+  return nlohmann::json::parse(text);
+}
+
+int run_bench_plan(const std::vector<std::string>& argv) {
+  Args args(argv, {"json", "broadcast"}, {"topology", "configs", "bucket-bytes"});
+  const fs::path configs = find_configs(args);
+  const Topology topo = args.has("topology") ? Topology::load(*args.get("topology")) : Topology{};
+  const int64_t bucket = args.get_int("bucket-bytes", PlanOptions{}.bucket_bytes);
+  std::vector<BenchCase> cases = {{"deepseek-v3", "DeepSeek-V3", 16, PlanMode::p2p},
+                                  {"kimi-k2", "Kimi-K2", 8, PlanMode::p2p}};
+  if (args.flag("broadcast"))
+    cases.push_back({"kimi-k2-broadcast", "Kimi-K2", 8, PlanMode::broadcast});
+  nlohmann::json results = nlohmann::json::array();
+  for (const BenchCase& c : cases) {
+    nlohmann::json r = run_isolated(c, configs, topo, bucket);
+    if (r.contains("error"))
+      fail(Errc::internal, "bench plan: ", c.name, ": ", r["error"].get<std::string>());
+    if (!args.flag("json"))
+      std::printf(
+          "%-18s %-9s %6lld -> %4lld ranks  plan %.3f s  rss %7.1f MiB  buckets %7lld  "
+          "predicted %.3f s  lower bound %.3f s  ratio %.4f\n",
+          c.name.c_str(), r["mode"].get<std::string>().c_str(),
+          static_cast<long long>(r["trainer_ranks"].get<int64_t>()),
+          static_cast<long long>(r["engine_ranks"].get<int64_t>()), r["plan_s"].get<double>(),
+          r["peak_rss_mib"].get<double>(), static_cast<long long>(r["buckets"].get<int64_t>()),
+          r["predicted_s"].get<double>(), r["lower_bound_s"].get<double>(),
+          r["ratio"].get<double>());
+    results.push_back(std::move(r));
+  }
+  if (args.flag("json"))
+    std::cout
+        << nlohmann::json{{"bench", "plan"}, {"topology", topo.name}, {"cases", results}}.dump()
+        << "\n";
+  return 0;
+}
+
+const BenchRegistrar registrar{
+    {"plan", "planner time, memory and predicted transfer time at 1T-model scale", kUsage,
+     run_bench_plan}};
+
+}  // namespace
+}  // namespace weightsync::cli
