@@ -179,6 +179,18 @@ TEST(TrainerLayoutCli, BadMeshIsAClearError) {
   EXPECT_NE(out.find("fsdp"), std::string::npos) << out;
 }
 
+TEST(TrainerLayoutCli, LayoutBenchPrintsOneJsonObject) {
+  const std::string cfg =
+      std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs/models/tiny-qwen3-moe/config.json";
+  const auto [rc, out] = run_cli("bench layout --json --hf-config " + cfg + " --mesh ep=2,fsdp=3");
+  ASSERT_EQ(rc, 0) << out;
+  const auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["ranks"], 6);
+  // Every param is held by some rank: at least one piece per param.
+  EXPECT_GE(j["pieces"].get<int64_t>(), j["params"].get<int64_t>());
+  EXPECT_TRUE(j.contains("total_s") && j.contains("reference_local_shape_s"));
+}
+
 TEST(TrainerLayoutExamples, CheckedInExamplesParse) {
   const auto dir = std::filesystem::path(WEIGHTSYNC_SOURCE_DIR) / "configs/examples";
   int found = 0;
