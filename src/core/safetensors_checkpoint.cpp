@@ -49,9 +49,12 @@ Index read_index(const fs::path& index_path) {
            file.dump());
     index.weight_map.emplace(key, file.get<std::string>());
   }
-  if (auto meta = root.find("metadata"); meta != root.end() && meta->is_object())
+  if (auto meta = root.find("metadata"); meta != root.end()) {
+    if (!meta->is_object())
+      fail(Errc::format, where, ": \"metadata\" must be an object, got ", meta->type_name());
     for (const auto& [k, v] : meta->items())
       index.metadata.emplace(k, v.is_string() ? v.get<std::string>() : v.dump());
+  }
   return index;
 }
 

@@ -10,39 +10,94 @@
 
 #include <algorithm>
 #include <limits>
-#include <set>
 #include <utility>
 
 namespace weightsync {
 namespace detail {
 
-nlohmann::json parse_json_no_duplicates(std::string_view text, std::string_view file) {
-  // One set of keys per open object; the parser callback sees every key
-  // before the DOM drops the earlier value.
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
-  auto on_event = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    using E = nlohmann::json::parse_event_t;
-    if (event == E::object_start) {
-      open_objects.emplace_back();
-    } else if (event == E::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == E::key && !open_objects.empty() && duplicate.empty()) {
-      const auto& key = parsed.get_ref<const std::string&>();
-      if (!open_objects.back().insert(key).second) duplicate = key;
+namespace {
+
+// Builds the DOM from SAX events. Checking each key against the object being
+// filled is both the duplicate test and O(log n); nlohmann's parser-callback
+// route would do it too but rescans the parent object at every end_object,
+// which is quadratic in the number of tensors.
+class StrictDomBuilder {
+ public:
+  using json = nlohmann::json;
+  json root;
+  std::string duplicate, error;
+
+  bool null() { return place(nullptr); }
+  bool boolean(bool v) { return place(v); }
+  bool number_integer(json::number_integer_t v) { return place(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return place(v); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return place(v); }
+  bool string(json::string_t& v) { return place(std::move(v)); }
+  bool binary(json::binary_t& v) { return place(json::binary(std::move(v))); }
+  bool start_object(std::size_t) { return open(json::object()); }
+  bool start_array(std::size_t) { return open(json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(json::string_t& k) {
+    json& object = *open_.back();
+    if (object.contains(k)) {
+      duplicate = k;
+      return false;
     }
+    slot_ = &object[k];
     return true;
-  };
-  nlohmann::json parsed;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    error = e.what();
+    return false;
+  }
+
+ private:
+  // Puts a value where the grammar says it goes; returns where it landed.
+  json* put(json&& value) {
+    if (open_.empty()) {
+      root = std::move(value);
+      return &root;
+    }
+    json& parent = *open_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(value));
+      return &parent.back();  // stable: nothing is appended to parent while this is open
+    }
+    *slot_ = std::move(value);
+    return slot_;
+  }
+  bool place(json&& value) {
+    put(std::move(value));
+    return true;
+  }
+  bool open(json&& container) {
+    open_.push_back(put(std::move(container)));
+    return true;
+  }
+  bool close() {
+    open_.pop_back();
+    return true;
+  }
+  std::vector<json*> open_;
+  json* slot_ = nullptr;
+};
+
+}  // namespace
+
+nlohmann::json parse_json_no_duplicates(std::string_view text, std::string_view file) {
+  StrictDomBuilder builder;
+  bool ok = false;
   try {
-    parsed = nlohmann::json::parse(text.begin(), text.end(), on_event);
+    ok = nlohmann::json::sax_parse(text.begin(), text.end(), &builder);
   } catch (const nlohmann::json::exception& e) {
     fail(Errc::format, file, ": not valid JSON (", e.what(), ")");
   }
-  if (!duplicate.empty())
-    fail(Errc::format, file, ": duplicate key '", duplicate,
+  if (!builder.duplicate.empty())
+    fail(Errc::format, file, ": duplicate key '", builder.duplicate,
          "' (each key may appear once in an object)");
-  return parsed;
+  if (!ok) fail(Errc::format, file, ": not valid JSON (", builder.error, ")");
+  return std::move(builder.root);
 }
 
 }  // namespace detail

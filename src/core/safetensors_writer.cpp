@@ -150,6 +150,8 @@ SafetensorsWriter::~SafetensorsWriter() {
 void SafetensorsWriter::write(const void* data, std::size_t bytes) {
   Impl& w = *impl_;
   if (w.finished) fail(Errc::invalid_argument, w.path, ": write after finish()");
+  if (data == nullptr && bytes > 0)
+    fail(Errc::invalid_argument, w.path, ": write of ", bytes, " bytes from a null pointer");
   if (bytes > w.total() - w.written)
     fail(Errc::invalid_argument, w.path, ": writing ", bytes, " bytes at data offset ", w.written,
          " runs past the ", w.total(), " bytes declared for the tensors");

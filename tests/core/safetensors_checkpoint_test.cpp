@@ -138,6 +138,9 @@ TEST_F(SafetensorsCheckpoint, MalformedIndex) {
                {index_path(), "missing \"weight_map\""});
   write_bytes(index_path(), R"({"weight_map": ["one.safetensors"]})");
   expect_error([&] { Checkpoint::open(dir_.string()); }, Errc::format, {"\"weight_map\""});
+  write_bytes(index_path(), R"({"metadata": [], "weight_map": {"a": "one.safetensors"}})");
+  expect_error([&] { Checkpoint::open(dir_.string()); }, Errc::format,
+               {index_path(), "\"metadata\" must be an object"});
   write_bytes(index_path(), R"({"weight_map": {"a": 3}})");
   expect_error([&] { Checkpoint::open(dir_.string()); }, Errc::format, {"'a'", "file name"});
   write_bytes(index_path(), R"({"weight_map": {"a": "one.safetensors", "a": "two.safetensors"}})");

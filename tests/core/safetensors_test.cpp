@@ -165,12 +165,14 @@ TEST_F(SafetensorsWriterTest, RejectsTooManyAndTooFewBytes) {
   SafetensorsWriter writer(file, {{"x", DType::F32, {2}}, {"y", DType::U8, {3}}});
   const char bytes[16] = {};
   expect_error([&] { writer.write(bytes, 12); }, Errc::invalid_argument, {file, "past", "11"});
+  expect_error([&] { writer.write(nullptr, 1); }, Errc::invalid_argument, {"null"});
   writer.write(bytes, 9);
   expect_error([&] { writer.finish(); }, Errc::mismatch, {file, "'y'", "1 of its 3"});
   writer.write(bytes, 2);
   writer.finish();
   EXPECT_EQ(SafetensorsFile::open(file)->tensors().size(), 2u);
   expect_error([&] { writer.finish(); }, Errc::invalid_argument, {"twice"});
+  expect_error([&] { writer.write(bytes, 1); }, Errc::invalid_argument, {"after finish"});
 }
 
 TEST_F(SafetensorsWriterTest, WriteTensorChecksNameOrderAndSize) {
