@@ -18,6 +18,7 @@
 #include <ctime>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 namespace weightsync::cli {
 namespace {
@@ -26,7 +27,7 @@ namespace fs = std::filesystem;
 
 const char* kUsage =
     "usage: weightsync bench plan [--json] [--topology X.json] [--configs DIR]\n"
-    "                             [--bucket-bytes N] [--broadcast]\n\n"
+    "                             [--bucket-bytes N] [--broadcast] [--dtype F8_E4M3]\n\n"
     "Plans, p2p, with trainer mesh ep=8,fsdp=32 (256 ranks, XTuner-style layout):\n"
     "  deepseek-v3: -> 16 vLLM replicas of tp=16 with expert parallel (256 engine ranks)\n"
     "  kimi-k2:     -> 8 vLLM replicas of tp=16 with expert parallel (128 engine ranks)\n"
@@ -35,7 +36,8 @@ const char* kUsage =
     "lower_bound_s of the transfer, their ratio, and the planner's peak RSS (each case\n"
     "runs in its own child process). --broadcast adds kimi-k2 in broadcast mode.\n"
     "Models come from DIR/models/<Name>/config.json (default: configs/ found from the\n"
-    "working directory or the binary). Topology default: 8 GPUs/node, 50 GB/s NIC per GPU.\n";
+    "working directory or the binary). Topology default: 8 GPUs/node, 50 GB/s NIC per GPU.\n"
+    "--dtype: the weights' dtype on both sides (default: the config's torch_dtype, BF16).\n";
 
 struct BenchCase {
   std::string name, model_dir;
@@ -60,10 +62,10 @@ fs::path find_configs(const Args& args) {
 }
 
 nlohmann::json run_case(const BenchCase& c, const fs::path& configs, const Topology& topo,
-                        int64_t bucket_bytes) {
+                        int64_t bucket_bytes, std::optional<DType> dtype) {
   const HfModelConfig hf =
       HfModelConfig::load((configs / "models" / c.model_dir / "config.json").string());
-  const TrainerLayout trainer = make_trainer_layout(hf, parse_mesh_spec("ep=8,fsdp=32"));
+  const TrainerLayout trainer = make_trainer_layout(hf, parse_mesh_spec("ep=8,fsdp=32"), {dtype});
   EngineConfig ec;
   ec.hf = hf;
   ec.dtype = trainer.params.front().dtype;
@@ -92,7 +94,7 @@ nlohmann::json run_case(const BenchCase& c, const fs::path& configs, const Topol
 
 // Runs one case in a child so that its peak RSS is its own.
 nlohmann::json run_isolated(const BenchCase& c, const fs::path& configs, const Topology& topo,
-                            int64_t bucket_bytes) {
+                            int64_t bucket_bytes, std::optional<DType> dtype) {
   int fds[2];
   if (pipe(fds) != 0) fail(Errc::io, "bench plan: pipe failed");
   std::fflush(nullptr);
@@ -102,7 +104,7 @@ nlohmann::json run_isolated(const BenchCase& c, const fs::path& configs, const T
     close(fds[0]);
     std::string out;
     try {
-      out = run_case(c, configs, topo, bucket_bytes).dump();
+      out = run_case(c, configs, topo, bucket_bytes, dtype).dump();
     } catch (const std::exception& e) {
       out = nlohmann::json{{"case", c.name}, {"error", e.what()}}.dump();
     }
@@ -127,7 +129,12 @@ nlohmann::json run_isolated(const BenchCase& c, const fs::path& configs, const T
 }
 
 int run_bench_plan(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "broadcast"}, {"topology", "configs", "bucket-bytes"});
+  Args args(argv, {"json", "broadcast"}, {"topology", "configs", "bucket-bytes", "dtype"});
+  std::optional<DType> dtype;
+  if (auto d = args.get("dtype")) {
+    dtype = parse_dtype(*d);
+    if (!dtype) fail(Errc::invalid_argument, "--dtype: unknown dtype '", *d, "'");
+  }
   const fs::path configs = find_configs(args);
   const Topology topo = args.has("topology") ? Topology::load(*args.get("topology")) : Topology{};
   const int64_t bucket = args.get_int("bucket-bytes", PlanOptions{}.bucket_bytes);
@@ -137,20 +144,19 @@ int run_bench_plan(const std::vector<std::string>& argv) {
     cases.push_back({"kimi-k2-broadcast", "Kimi-K2", 8, PlanMode::broadcast});
   nlohmann::json results = nlohmann::json::array();
   for (const BenchCase& c : cases) {
-    nlohmann::json r = run_isolated(c, configs, topo, bucket);
+    nlohmann::json r = run_isolated(c, configs, topo, bucket, dtype);
     if (r.contains("error"))
       fail(Errc::internal, "bench plan: ", c.name, ": ", r["error"].get<std::string>());
     if (!args.flag("json"))
       std::printf(
-          "%-18s %-9s %6lld -> %4lld ranks  plan %.3f s (cpu %.3f s)  rss %7.1f MiB  buckets %7lld "
-          " "
-          "predicted %.3f s  lower bound %.3f s  ratio %.4f\n",
+          "%-18s %-9s %4lld -> %4lld ranks  plan %.3f s (cpu %.3f s)  rss %6.1f MiB  "
+          "buckets %6lld  predicted %.3f s  lower bound %.3f s  ratio %.4f\n",
           c.name.c_str(), r["mode"].get<std::string>().c_str(),
           static_cast<long long>(r["trainer_ranks"].get<int64_t>()),
           static_cast<long long>(r["engine_ranks"].get<int64_t>()), r["plan_s"].get<double>(),
-          r["peak_rss_mib"].get<double>(), static_cast<long long>(r["buckets"].get<int64_t>()),
-          r["predicted_s"].get<double>(), r["lower_bound_s"].get<double>(),
-          r["ratio"].get<double>());
+          r["plan_cpu_s"].get<double>(), r["peak_rss_mib"].get<double>(),
+          static_cast<long long>(r["buckets"].get<int64_t>()), r["predicted_s"].get<double>(),
+          r["lower_bound_s"].get<double>(), r["ratio"].get<double>());
     results.push_back(std::move(r));
   }
   if (args.flag("json"))
