@@ -24,9 +24,10 @@ class BucketFiller {
 
   // Places an item of `bytes` whole when it fits, else cuts its HF box
   // (`box_of()`, only computed then) along its outer dim into slabs that fill
-  // buckets. `emit(bucket, offset, lo, len, d)` receives each slab (len 0: uncut).
-  template <class BoxOf, class Emit>
-  void place(int32_t src, int32_t dst, int32_t key, int64_t bytes, BoxOf box_of, Emit emit) {
+  // buckets. `emit(bucket, offset, lo, len, d)` receives each slab (len 0:
+  // uncut). `key_of()` names the HF key in an error.
+  template <class KeyOf, class BoxOf, class Emit>
+  void place(int32_t src, int32_t dst, KeyOf key_of, int64_t bytes, BoxOf box_of, Emit emit) {
     if (bytes <= limit_) {
       if (open_ < 0 || used_ + bytes > limit_) open(src, dst);
       emit(open_, used_, 0, 0, 0);
@@ -39,7 +40,8 @@ class BucketFiller {
     const int64_t slab = bytes / box.lengths[d];
     if (slab > limit_)
       fail(Errc::invalid_argument, "bucket_bytes ", limit_, " is smaller than one slab (", slab,
-           " bytes) of '", plan_.keys()[key].name, "' ", box_str(box), " along dim ", d);
+           " bytes) of '", plan_.keys()[static_cast<size_t>(key_of())].name, "' ", box_str(box),
+           " along dim ", d);
     for (int64_t done = 0; done < box.lengths[d];) {
       if (open_ < 0 || (limit_ - used_) < slab) open(src, dst);
       const int64_t take = std::min((limit_ - used_) / slab, box.lengths[d] - done);
@@ -80,32 +82,51 @@ void index_items(std::vector<Bucket>& buckets, const std::vector<PlanItem>& item
 }  // namespace
 
 void PlanBuilder::pack_p2p_links(std::vector<PlanItem>& items, std::vector<int64_t>& bytes) {
-  // Counting sort by link (src trainer rank, dst engine rank), stable.
+  // Counting sort by link (src trainer rank, dst engine rank), stable. The
+  // items are scattered into link order once and then read sequentially: at
+  // 1T-model scale (millions of items) a gather through a permutation, and a
+  // lookup in the large piece table per item, cost more than the packing.
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
   const size_t links = static_cast<size_t>(plan_.trainer_world_) * engines;
-  auto link_of = [&](const PlanItem& it) {
-    return static_cast<size_t>(plan_.pieces_[static_cast<size_t>(it.piece)].rank) * engines +
-           static_cast<size_t>(it.dst_rank);
-  };
+  std::vector<int32_t> piece_rank(plan_.pieces_.size());
+  for (size_t p = 0; p < plan_.pieces_.size(); ++p) piece_rank[p] = plan_.pieces_[p].rank;
+  std::vector<uint32_t> link(items.size());
   std::vector<uint32_t> start(links + 1, 0);
-  for (const PlanItem& it : items) ++start[link_of(it) + 1];
+  for (size_t i = 0; i < items.size(); ++i) {
+    link[i] = static_cast<uint32_t>(
+        static_cast<size_t>(piece_rank[static_cast<size_t>(items[i].piece)]) * engines +
+        static_cast<size_t>(items[i].dst_rank));
+    ++start[link[i] + 1];
+  }
   for (size_t l = 0; l < links; ++l) start[l + 1] += start[l];
-  std::vector<uint32_t> order(items.size());
+  struct Sorted {
+    PlanItem item;
+    int64_t bytes;
+    uint32_t link;
+  };
+  std::vector<Sorted> sorted(items.size());
   for (size_t i = 0; i < items.size(); ++i)
-    order[start[link_of(items[i])]++] = static_cast<uint32_t>(i);
+    sorted[start[link[i]]++] = {items[i], bytes[i], link[i]};
+  items.clear();
+  items.shrink_to_fit();
+  bytes.clear();
+  bytes.shrink_to_fit();
+  link.clear();
+  link.shrink_to_fit();
 
   std::vector<PlanItem> out;
-  out.reserve(items.size() + items.size() / 64);
+  out.reserve(sorted.size() + sorted.size() / 64);
   BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
   size_t prev_link = links;
-  for (uint32_t i : order) {
-    const PlanItem& it = items[i];
-    const size_t link = link_of(it);
-    if (link != prev_link) filler.close();
-    prev_link = link;
-    const auto& piece = plan_.pieces_[static_cast<size_t>(it.piece)];
+  for (const Sorted& s : sorted) {
+    const PlanItem& it = s.item;
+    const int32_t src = piece_rank[static_cast<size_t>(it.piece)];  // a small, cached table
+    const size_t l = static_cast<size_t>(src) * engines + static_cast<size_t>(it.dst_rank);
+    if (l != prev_link) filler.close();
+    prev_link = l;
     filler.place(
-        piece.rank, it.dst_rank, piece.key, bytes[i], [&] { return item_hf_box(plan_, it); },
+        src, it.dst_rank, [&] { return plan_.pieces_[static_cast<size_t>(it.piece)].key; }, s.bytes,
+        [&] { return item_hf_box(plan_, it); },
         [&](int32_t bucket, int64_t offset, int64_t lo, int64_t len, size_t d) {
           PlanItem x = it;
           x.bucket = bucket;
@@ -117,8 +138,6 @@ void PlanBuilder::pack_p2p_links(std::vector<PlanItem>& items, std::vector<int64
         });
   }
   if (out.size() > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
-  items.clear();
-  items.shrink_to_fit();
   plan_.items_ = std::move(out);
   index_items(plan_.buckets_, plan_.items_);
 }
@@ -132,7 +151,7 @@ void PlanBuilder::build_broadcast() {
     const int32_t key = static_cast<int32_t>(k);
     const int64_t bytes = whole.numel() * static_cast<int64_t>(itemsize(plan_.keys_[k].dtype));
     filler.place(
-        -1, -1, key, bytes, [&] { return whole; },
+        -1, -1, [&] { return key; }, bytes, [&] { return whole; },
         [&](int32_t bucket, int64_t, int64_t lo, int64_t len, size_t d) {
           Box slab = whole;
           if (len > 0) slab.offsets[d] = lo, slab.lengths[d] = len;
