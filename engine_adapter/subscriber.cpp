@@ -251,10 +251,7 @@ void Subscriber::register_param(const std::string& name, const TensorView& param
 
 void Subscriber::register_param(const std::string& name, void* data, DType dtype,
                                 const Shape& shape, MemoryKind memory, int device) {
-  TensorView v = host_view(data, dtype, shape);
-  v.memory = memory;
-  v.device = device;
-  register_param(name, v);
+  register_param(name, tensor_view(data, dtype, shape, memory, device));
 }
 
 void Subscriber::prepare() {

@@ -232,10 +232,7 @@ void Publisher::register_tensor(const std::string& name, const TensorView& tenso
 
 void Publisher::register_tensor(const std::string& name, void* data, DType dtype,
                                 const Shape& shape, MemoryKind memory, int device) {
-  TensorView v = host_view(data, dtype, shape);
-  v.memory = memory;
-  v.device = device;
-  register_tensor(name, v);
+  register_tensor(name, tensor_view(data, dtype, shape, memory, device));
 }
 
 void Publisher::prepare() {

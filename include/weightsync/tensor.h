@@ -37,6 +37,8 @@ struct TensorView {
 
 // A view of `data` as a contiguous host tensor.
 TensorView host_view(void* data, DType dtype, Shape shape);
+// A view of `data` as a contiguous tensor in `memory` (CUDA ordinal `device`).
+TensorView tensor_view(void* data, DType dtype, Shape shape, MemoryKind memory, int device);
 // The same memory with dims d0 and d1 swapped (shape and strides), no copy.
 TensorView transposed(const TensorView& view, int d0, int d1);
 

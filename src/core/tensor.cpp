@@ -39,6 +39,13 @@ TensorView host_view(void* data, DType dtype, Shape shape) {
   return v;
 }
 
+TensorView tensor_view(void* data, DType dtype, Shape shape, MemoryKind memory, int device) {
+  TensorView v = host_view(data, dtype, std::move(shape));
+  v.memory = memory;
+  v.device = device;
+  return v;
+}
+
 TensorView transposed(const TensorView& view, int d0, int d1) {
   const int rank = static_cast<int>(view.shape.size());
   if (d0 < 0 || d1 < 0 || d0 >= rank || d1 >= rank)
