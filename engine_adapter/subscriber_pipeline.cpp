@@ -116,14 +116,8 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
 
 void ReceivePipeline::prepare(Transport& transport) {
   if (slot_bytes_ == 0 || slots_[0].data) return;
-  for (Slot& s : slots_) {
-    const size_t align = 4096;
-    s.memory.reset(new char[slot_bytes_ + align]);
-    s.data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(s.memory.get()) + align - 1) &
-                                     ~uintptr_t{align - 1});
-    std::memset(s.data, 0, slot_bytes_);
-    s.region = transport.register_memory(host_buffer(s.data, slot_bytes_));
-  }
+  for (Slot& s : slots_)
+    static_cast<RegisteredHostBuffer&>(s) = allocate_registered_host(transport, slot_bytes_);
 }
 
 void ReceivePipeline::post(size_t k, Slot& slot, int64_t step, Transport& t) {

@@ -65,10 +65,7 @@ class ReceivePipeline {
   void cancel_all();
 
  private:
-  struct Slot {
-    std::unique_ptr<char[]> memory;
-    char* data = nullptr;
-    std::unique_ptr<MemoryRegion> region;
+  struct Slot : RegisteredHostBuffer {
     std::unique_ptr<Request> request;
     int64_t posted_us = 0;
   };

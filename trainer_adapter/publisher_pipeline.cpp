@@ -95,13 +95,7 @@ void SendPipeline::prepare(Transport& transport) {
   native_broadcast_ = transport.capabilities().native_broadcast;
   if (slot_bytes_ == 0 || slots_[0].data) return;
   for (Slot& s : slots_) {
-    // Page-aligned so that registration covers whole pages.
-    const size_t align = 4096;
-    s.memory.reset(new char[slot_bytes_ + align]);
-    s.data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(s.memory.get()) + align - 1) &
-                                     ~uintptr_t{align - 1});
-    std::memset(s.data, 0, slot_bytes_);
-    s.region = transport.register_memory(host_buffer(s.data, slot_bytes_));
+    static_cast<RegisteredHostBuffer&>(s) = allocate_registered_host(transport, slot_bytes_);
     s.requests.reserve(static_cast<size_t>(engine_world_ + trainer_world_));
     s.engines.reserve(static_cast<size_t>(engine_world_ + trainer_world_));
   }

@@ -68,10 +68,7 @@ class SendPipeline {
   void cancel_all();
 
  private:
-  struct Slot {
-    std::unique_ptr<char[]> memory;
-    char* data = nullptr;
-    std::unique_ptr<MemoryRegion> region;
+  struct Slot : RegisteredHostBuffer {
     std::vector<std::unique_ptr<Request>> requests;
     std::vector<int> engines;  // engine rank of each request, -1 for trainer peers
     int32_t bucket = -1;       // on the wire from this slot (for the trace)

@@ -181,6 +181,16 @@ class Transport {
                                              const std::vector<int>& ranks, Tag tag);
 };
 
+// Page-aligned, zeroed host memory registered with a transport: a staging
+// buffer of the data path, allocated once and reused every step. Members are
+// destroyed region first, then memory.
+struct RegisteredHostBuffer {
+  std::unique_ptr<char[]> memory;  // owns the allocation; `data` lies inside it
+  char* data = nullptr;            // page-aligned, `bytes` long
+  std::unique_ptr<MemoryRegion> region;
+};
+RegisteredHostBuffer allocate_registered_host(Transport& transport, std::size_t bytes);
+
 // Waits for every request (in order, each with what is left of `timeout`).
 void wait_all(const std::vector<std::unique_ptr<Request>>& requests,
               std::chrono::milliseconds timeout);

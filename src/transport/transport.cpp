@@ -3,6 +3,8 @@
 #include <weightsync/error.h>
 #include <weightsync/transport.h>
 
+#include <cstring>
+
 #include "builtin.h"
 
 #include <algorithm>
@@ -171,6 +173,18 @@ std::unique_ptr<Transport> make_transport(TransportOptions options) {
     factory = it->second;
   }
   return factory(options);
+}
+
+RegisteredHostBuffer allocate_registered_host(Transport& transport, std::size_t bytes) {
+  // Page-aligned so that registration covers whole pages.
+  constexpr std::size_t kAlign = 4096;
+  RegisteredHostBuffer b;
+  b.memory.reset(new char[bytes + kAlign]);
+  b.data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(b.memory.get()) + kAlign - 1) &
+                                   ~uintptr_t{kAlign - 1});
+  std::memset(b.data, 0, bytes);
+  b.region = transport.register_memory(host_buffer(b.data, bytes));
+  return b;
 }
 
 }  // namespace weightsync
