@@ -134,8 +134,10 @@ void PlanBuilder::group_pieces() {
   });
   key_groups_.assign(plan_.keys_.size() + 1, 0);
   key_max_len0_.assign(plan_.keys_.size(), 0);
+  sorted_rank_.resize(sorted_pieces_.size());
   for (size_t i = 0; i < sorted_pieces_.size(); ++i) {
     const auto& p = pieces[sorted_pieces_[i]];
+    sorted_rank_[i] = p.rank;
     if (i > 0) {
       const auto& prev = pieces[sorted_pieces_[i - 1]];
       if (prev.key == p.key && prev.hf_box == p.hf_box) {
@@ -200,22 +202,26 @@ std::vector<Overlap> PlanBuilder::all_overlaps() const {
   return out;
 }
 
-// Least-loaded holder: by its NIC's bytes, then its own, then the lowest rank.
-int32_t PlanBuilder::choose_holder(const PieceGroup& group, int64_t bytes) {
-  uint32_t best = sorted_pieces_[group.first];
-  for (uint32_t i = 1; i < group.count; ++i) {
-    const uint32_t cand = sorted_pieces_[group.first + i];
-    const int rc = plan_.pieces_[cand].rank, rb = plan_.pieces_[best].rank;
-    const int64_t nc = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rc)])];
-    const int64_t nb = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rb)])];
-    if (nc < nb ||
-        (nc == nb && rank_load_[static_cast<size_t>(rc)] < rank_load_[static_cast<size_t>(rb)]))
-      best = cand;
+// Least-loaded holder: by its NIC's bytes, then its own, then the lowest
+// rank. Returns its position in sorted_pieces_. Called once per item (millions
+// at 1T scale): it reads only the small rank and load tables.
+uint32_t PlanBuilder::choose_holder(const PieceGroup& group, int64_t bytes) {
+  uint32_t best = group.first;
+  int32_t rank = sorted_rank_[best];
+  if (group.count > 1) {
+    int64_t best_nic = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rank)])];
+    int64_t best_own = rank_load_[static_cast<size_t>(rank)];
+    for (uint32_t pos = group.first + 1; pos < group.first + group.count; ++pos) {
+      const int32_t r = sorted_rank_[pos];
+      const int64_t nic = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(r)])];
+      const int64_t own = rank_load_[static_cast<size_t>(r)];
+      if (nic < best_nic || (nic == best_nic && own < best_own))
+        best = pos, rank = r, best_nic = nic, best_own = own;
+    }
   }
-  const int r = plan_.pieces_[best].rank;
-  rank_load_[static_cast<size_t>(r)] += bytes;
-  nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(r)])] += bytes;
-  return static_cast<int32_t>(best);
+  rank_load_[static_cast<size_t>(rank)] += bytes;
+  nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rank)])] += bytes;
+  return best;
 }
 
 int64_t PlanBuilder::item_bytes(const PlanItem& item) const {
@@ -240,25 +246,17 @@ void PlanBuilder::init_loads() {
 
 void PlanBuilder::build_p2p() {
   const std::vector<Overlap> overlaps = all_overlaps();
-  const size_t n = overlaps.size() * static_cast<size_t>(engine_.config.replicas);
-  std::vector<PlanItem> items;
-  std::vector<int64_t> bytes;
-  items.reserve(n);
-  bytes.reserve(n);
-  const int tp = engine_.config.tp;
   // Replica-major so that each replica spreads over the holders the previous
-  // ones left least loaded.
-  for (int rep = 0; rep < engine_.config.replicas; ++rep) {
-    for (const Overlap& o : overlaps) {
-      PlanItem item;
-      item.piece = choose_holder(groups_[static_cast<size_t>(o.group)], o.bytes);
-      item.segment = o.segment;
-      item.dst_rank = rep * tp + plan_.segments_[static_cast<size_t>(o.segment)].tp_rank;
-      items.push_back(item);
-      bytes.push_back(o.bytes);
-    }
-  }
-  pack_p2p_links(items, bytes);
+  // ones left least loaded. Only the chosen holder (its sorted position) is
+  // kept: the items are built once, in link order, by pack_p2p_links.
+  const size_t n = overlaps.size() * static_cast<size_t>(engine_.config.replicas);
+  if (n > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
+  std::vector<uint32_t> holders(n);
+  size_t i = 0;
+  for (int rep = 0; rep < engine_.config.replicas; ++rep)
+    for (const Overlap& o : overlaps)
+      holders[i++] = choose_holder(groups_[static_cast<size_t>(o.group)], o.bytes);
+  pack_p2p_links(overlaps, holders);
 }
 
 uint64_t PlanBuilder::hash_inputs() const {

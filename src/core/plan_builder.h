@@ -42,9 +42,9 @@ class PlanBuilder {
   void init_loads();
   std::vector<Overlap> overlaps_of_key(int32_t key, const std::vector<int32_t>& segs) const;
   std::vector<Overlap> all_overlaps() const;
-  int32_t choose_holder(const PieceGroup& group, int64_t bytes);
+  uint32_t choose_holder(const PieceGroup& group, int64_t bytes);
   void build_p2p();
-  void pack_p2p_links(std::vector<PlanItem>& items, std::vector<int64_t>& bytes);
+  void pack_p2p_links(const std::vector<Overlap>& overlaps, const std::vector<uint32_t>& holders);
   void build_broadcast();
   void build_apply_items();
   uint64_t hash_inputs() const;
@@ -55,6 +55,7 @@ class PlanBuilder {
   const Topology& topology_;
   Plan plan_;
   std::vector<uint32_t> sorted_pieces_;             // piece indices by (key, hf box, rank)
+  std::vector<int32_t> sorted_rank_;                // trainer rank of each sorted_pieces_ entry
   std::vector<PieceGroup> groups_;                  // by (key, hf box)
   std::vector<uint32_t> key_groups_;                // key -> first group (size keys + 1)
   std::vector<int32_t> key_max_len0_;               // key -> longest group extent on dim 0

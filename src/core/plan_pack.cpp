@@ -81,64 +81,64 @@ void index_items(std::vector<Bucket>& buckets, const std::vector<PlanItem>& item
 
 }  // namespace
 
-void PlanBuilder::pack_p2p_links(std::vector<PlanItem>& items, std::vector<int64_t>& bytes) {
-  // Counting sort by link (src trainer rank, dst engine rank), stable. The
-  // items are scattered into link order once and then read sequentially: at
-  // 1T-model scale (millions of items) a gather through a permutation, and a
-  // lookup in the large piece table per item, cost more than the packing.
+void PlanBuilder::pack_p2p_links(const std::vector<Overlap>& overlaps,
+                                 const std::vector<uint32_t>& holders) {
+  // Item k of replica rep is overlap k % n moved from the holder holders[k]
+  // (a sorted_pieces_ position) to engine rank rep * tp + its segment's rank.
+  // A counting sort by link (src trainer rank, dst engine rank), stable,
+  // scatters 8-byte (piece, overlap) pairs into link order; the items are then
+  // built once, sequentially, into storage reserved up front. At 1T-model
+  // scale (millions of items) fresh pages and gathers through permutations
+  // cost more than the packing itself, so nothing larger is materialized.
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
   const size_t links = static_cast<size_t>(plan_.trainer_world_) * engines;
-  std::vector<int32_t> piece_rank(plan_.pieces_.size());
-  for (size_t p = 0; p < plan_.pieces_.size(); ++p) piece_rank[p] = plan_.pieces_[p].rank;
-  std::vector<uint32_t> link(items.size());
-  std::vector<uint32_t> start(links + 1, 0);
-  for (size_t i = 0; i < items.size(); ++i) {
-    link[i] = static_cast<uint32_t>(
-        static_cast<size_t>(piece_rank[static_cast<size_t>(items[i].piece)]) * engines +
-        static_cast<size_t>(items[i].dst_rank));
-    ++start[link[i] + 1];
-  }
-  for (size_t l = 0; l < links; ++l) start[l + 1] += start[l];
-  struct Sorted {
-    PlanItem item;
-    int64_t bytes;
-    uint32_t link;
+  const size_t n = overlaps.size();
+  const size_t tp = static_cast<size_t>(plan_.engine_tp_);
+  std::vector<uint32_t> seg_rank(n);
+  for (size_t o = 0; o < n; ++o)
+    seg_rank[o] =
+        static_cast<uint32_t>(plan_.segments_[static_cast<size_t>(overlaps[o].segment)].tp_rank);
+  auto link_of = [&](size_t k) {
+    return static_cast<size_t>(sorted_rank_[holders[k]]) * engines + (k / n) * tp + seg_rank[k % n];
   };
-  std::vector<Sorted> sorted(items.size());
-  for (size_t i = 0; i < items.size(); ++i)
-    sorted[start[link[i]]++] = {items[i], bytes[i], link[i]};
-  items.clear();
-  items.shrink_to_fit();
-  bytes.clear();
-  bytes.shrink_to_fit();
-  link.clear();
-  link.shrink_to_fit();
+  std::vector<uint32_t> end(links + 1, 0);  // after the scatter: end of link l at end[l]
+  for (size_t k = 0; k < holders.size(); ++k) ++end[link_of(k) + 1];
+  for (size_t l = 0; l < links; ++l) end[l + 1] += end[l];
+  struct Entry {
+    int32_t piece;
+    uint32_t overlap;
+  };
+  std::vector<Entry> sorted(holders.size());
+  for (size_t k = 0; k < holders.size(); ++k)
+    sorted[end[link_of(k)]++] = {static_cast<int32_t>(sorted_pieces_[holders[k]]),
+                                 static_cast<uint32_t>(k % n)};
 
-  std::vector<PlanItem> out;
-  out.reserve(sorted.size() + sorted.size() / 64);
+  std::vector<PlanItem>& out = plan_.items_;
+  out.reserve(sorted.size() + sorted.size() / 64);  // room for split items
   BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
-  size_t prev_link = links;
-  for (const Sorted& s : sorted) {
-    const PlanItem& it = s.item;
-    const int32_t src = piece_rank[static_cast<size_t>(it.piece)];  // a small, cached table
-    const size_t l = static_cast<size_t>(src) * engines + static_cast<size_t>(it.dst_rank);
-    if (l != prev_link) filler.close();
-    prev_link = l;
-    filler.place(
-        src, it.dst_rank, [&] { return plan_.pieces_[static_cast<size_t>(it.piece)].key; }, s.bytes,
-        [&] { return item_hf_box(plan_, it); },
-        [&](int32_t bucket, int64_t offset, int64_t lo, int64_t len, size_t d) {
-          PlanItem x = it;
-          x.bucket = bucket;
-          x.offset = static_cast<uint32_t>(offset);
-          x.split_lo = static_cast<int32_t>(lo);
-          x.split_len = static_cast<int32_t>(len);
-          x.split_dim = static_cast<uint8_t>(d);
-          out.push_back(x);
-        });
+  for (size_t l = 0, e = 0; l < links; ++l) {
+    filler.close();
+    const int32_t src = static_cast<int32_t>(l / engines);
+    const int32_t dst = static_cast<int32_t>(l % engines);
+    for (; e < end[l]; ++e) {
+      PlanItem it;
+      it.piece = sorted[e].piece;
+      it.segment = overlaps[sorted[e].overlap].segment;
+      it.dst_rank = dst;
+      filler.place(
+          src, dst, [&] { return plan_.pieces_[static_cast<size_t>(it.piece)].key; },
+          overlaps[sorted[e].overlap].bytes, [&] { return item_hf_box(plan_, it); },
+          [&](int32_t bucket, int64_t offset, int64_t lo, int64_t len, size_t d) {
+            it.bucket = bucket;
+            it.offset = static_cast<uint32_t>(offset);
+            it.split_lo = static_cast<int32_t>(lo);
+            it.split_len = static_cast<int32_t>(len);
+            it.split_dim = static_cast<uint8_t>(d);
+            out.push_back(it);
+          });
+    }
   }
   if (out.size() > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
-  plan_.items_ = std::move(out);
   index_items(plan_.buckets_, plan_.items_);
 }
 
@@ -162,8 +162,8 @@ void PlanBuilder::build_broadcast() {
             if (!cut) continue;
             covered += cut->numel();
             PlanItem x;
-            x.piece = choose_holder(
-                groups_[g], cut->numel() * static_cast<int64_t>(itemsize(plan_.keys_[k].dtype)));
+            x.piece = static_cast<int32_t>(sorted_pieces_[choose_holder(
+                groups_[g], cut->numel() * static_cast<int64_t>(itemsize(plan_.keys_[k].dtype)))]);
             x.bucket = bucket;
             x.split_dim = static_cast<uint8_t>(d);
             x.split_lo = static_cast<int32_t>(slab.offsets[d]);

@@ -96,97 +96,177 @@ struct Job {
 };
 
 // Greedy list scheduling of p2p jobs; returns each job's start time.
+//
+// When a side (a resource's send or receive side) is free it takes, among its
+// pending jobs whose other side is free, the one whose other side has the most
+// work left (ties: the lowest job id). The jobs of one (tx, rx) pair tie on
+// everything but their id, so they wait per pair in id order and only a
+// pair's first job is a candidate. A pick scans the smaller of the side's
+// pairs with pending jobs and the other sides that are free with work left:
+// while the fabric is busy the latter are few, which keeps a pick far below
+// a scan of all pending jobs (hundreds per NIC at 1T scale). Both scans see
+// the same candidates, so the choice does not depend on which one ran.
 class ListScheduler {
  public:
-  ListScheduler(const std::vector<Job>& jobs, int resources)
-      : jobs_(jobs),
-        start_(jobs.size(), 0),
-        by_tx_(resources),
-        by_rx_(resources),
-        pos_tx_(jobs.size()),
-        pos_rx_(jobs.size()),
-        tx_left_(resources, 0),
-        rx_left_(resources, 0),
-        tx_busy_(resources, false),
-        rx_busy_(resources, false) {
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      const Job& job = jobs[j];
-      pos_tx_[j] = by_tx_[job.tx].size(), by_tx_[job.tx].push_back(static_cast<int32_t>(j));
-      pos_rx_[j] = by_rx_[job.rx].size(), by_rx_[job.rx].push_back(static_cast<int32_t>(j));
-      tx_left_[job.tx] += job.dur;
-      rx_left_[job.rx] += job.dur;
-    }
+  ListScheduler(const std::vector<Job>& jobs, int resources) : jobs_(jobs), start_(jobs.size(), 0) {
+    build_pairs();
+    for (int s = 0; s < 2; ++s) init_side(sides_[s], s, resources);
+    for (const Job& job : jobs)
+      sides_[0].left[job.tx] += job.dur, sides_[1].left[job.rx] += job.dur;
   }
 
   std::vector<double> run() {
-    const int n = static_cast<int>(by_rx_.size());
-    for (int r = 0; r < n; ++r) try_rx(r, 0);
-    for (int t = 0; t < n; ++t) try_tx(t, 0);
+    const int n = static_cast<int>(sides_[1].busy.size());
+    for (int r = 0; r < n; ++r) try_start(1, r, 0);
+    for (int t = 0; t < n; ++t) try_start(0, t, 0);
+    std::vector<int32_t> freed;
     while (!events_.empty()) {
       const double now = events_.top().first;
-      std::vector<int> freed;
+      freed.clear();
       while (!events_.empty() && events_.top().first == now) {
         freed.push_back(events_.top().second);
         events_.pop();
       }
-      for (int j : freed) tx_busy_[jobs_[j].tx] = false, rx_busy_[jobs_[j].rx] = false;
-      for (int j : freed) try_rx(jobs_[j].rx, now);
-      for (int j : freed) try_tx(jobs_[j].tx, now);
+      for (int32_t j : freed) release(0, jobs_[j].tx), release(1, jobs_[j].rx);
+      for (int32_t j : freed) try_start(1, jobs_[j].rx, now);
+      for (int32_t j : freed) try_start(0, jobs_[j].tx, now);
     }
     return start_;
   }
 
  private:
-  // Among a side's pending jobs whose other side is free, the one whose other
-  // side has the most work left (ties: the lowest job id).
-  template <class Other>
-  int32_t pick(const std::vector<int32_t>& pending, Other other) const {
-    int32_t best = -1;
-    double best_left = -1;
-    for (int32_t j : pending) {
-      auto [busy, left] = other(jobs_[j]);
-      if (busy) continue;
-      if (left > best_left || (left == best_left && j < best)) best = j, best_left = left;
+  struct Pair {
+    int32_t res[2];      // [0] tx, [1] rx
+    uint32_t next, end;  // pending jobs: order_[next, end)
+  };
+  struct Side {
+    std::vector<std::vector<int32_t>> pending;  // by resource: pairs with pending jobs
+    std::vector<uint32_t> pos;                  // by pair: index in its pending list
+    std::vector<uint32_t> first;                // by resource: its pairs in `sorted`
+    std::vector<int32_t> sorted;                // by the other side's resource
+    std::vector<char> busy;
+    std::vector<double> left;      // work not yet started
+    std::vector<int32_t> free;     // free resources with pending jobs (any order)
+    std::vector<int32_t> in_free;  // by resource: index in `free`, or -1
+  };
+
+  // Pairs ordered by (tx, rx); their jobs in id order.
+  void build_pairs() {
+    order_.resize(jobs_.size());
+    for (size_t j = 0; j < jobs_.size(); ++j) order_[j] = static_cast<int32_t>(j);
+    std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+      const Job &x = jobs_[a], &y = jobs_[b];
+      if (x.tx != y.tx) return x.tx < y.tx;
+      return x.rx != y.rx ? x.rx < y.rx : a < b;
+    });
+    for (uint32_t k = 0; k < order_.size(); ++k) {
+      const Job& job = jobs_[order_[k]];
+      if (pairs_.empty() || pairs_.back().res[0] != job.tx || pairs_.back().res[1] != job.rx)
+        pairs_.push_back({{job.tx, job.rx}, k, k});
+      ++pairs_.back().end;
     }
-    return best;
   }
-  void try_rx(int r, double now) {
-    if (rx_busy_[r] || by_rx_[r].empty()) return;
-    int32_t j = pick(by_rx_[r], [&](const Job& job) {
-      return std::pair<bool, double>(tx_busy_[job.tx], tx_left_[job.tx]);
-    });
-    if (j >= 0) start(j, now);
+  // Pairs are sorted by (tx, rx), so a stable pass by resource leaves each
+  // resource's pairs sorted by the other side's resource.
+  void init_side(Side& side, int s, int resources) {
+    const size_t n = static_cast<size_t>(resources);
+    side.pending.assign(n, {});
+    side.pos.resize(pairs_.size());
+    side.first.assign(n + 1, 0);
+    side.busy.assign(n, 0);
+    side.left.assign(n, 0);
+    side.in_free.assign(n, -1);
+    for (const Pair& p : pairs_) ++side.first[static_cast<size_t>(p.res[s]) + 1];
+    for (size_t r = 0; r < n; ++r) side.first[r + 1] += side.first[r];
+    side.sorted.resize(pairs_.size());
+    for (size_t p = 0; p < pairs_.size(); ++p) {
+      auto& list = side.pending[static_cast<size_t>(pairs_[p].res[s])];
+      side.pos[p] = static_cast<uint32_t>(list.size());
+      side.sorted[side.first[static_cast<size_t>(pairs_[p].res[s])] + list.size()] =
+          static_cast<int32_t>(p);
+      list.push_back(static_cast<int32_t>(p));
+    }
+    for (size_t r = 0; r < n; ++r)
+      if (!side.pending[r].empty()) set_free(side, static_cast<int32_t>(r), true);
   }
-  void try_tx(int t, double now) {
-    if (tx_busy_[t] || by_tx_[t].empty()) return;
-    int32_t j = pick(by_tx_[t], [&](const Job& job) {
-      return std::pair<bool, double>(rx_busy_[job.rx], rx_left_[job.rx]);
-    });
-    if (j >= 0) start(j, now);
+  static void set_free(Side& side, int32_t r, bool free) {
+    int32_t& at = side.in_free[static_cast<size_t>(r)];
+    if (free == (at >= 0)) return;
+    if (free) {
+      at = static_cast<int32_t>(side.free.size());
+      side.free.push_back(r);
+    } else {
+      side.free[static_cast<size_t>(at)] = side.free.back();
+      side.in_free[static_cast<size_t>(side.free.back())] = at;
+      side.free.pop_back();
+      at = -1;
+    }
   }
-  static void remove(std::vector<int32_t>& v, std::vector<size_t>& pos, int32_t j) {
-    const size_t p = pos[j];
-    v[p] = v.back();
-    pos[v[p]] = p;
-    v.pop_back();
+  void release(int s, int32_t r) {
+    Side& side = sides_[s];
+    side.busy[static_cast<size_t>(r)] = 0;
+    if (!side.pending[static_cast<size_t>(r)].empty()) set_free(side, r, true);
   }
-  void start(int32_t j, double now) {
-    const Job& job = jobs_[j];
-    remove(by_tx_[job.tx], pos_tx_, j);
-    remove(by_rx_[job.rx], pos_rx_, j);
-    tx_busy_[job.tx] = rx_busy_[job.rx] = true;
-    tx_left_[job.tx] -= job.dur;
-    rx_left_[job.rx] -= job.dur;
+  // The pair of side s's resource r with side o's resource q, or -1.
+  int32_t find_pair(int s, int32_t r, int32_t q) const {
+    const Side& side = sides_[s];
+    const int o = 1 - s;
+    auto b = side.sorted.begin() + side.first[static_cast<size_t>(r)];
+    auto e = side.sorted.begin() + side.first[static_cast<size_t>(r) + 1];
+    auto it = std::lower_bound(b, e, q, [&](int32_t p, int32_t v) { return pairs_[p].res[o] < v; });
+    return it != e && pairs_[*it].res[o] == q ? *it : -1;
+  }
+  void try_start(int s, int32_t r, double now) {
+    Side& side = sides_[s];
+    const Side& other = sides_[1 - s];
+    const auto& pending = side.pending[static_cast<size_t>(r)];
+    if (side.busy[static_cast<size_t>(r)] || pending.empty()) return;
+    int32_t best = -1, best_job = -1;
+    double best_left = -1;
+    auto consider = [&](int32_t p) {
+      const Pair& pair = pairs_[p];
+      const int32_t job = order_[pair.next];
+      const double left = other.left[static_cast<size_t>(pair.res[1 - s])];
+      if (left > best_left || (left == best_left && job < best_job))
+        best = p, best_job = job, best_left = left;
+    };
+    if (other.free.size() < pending.size()) {
+      for (int32_t q : other.free) {
+        const int32_t p = find_pair(s, r, q);
+        if (p >= 0 && pairs_[p].next < pairs_[p].end) consider(p);
+      }
+    } else {
+      for (int32_t p : pending)
+        if (!other.busy[static_cast<size_t>(pairs_[p].res[1 - s])]) consider(p);
+    }
+    if (best >= 0) start(best, now);
+  }
+  void start(int32_t p, double now) {
+    Pair& pair = pairs_[p];
+    const int32_t j = order_[pair.next++];
+    for (int s = 0; s < 2; ++s) {
+      Side& side = sides_[s];
+      const size_t r = static_cast<size_t>(pair.res[s]);
+      side.busy[r] = 1;
+      side.left[r] -= jobs_[j].dur;
+      set_free(side, pair.res[s], false);
+      if (pair.next == pair.end) {  // the pair is done: drop it from the pending list
+        auto& list = side.pending[r];
+        const uint32_t at = side.pos[static_cast<size_t>(p)];
+        list[at] = list.back();
+        side.pos[static_cast<size_t>(list[at])] = at;
+        list.pop_back();
+      }
+    }
     start_[j] = now;
-    events_.push({now + job.dur, j});
+    events_.push({now + jobs_[j].dur, j});
   }
 
   const std::vector<Job>& jobs_;
   std::vector<double> start_;
-  std::vector<std::vector<int32_t>> by_tx_, by_rx_;
-  std::vector<size_t> pos_tx_, pos_rx_;
-  std::vector<double> tx_left_, rx_left_;
-  std::vector<bool> tx_busy_, rx_busy_;
+  std::vector<int32_t> order_;  // job ids by (tx, rx, id)
+  std::vector<Pair> pairs_;
+  Side sides_[2];  // [0] send sides, [1] receive sides
   using Event = std::pair<double, int32_t>;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
 };
