@@ -69,6 +69,10 @@ void PlanBuilder::intern_keys() {
 
 void PlanBuilder::collect_pieces() {
   const int world = plan_.trainer_world_;
+  // Room for two pieces per (param, rank) so that the table (a hundred bytes
+  // per piece, ~10^5..10^6 pieces) is rarely moved; capacity never written
+  // costs no memory.
+  plan_.pieces_.reserve(2 * trainer_.params.size() * static_cast<size_t>(world));
   int32_t key_base = 0;
   for (size_t p = 0; p < trainer_.params.size(); ++p) {
     const LoadSpec& spec = trainer_.params[p];
@@ -124,14 +128,24 @@ void PlanBuilder::collect_segments() {
 
 void PlanBuilder::group_pieces() {
   const auto& pieces = plan_.pieces_;
+  // A counting sort by key, then a sort of each key's few pieces by (box,
+  // rank, index): cheaper than one sort of all pieces comparing boxes.
+  std::vector<uint32_t> first(plan_.keys_.size() + 1, 0);
+  for (const auto& p : pieces) ++first[static_cast<size_t>(p.key) + 1];
+  for (size_t k = 0; k < plan_.keys_.size(); ++k) first[k + 1] += first[k];
   sorted_pieces_.resize(pieces.size());
-  for (size_t i = 0; i < pieces.size(); ++i) sorted_pieces_[i] = static_cast<uint32_t>(i);
-  std::sort(sorted_pieces_.begin(), sorted_pieces_.end(), [&](uint32_t a, uint32_t b) {
-    const auto &pa = pieces[a], &pb = pieces[b];
-    if (pa.key != pb.key) return pa.key < pb.key;
-    if (pa.hf_box != pb.hf_box) return box_less(pa.hf_box, pb.hf_box);
-    return pa.rank < pb.rank;
-  });
+  {
+    std::vector<uint32_t> next(first.begin(), first.end() - 1);
+    for (size_t i = 0; i < pieces.size(); ++i)
+      sorted_pieces_[next[static_cast<size_t>(pieces[i].key)]++] = static_cast<uint32_t>(i);
+  }
+  for (size_t k = 0; k < plan_.keys_.size(); ++k)
+    std::sort(sorted_pieces_.begin() + first[k], sorted_pieces_.begin() + first[k + 1],
+              [&](uint32_t a, uint32_t b) {
+                const auto &pa = pieces[a], &pb = pieces[b];
+                if (pa.hf_box != pb.hf_box) return box_less(pa.hf_box, pb.hf_box);
+                return pa.rank != pb.rank ? pa.rank < pb.rank : a < b;
+              });
   key_groups_.assign(plan_.keys_.size() + 1, 0);
   key_max_len0_.assign(plan_.keys_.size(), 0);
   sorted_rank_.resize(sorted_pieces_.size());
@@ -245,18 +259,32 @@ void PlanBuilder::init_loads() {
 }
 
 void PlanBuilder::build_p2p() {
-  const std::vector<Overlap> overlaps = all_overlaps();
+  P2pChoices c;
+  c.overlaps = all_overlaps();
+  const size_t n = c.overlaps.size(), reps = static_cast<size_t>(engine_.config.replicas);
+  const size_t tp = static_cast<size_t>(engine_.config.tp);
+  const size_t engines = static_cast<size_t>(plan_.engine_world_);
+  if (n * reps > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
+  c.seg_rank.resize(n);
+  for (size_t o = 0; o < n; ++o)
+    c.seg_rank[o] =
+        static_cast<uint32_t>(plan_.segments_[static_cast<size_t>(c.overlaps[o].segment)].tp_rank);
   // Replica-major so that each replica spreads over the holders the previous
-  // ones left least loaded. Only the chosen holder (its sorted position) is
-  // kept: the items are built once, in link order, by pack_p2p_links.
-  const size_t n = overlaps.size() * static_cast<size_t>(engine_.config.replicas);
-  if (n > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
-  std::vector<uint32_t> holders(n);
-  size_t i = 0;
-  for (int rep = 0; rep < engine_.config.replicas; ++rep)
-    for (const Overlap& o : overlaps)
-      holders[i++] = choose_holder(groups_[static_cast<size_t>(o.group)], o.bytes);
-  pack_p2p_links(overlaps, holders);
+  // ones left least loaded. Only the chosen holder is kept, and the items per
+  // link are counted: pack_p2p_links builds the items once, in link order.
+  c.holders.resize(n * reps);
+  c.link_first.assign(static_cast<size_t>(plan_.trainer_world_) * engines + 1, 0);
+  for (size_t rep = 0, k = 0; rep < reps; ++rep) {
+    for (size_t o = 0; o < n; ++o, ++k) {
+      const Overlap& ov = c.overlaps[o];
+      const uint32_t pos = choose_holder(groups_[static_cast<size_t>(ov.group)], ov.bytes);
+      c.holders[k] = pos;
+      ++c.link_first[static_cast<size_t>(sorted_rank_[pos]) * engines + rep * tp + c.seg_rank[o] +
+                     1];
+    }
+  }
+  for (size_t l = 1; l < c.link_first.size(); ++l) c.link_first[l] += c.link_first[l - 1];
+  pack_p2p_links(c);
 }
 
 uint64_t PlanBuilder::hash_inputs() const {

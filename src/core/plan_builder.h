@@ -44,7 +44,8 @@ class PlanBuilder {
   std::vector<Overlap> all_overlaps() const;
   uint32_t choose_holder(const PieceGroup& group, int64_t bytes);
   void build_p2p();
-  void pack_p2p_links(const std::vector<Overlap>& overlaps, const std::vector<uint32_t>& holders);
+  struct P2pChoices;
+  void pack_p2p_links(const P2pChoices& choices);
   void build_broadcast();
   void build_apply_items();
   uint64_t hash_inputs() const;
@@ -63,6 +64,16 @@ class PlanBuilder {
   std::vector<int64_t> rank_load_;                  // bytes sent per trainer rank so far
   std::vector<int64_t> nic_load_;                   // bytes sent per trainer NIC so far
   std::vector<int32_t> rank_nic_;                   // trainer rank -> NIC id
+};
+
+// p2p: item k of replica rep is overlaps[k % n] moved from sorted_pieces_
+// position holders[k] to engine rank rep * tp + seg_rank[k % n]; link_first
+// (size links + 1) starts each link (trainer rank * engine world + engine rank).
+struct PlanBuilder::P2pChoices {
+  std::vector<Overlap> overlaps;
+  std::vector<uint32_t> seg_rank;
+  std::vector<uint32_t> holders;
+  std::vector<uint32_t> link_first;
 };
 
 // Pieces of groups sorted by offset on dim 0 whose extent on dim 0 meets [lo, hi).

@@ -81,65 +81,61 @@ void index_items(std::vector<Bucket>& buckets, const std::vector<PlanItem>& item
 
 }  // namespace
 
-void PlanBuilder::pack_p2p_links(const std::vector<Overlap>& overlaps,
-                                 const std::vector<uint32_t>& holders) {
-  // Item k of replica rep is overlap k % n moved from the holder holders[k]
-  // (a sorted_pieces_ position) to engine rank rep * tp + its segment's rank.
-  // A counting sort by link (src trainer rank, dst engine rank), stable,
-  // scatters 8-byte (piece, overlap) pairs into link order; the items are then
-  // built once, sequentially, into storage reserved up front. At 1T-model
-  // scale (millions of items) fresh pages and gathers through permutations
-  // cost more than the packing itself, so nothing larger is materialized.
+void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
+  // A stable counting sort by link scatters 8-byte (piece, overlap) pairs into
+  // link order; the items are then built once, sequentially, into storage
+  // reserved up front. At 1T-model scale (millions of items) fresh pages and
+  // gathers through permutations cost more than the packing itself, so
+  // nothing larger than the items themselves is materialized.
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
-  const size_t links = static_cast<size_t>(plan_.trainer_world_) * engines;
-  const size_t n = overlaps.size();
-  const size_t tp = static_cast<size_t>(plan_.engine_tp_);
-  std::vector<uint32_t> seg_rank(n);
-  for (size_t o = 0; o < n; ++o)
-    seg_rank[o] =
-        static_cast<uint32_t>(plan_.segments_[static_cast<size_t>(overlaps[o].segment)].tp_rank);
-  auto link_of = [&](size_t k) {
-    return static_cast<size_t>(sorted_rank_[holders[k]]) * engines + (k / n) * tp + seg_rank[k % n];
-  };
-  std::vector<uint32_t> end(links + 1, 0);  // after the scatter: end of link l at end[l]
-  for (size_t k = 0; k < holders.size(); ++k) ++end[link_of(k) + 1];
-  for (size_t l = 0; l < links; ++l) end[l + 1] += end[l];
+  const size_t links = c.link_first.size() - 1;
+  const size_t n = c.overlaps.size(), tp = static_cast<size_t>(plan_.engine_tp_);
   struct Entry {
     int32_t piece;
     uint32_t overlap;
   };
-  std::vector<Entry> sorted(holders.size());
-  for (size_t k = 0; k < holders.size(); ++k)
-    sorted[end[link_of(k)]++] = {static_cast<int32_t>(sorted_pieces_[holders[k]]),
-                                 static_cast<uint32_t>(k % n)};
-
+  std::vector<Entry> sorted(c.holders.size());
+  {
+    std::vector<uint32_t> next(c.link_first.begin(), c.link_first.end() - 1);
+    for (size_t rep = 0, k = 0; rep < c.holders.size() / std::max<size_t>(n, 1); ++rep)
+      for (size_t o = 0; o < n; ++o, ++k) {
+        const uint32_t pos = c.holders[k];
+        const size_t l =
+            static_cast<size_t>(sorted_rank_[pos]) * engines + rep * tp + c.seg_rank[o];
+        sorted[next[l]++] = {static_cast<int32_t>(sorted_pieces_[pos]), static_cast<uint32_t>(o)};
+      }
+  }
   std::vector<PlanItem>& out = plan_.items_;
   out.reserve(sorted.size() + sorted.size() / 64);  // room for split items
   BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
-  for (size_t l = 0, e = 0; l < links; ++l) {
+  for (size_t l = 0; l < links; ++l) {
     filler.close();
     const int32_t src = static_cast<int32_t>(l / engines);
     const int32_t dst = static_cast<int32_t>(l % engines);
-    for (; e < end[l]; ++e) {
+    for (uint32_t e = c.link_first[l]; e < c.link_first[l + 1]; ++e) {
+      // The overlaps a link reads are scattered over a table of megabytes.
+      if (e + 16 < sorted.size()) __builtin_prefetch(&c.overlaps[sorted[e + 16].overlap]);
+      const Overlap& ov = c.overlaps[sorted[e].overlap];
       PlanItem it;
       it.piece = sorted[e].piece;
-      it.segment = overlaps[sorted[e].overlap].segment;
+      it.segment = ov.segment;
       it.dst_rank = dst;
       filler.place(
-          src, dst, [&] { return plan_.pieces_[static_cast<size_t>(it.piece)].key; },
-          overlaps[sorted[e].overlap].bytes, [&] { return item_hf_box(plan_, it); },
+          src, dst, [&] { return plan_.pieces_[static_cast<size_t>(it.piece)].key; }, ov.bytes,
+          [&] { return item_hf_box(plan_, it); },
           [&](int32_t bucket, int64_t offset, int64_t lo, int64_t len, size_t d) {
             it.bucket = bucket;
             it.offset = static_cast<uint32_t>(offset);
             it.split_lo = static_cast<int32_t>(lo);
             it.split_len = static_cast<int32_t>(len);
             it.split_dim = static_cast<uint8_t>(d);
+            Bucket& b = plan_.buckets_[static_cast<size_t>(bucket)];
+            if (b.num_items++ == 0) b.first_item = static_cast<uint32_t>(out.size());
             out.push_back(it);
           });
     }
   }
   if (out.size() > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
-  index_items(plan_.buckets_, plan_.items_);
 }
 
 void PlanBuilder::build_broadcast() {

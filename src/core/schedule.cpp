@@ -111,6 +111,7 @@ class ListScheduler {
   ListScheduler(const std::vector<Job>& jobs, int resources) : jobs_(jobs), start_(jobs.size(), 0) {
     build_pairs();
     for (int s = 0; s < 2; ++s) init_side(sides_[s], s, resources);
+    build_pair_table();
     for (const Job& job : jobs)
       sides_[0].left[job.tx] += job.dur, sides_[1].left[job.rx] += job.dur;
   }
@@ -144,6 +145,8 @@ class ListScheduler {
     std::vector<uint32_t> pos;                  // by pair: index in its pending list
     std::vector<uint32_t> first;                // by resource: its pairs in `sorted`
     std::vector<int32_t> sorted;                // by the other side's resource
+    std::vector<int32_t> dense;                 // by resource: index among those with pairs
+    size_t used = 0;                            // resources with pairs
     std::vector<char> busy;
     std::vector<double> left;      // work not yet started
     std::vector<int32_t> free;     // free resources with pending jobs (any order)
@@ -186,8 +189,25 @@ class ListScheduler {
           static_cast<int32_t>(p);
       list.push_back(static_cast<int32_t>(p));
     }
+    side.dense.assign(n, -1);
     for (size_t r = 0; r < n; ++r)
-      if (!side.pending[r].empty()) set_free(side, static_cast<int32_t>(r), true);
+      if (!side.pending[r].empty()) {
+        side.dense[r] = static_cast<int32_t>(side.used++);
+        set_free(side, static_cast<int32_t>(r), true);
+      }
+  }
+  // A (tx, rx) -> pair table makes find_pair one load; it is skipped when it
+  // would be large (then find_pair searches the resource's sorted pairs).
+  void build_pair_table() {
+    const size_t cells = sides_[0].used * sides_[1].used;
+    if (cells > (size_t{1} << 22)) return;
+    pair_at_.assign(cells, -1);
+    for (size_t p = 0; p < pairs_.size(); ++p)
+      pair_at_[cell(pairs_[p].res[0], pairs_[p].res[1])] = static_cast<int32_t>(p);
+  }
+  size_t cell(int32_t tx, int32_t rx) const {
+    return static_cast<size_t>(sides_[0].dense[static_cast<size_t>(tx)]) * sides_[1].used +
+           static_cast<size_t>(sides_[1].dense[static_cast<size_t>(rx)]);
   }
   static void set_free(Side& side, int32_t r, bool free) {
     int32_t& at = side.in_free[static_cast<size_t>(r)];
@@ -209,6 +229,7 @@ class ListScheduler {
   }
   // The pair of side s's resource r with side o's resource q, or -1.
   int32_t find_pair(int s, int32_t r, int32_t q) const {
+    if (!pair_at_.empty()) return s == 0 ? pair_at_[cell(r, q)] : pair_at_[cell(q, r)];
     const Side& side = sides_[s];
     const int o = 1 - s;
     auto b = side.sorted.begin() + side.first[static_cast<size_t>(r)];
@@ -266,7 +287,8 @@ class ListScheduler {
   std::vector<double> start_;
   std::vector<int32_t> order_;  // job ids by (tx, rx, id)
   std::vector<Pair> pairs_;
-  Side sides_[2];  // [0] send sides, [1] receive sides
+  std::vector<int32_t> pair_at_;  // by cell(tx, rx): the pair, or -1
+  Side sides_[2];                 // [0] send sides, [1] receive sides
   using Event = std::pair<double, int32_t>;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
 };
