@@ -116,6 +116,9 @@ class ListScheduler {
       sides_[0].left[job.tx] += job.dur, sides_[1].left[job.rx] += job.dur;
   }
 
+  // Job ids in the order they started (by start time; not by id among ties).
+  const std::vector<int32_t>& started() const { return started_; }
+
   std::vector<double> run() {
     const int n = static_cast<int>(sides_[1].busy.size());
     for (int r = 0; r < n; ++r) try_start(1, r, 0);
@@ -132,6 +135,9 @@ class ListScheduler {
       for (int32_t j : freed) try_start(1, jobs_[j].rx, now);
       for (int32_t j : freed) try_start(0, jobs_[j].tx, now);
     }
+    if (started_.size() != jobs_.size())
+      fail(Errc::internal, "list scheduler: ", jobs_.size() - started_.size(), " of ", jobs_.size(),
+           " buckets never started");
     return start_;
   }
 
@@ -280,12 +286,14 @@ class ListScheduler {
       }
     }
     start_[j] = now;
+    started_.push_back(j);
     events_.push({now + jobs_[j].dur, j});
   }
 
   const std::vector<Job>& jobs_;
   std::vector<double> start_;
-  std::vector<int32_t> order_;  // job ids by (tx, rx, id)
+  std::vector<int32_t> started_;  // job ids in the order they started
+  std::vector<int32_t> order_;    // job ids by (tx, rx, id)
   std::vector<Pair> pairs_;
   std::vector<int32_t> pair_at_;  // by cell(tx, rx): the pair, or -1
   Side sides_[2];                 // [0] send sides, [1] receive sides
@@ -293,14 +301,27 @@ class ListScheduler {
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
 };
 
-// Orders each rank's buckets by predicted start (ties: id).
-void order_by_start(const std::vector<Bucket>& buckets, std::vector<std::vector<int32_t>>& lists) {
-  for (auto& l : lists)
-    std::sort(l.begin(), l.end(), [&](int32_t a, int32_t b) {
-      const double sa = buckets[static_cast<size_t>(a)].start_s;
-      const double sb = buckets[static_cast<size_t>(b)].start_s;
-      return sa != sb ? sa < sb : a < b;
-    });
+// Each rank's buckets by predicted start (ties: id), from the scheduler's
+// start order (non-decreasing in time: events are processed in time order).
+void order_by_start(const std::vector<double>& start, std::vector<int32_t> started,
+                    const std::vector<Bucket>& buckets, std::vector<std::vector<int32_t>>& sent,
+                    std::vector<std::vector<int32_t>>& received) {
+  for (size_t i = 0, e = 0; i < started.size(); i = e) {
+    const double t = start[static_cast<size_t>(started[i])];
+    for (e = i + 1; e < started.size() && start[static_cast<size_t>(started[e])] == t;) ++e;
+    std::sort(started.begin() + static_cast<ptrdiff_t>(i),
+              started.begin() + static_cast<ptrdiff_t>(e));
+  }
+  std::vector<size_t> n_sent(sent.size(), 0), n_received(received.size(), 0);
+  for (const Bucket& b : buckets)
+    ++n_sent[static_cast<size_t>(b.src_rank)], ++n_received[static_cast<size_t>(b.dst_rank)];
+  for (size_t r = 0; r < sent.size(); ++r) sent[r].reserve(n_sent[r]);
+  for (size_t r = 0; r < received.size(); ++r) received[r].reserve(n_received[r]);
+  for (int32_t id : started) {
+    const Bucket& b = buckets[static_cast<size_t>(id)];
+    sent[static_cast<size_t>(b.src_rank)].push_back(id);
+    received[static_cast<size_t>(b.dst_rank)].push_back(id);
+  }
 }
 
 }  // namespace
@@ -317,7 +338,8 @@ void PlanBuilder::schedule_p2p(Plan& plan, const Topology& topology) {
     tx_bytes[static_cast<size_t>(l.tx)] += static_cast<double>(b.bytes);
     rx_bytes[static_cast<size_t>(l.rx)] += static_cast<double>(b.bytes);
   }
-  const std::vector<double> start = ListScheduler(jobs, fabric.resources()).run();
+  ListScheduler scheduler(jobs, fabric.resources());
+  const std::vector<double> start = scheduler.run();
   PlanStats& st = plan.stats_;
   st.bytes_per_engine_rank.assign(static_cast<size_t>(plan.engine_world_), 0);
   st.bytes_per_trainer_rank.assign(static_cast<size_t>(plan.trainer_world_), 0);
@@ -333,11 +355,8 @@ void PlanBuilder::schedule_p2p(Plan& plan, const Topology& topology) {
     st.bytes_per_engine_rank[static_cast<size_t>(b.dst_rank)] += b.bytes;
     st.bytes_per_trainer_rank[static_cast<size_t>(b.src_rank)] += b.bytes;
     st.bytes_total += b.bytes;
-    plan.sent_by_[static_cast<size_t>(b.src_rank)].push_back(b.id);
-    plan.recv_by_[static_cast<size_t>(b.dst_rank)].push_back(b.id);
   }
-  order_by_start(plan.buckets_, plan.sent_by_);
-  order_by_start(plan.buckets_, plan.recv_by_);
+  order_by_start(start, scheduler.started(), plan.buckets_, plan.sent_by_, plan.recv_by_);
   for (const auto& l : plan.sent_by_)
     for (size_t k = 0; k < l.size(); ++k) {
       plan.buckets_[static_cast<size_t>(l[k])].send_seq = static_cast<int32_t>(k);
