@@ -130,6 +130,35 @@ TEST_P(RandomPlans, ScheduleRespectsBucketLimitAndDoubleBuffering) {
   EXPECT_LE(plan.stats().lower_bound_s, plan.stats().predicted_s);
 }
 
+// The p2p schedule is a list schedule: a bucket never waits while both its
+// sender and its receiver are idle. With the default topology (one NIC per
+// GPU, trainer and engines on different nodes) ranks are the resources.
+TEST_P(RandomPlans, P2pScheduleNeverLeavesAStartableBucketWaiting) {
+  const Case c = random_case(5000 + static_cast<uint64_t>(GetParam()), PlanMode::p2p);
+  SCOPED_TRACE(describe(c));
+  const Plan plan = make_plan(c.trainer, c.engine, Topology{}, c.options);
+  const auto& buckets = plan.buckets();
+  std::vector<double> events = {0};  // every time the scheduler decided something
+  for (const Bucket& b : buckets) events.push_back(b.end_s);
+  std::sort(events.begin(), events.end());
+  events.erase(std::unique(events.begin(), events.end()), events.end());
+  auto busy_at = [&](const std::vector<int32_t>& order, double t) {
+    return std::any_of(order.begin(), order.end(), [&](int32_t id) {
+      const Bucket& o = buckets[static_cast<size_t>(id)];
+      return o.start_s <= t && t < o.end_s;
+    });
+  };
+  for (const Bucket& b : buckets) {
+    for (double t : events) {
+      if (t >= b.start_s) break;
+      EXPECT_TRUE(busy_at(plan.buckets_sent_by(b.src_rank), t) ||
+                  busy_at(plan.buckets_received_by(b.dst_rank), t))
+          << "bucket " << b.id << " (trainer rank " << b.src_rank << " -> engine rank "
+          << b.dst_rank << ") starts at " << b.start_s << " but both ends were idle at " << t;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Seeds, RandomPlans, ::testing::Range(0, 24));
 
 // Every dense param replicated over dp=4: senders must share the work.
