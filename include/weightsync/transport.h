@@ -191,6 +191,13 @@ struct RegisteredHostBuffer {
 };
 RegisteredHostBuffer allocate_registered_host(Transport& transport, std::size_t bytes);
 
+// The polling loops' pause between two looks at a pending request: busy
+// polling for the first 64 looks (lowest latency), then a 20 us sleep each
+// time, so that when ranks outnumber cores the peer that must make progress
+// gets the core (yielding instead halved `weightsync bench` with 8 processes
+// on 2 cores). `spins` counts the looks of one wait; reset it on progress.
+void poll_pause(int& spins);
+
 // Waits for every request (in order, each with what is left of `timeout`).
 void wait_all(const std::vector<std::unique_ptr<Request>>& requests,
               std::chrono::milliseconds timeout);

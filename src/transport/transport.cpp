@@ -111,15 +111,20 @@ std::string Request::describe() const {
 
 std::size_t Request::wait(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  uint64_t spins = 0;
+  int spins = 0;
   while (!test()) {
     if (std::chrono::steady_clock::now() >= deadline)
       fail(Errc::timeout, describe(), ": not complete after ", timeout.count(), " ms");
-    // Busy polling gives the lowest latency; yield now and then so that a peer
-    // process sharing the core can run.
-    if (++spins % 64 == 0) std::this_thread::yield();
+    poll_pause(spins);
   }
   return transferred();
+}
+
+void poll_pause(int& spins) {
+  if (spins < 64)
+    ++spins;
+  else
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
 }
 
 std::unique_ptr<Request> Transport::broadcast(const Buffer& buffer, int root,

@@ -2,7 +2,9 @@
 
 #include <weightsync/error.h>
 
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 
 namespace weightsync::transport::ucx {
 
@@ -16,8 +18,25 @@ struct ConfigDeleter {
   void operator()(ucp_config_t* c) const { ucp_config_release(c); }
 };
 
+// TCP defaults. UCX 1.13's rendezvous by PUT over TCP moves large messages
+// at a fraction of the link; without PUT, rendezvous streams the data as
+// active messages straight into the posted receive buffer. Larger receive
+// segments and more polling per progress call keep many-to-many flows moving
+// when ranks outnumber cores. These are transport-level (UCT) settings, which
+// UCX reads from the environment only (ucp_config_modify does not reach
+// them): set once, before the first context, never over the user's values.
+void set_tcp_defaults() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::setenv("UCX_TCP_PUT_ENABLE", "n", 0);
+    ::setenv("UCX_TCP_RX_SEG_SIZE", "256K", 0);
+    ::setenv("UCX_TCP_MAX_POLL", "64", 0);
+  });
+}
+
 std::unique_ptr<ucp_config_t, ConfigDeleter> read_config(
     const std::map<std::string, std::string>& settings) {
+  set_tcp_defaults();
   ucp_config_t* raw = nullptr;
   check(ucp_config_read(nullptr, nullptr, &raw), "UCX: reading the configuration");
   std::unique_ptr<ucp_config_t, ConfigDeleter> config(raw);
