@@ -75,6 +75,7 @@ void Subscriber::Impl::ensure_ready() {
   PlanOptions options;
   options.mode = parse_plan_mode(po.at("mode").get<std::string>());
   options.bucket_bytes = po.at("bucket_bytes").get<int64_t>();
+  const WireOptions wire = WireOptions::from_json(po.value("wire", nlohmann::json::object()));
   const int trainers = static_cast<int>(trainer->mesh.world());
   client->wait_members(trainers, engine.world(), left_until(deadline));
   TransportOptions t;
@@ -93,8 +94,8 @@ void Subscriber::Impl::ensure_ready() {
       staging.push_back(host_view(staging_memory.back().get(), p.dtype, p.shape));
     }
   }
-  pipeline =
-      std::make_unique<engine::ReceivePipeline>(*plan, global, opt.staging ? staging : params);
+  pipeline = std::make_unique<engine::ReceivePipeline>(
+      *plan, global, opt.staging ? staging : params, wire, transport->capabilities());
   pipeline->prepare(*transport);
   for (int peer = 0; peer < t.world; ++peer)
     if (peer != t.rank) transport->connect(peer);
@@ -168,6 +169,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   ack.checksum = report.checksum;
   ack.error = report.error;
   out.bytes = report.bytes;
+  out.bytes_direct = report.bytes_direct;
   out.checksum = report.checksum;
   const auto commit_start = Clock::now();
   {

@@ -3,10 +3,10 @@
 #include <weightsync/checksum.h>
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
+#include <weightsync/wire.h>
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 #include <utility>
 
 namespace weightsync::engine {
@@ -37,7 +37,9 @@ Shape lead(Shape s, size_t n, int64_t value) {
   return s;
 }
 
-ApplyOp make_apply_op(const Copy& c, const TensorView& target) {
+// `shift`: where the bucket's bytes lie in the slot, relative to their bucket
+// offset (packed p2p fragments are compacted in the slot).
+ApplyOp make_apply_op(const Copy& c, const TensorView& target, int64_t shift = 0) {
   if (c.dst_box.rank() < c.hf_box.rank())
     fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
          " has fewer dims than HF box ", box_str(c.hf_box));
@@ -47,7 +49,7 @@ ApplyOp make_apply_op(const Copy& c, const TensorView& target) {
   const auto item = static_cast<int64_t>(itemsize(target.dtype));
   const Box src = c.hf_box.relative_to(c.view_box);
   const Shape packed_strides = contiguous_strides(c.view_box.lengths);
-  op.src_offset = c.offset + dot(src.offsets, packed_strides) * item;
+  op.src_offset = c.offset + shift + dot(src.offsets, packed_strides) * item;
   op.lengths = lead(c.hf_box.lengths, extra, 1);
   op.src_strides = lead(packed_strides, extra, 0);
   // Seen through a transposed view, the param box has the HF box's lengths.
@@ -61,7 +63,7 @@ ApplyOp make_apply_op(const Copy& c, const TensorView& target) {
   op.dst = static_cast<char*>(target.data) + dot(dst_offsets, strides) * item;
   op.target = &target;
   op.view_lengths = lead(c.view_box.lengths, extra, 1);
-  op.view_offset = c.offset;
+  op.view_offset = c.offset + shift;
   op.src_box = Box{lead(src.offsets, extra, 0), lead(src.lengths, extra, 1)};
   op.dst_box = c.dst_box;
   op.transpose = c.transpose;
@@ -78,11 +80,14 @@ uint64_t read_trailer(const char* p) {
 }  // namespace
 
 ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
-                                 const std::vector<TensorView>& targets)
+                                 const std::vector<TensorView>& targets, const WireOptions& wire,
+                                 const Capabilities& caps)
     : global_rank_(global_rank),
       trainer_world_(plan.trainer_world()),
       engine_world_(plan.engine_world()),
-      broadcast_(plan.mode() == PlanMode::broadcast) {
+      broadcast_(plan.mode() == PlanMode::broadcast),
+      wire_(wire),
+      caps_(caps) {
   const bool broadcast = broadcast_;
   const int tp_rank = global_rank % plan.engine_tp();
   const auto& buckets = plan.buckets();
@@ -96,14 +101,11 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
         const Copy c = plan.resolve(ai, global_rank);
         a.ops.push_back(make_apply_op(c, targets.at(static_cast<size_t>(c.dst_param))));
       }
+      a.slot_bytes = a.bytes;
     } else {
-      for (const PlanItem& item : plan.items(b)) {
-        const Copy c = plan.resolve(item);
-        if (c.dst_rank != global_rank) continue;
-        a.ops.push_back(make_apply_op(c, targets.at(static_cast<size_t>(c.dst_param))));
-      }
+      compile_fragments(a, plan, targets);
     }
-    slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.bytes) + kBucketTrailerBytes);
+    slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.slot_bytes) + kBucketTrailerBytes);
     actions_.push_back(std::move(a));
   }
   // The trainers' order (publisher_pipeline.h): predicted start, then id.
@@ -112,6 +114,52 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
     const auto& by = buckets[static_cast<size_t>(y.bucket)];
     return bx.start_s != by.start_s ? bx.start_s < by.start_s : x.bucket < y.bucket;
   });
+}
+
+char* ReceivePipeline::direct_target(const Copy& c, const TensorView& target) const {
+  // CUDA memory only unchecked: the checksum is computed on the host.
+  const bool reachable =
+      target.memory == MemoryKind::host ? caps_.host_memory : caps_.cuda_memory && !wire_.checksums;
+  if (!reachable || c.transpose || c.view_box != c.hf_box || c.dst_box.rank() < c.hf_box.rank() ||
+      c.dst_box.lengths != lead(c.hf_box.lengths, c.dst_box.rank() - c.hf_box.rank(), 1))
+    return nullptr;
+  const auto first = dense_run_offset(target.effective_strides(), c.dst_box);
+  if (!first) return nullptr;
+  return static_cast<char*>(target.data) + *first * static_cast<int64_t>(itemsize(target.dtype));
+}
+
+void ReceivePipeline::compile_fragments(RecvAction& a, const Plan& plan,
+                                        const std::vector<TensorView>& targets) {
+  const auto items = plan.items(a.bucket);
+  for (const Fragment& f : bucket_fragments(plan, a.bucket, wire_.direct_min_bytes)) {
+    RecvFragment rf;
+    rf.bytes = f.bytes;
+    if (f.count == 1 && f.bytes >= wire_.direct_min_bytes) {
+      const Copy c = plan.resolve(items[f.first]);
+      if (c.dst_rank != global_rank_)
+        fail(Errc::internal, "engine rank ", global_rank_, ": bucket ", a.bucket,
+             " holds an item for engine rank ", c.dst_rank);
+      const TensorView& target = targets.at(static_cast<size_t>(c.dst_param));
+      if (char* p = direct_target(c, target)) {
+        rf.direct = p;
+        rf.memory = target.memory;
+        rf.device = target.device;
+        a.fragments.push_back(rf);
+        continue;
+      }
+    }
+    // Fragments that land in the slot lie back to back there.
+    rf.slot_offset = a.slot_bytes;
+    a.slot_bytes += f.bytes;
+    rf.first_op = static_cast<uint32_t>(a.ops.size());
+    for (uint32_t i = f.first; i < f.first + f.count; ++i) {
+      const Copy c = plan.resolve(items[i]);
+      a.ops.push_back(make_apply_op(c, targets.at(static_cast<size_t>(c.dst_param)),
+                                    rf.slot_offset - f.offset));
+    }
+    rf.num_ops = f.count;
+    a.fragments.push_back(rf);
+  }
 }
 
 void ReceivePipeline::prepare(Transport& transport) {
@@ -124,16 +172,31 @@ void ReceivePipeline::post(size_t k, Slot& slot, int64_t step, Transport& t) {
   if (k >= actions_.size()) return;
   const RecvAction& a = actions_[k];
   slot.posted_us = trace_now_us();
+  const Tag tag = bucket_tag(step, a.bucket, 0);
+  if (!broadcast_) {
+    // In fragment order: the trainer posts them in that order (wire.h).
+    for (const RecvFragment& f : a.fragments) {
+      const Buffer buffer =
+          f.direct ? Buffer{f.direct, static_cast<size_t>(f.bytes), f.memory, f.device, nullptr}
+                   : host_buffer(slot.data + f.slot_offset, static_cast<size_t>(f.bytes),
+                                 slot.region.get());
+      slot.requests.push_back(t.recv(a.src, tag, buffer));
+    }
+    if (wire_.checksums)
+      slot.requests.push_back(
+          t.recv(a.src, bucket_tag(step, a.bucket, 1),
+                 host_buffer(slot.data + a.slot_bytes, kBucketTrailerBytes, slot.region.get())));
+    return;
+  }
   const Buffer buffer =
       host_buffer(slot.data, static_cast<size_t>(a.bytes) + kBucketTrailerBytes, slot.region.get());
-  const Tag tag = bucket_tag(step, a.bucket, 0);
-  if (broadcast_ && t.capabilities().native_broadcast) {
+  if (t.capabilities().native_broadcast) {
     // A collective: every engine rank and the root take part (publisher_pipeline.cpp).
     std::vector<int> ranks{a.src};
     for (int g = 0; g < engine_world_; ++g) ranks.push_back(trainer_world_ + g);
-    slot.request = t.broadcast(buffer, a.src, ranks, tag);
+    slot.requests.push_back(t.broadcast(buffer, a.src, ranks, tag));
   } else {
-    slot.request = t.recv(a.src, tag, buffer);
+    slot.requests.push_back(t.recv(a.src, tag, buffer));
   }
 }
 
@@ -141,21 +204,43 @@ void ReceivePipeline::wait(Slot& slot, const std::function<void()>& poll,
                            Clock::time_point deadline) {
   auto last_poll = Clock::now();
   int spins = 0;
-  while (!slot.request->test()) {
+  size_t done = 0;  // requests complete in order of posting, mostly
+  while (done < slot.requests.size()) {
+    if (slot.requests[done]->test()) {
+      ++done;
+      spins = 0;
+      continue;
+    }
     const auto now = Clock::now();
     if (now >= deadline)
-      fail(Errc::timeout, "engine rank ", global_rank_, ": ", slot.request->describe(),
+      fail(Errc::timeout, "engine rank ", global_rank_, ": ", slot.requests[done]->describe(),
            " did not complete before the step timeout");
     if (now - last_poll >= std::chrono::milliseconds(1)) {
       last_poll = now;
       poll();
     }
-    if (++spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));  // see drain()
+    poll_pause(spins);
   }
 }
 
-void ReceivePipeline::apply(const RecvAction& a, const char* data) {
-  for (const ApplyOp& op : a.ops) {
+std::pair<uint64_t, uint64_t> ReceivePipeline::checksums(const RecvAction& a, const char* data,
+                                                         int64_t step) const {
+  if (!wire_.checksums) return {0, 0};
+  if (broadcast_)
+    return {checksum64(data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step)),
+            read_trailer(data + a.bytes)};
+  uint64_t sum = 0;
+  for (uint32_t i = 0; i < a.fragments.size(); ++i) {
+    const RecvFragment& f = a.fragments[i];
+    const char* p = f.direct ? f.direct : data + f.slot_offset;
+    sum = checksum_fold(sum, checksum64(p, static_cast<size_t>(f.bytes), fragment_seed(step, i)));
+  }
+  return {sum, read_trailer(data + a.slot_bytes)};
+}
+
+void ReceivePipeline::apply(const RecvAction& a, size_t first, size_t count, const char* data) {
+  for (size_t i = first; i < first + count; ++i) {
+    const ApplyOp& op = a.ops[i];
     if (op.target->memory == MemoryKind::host) {
       copy_strided(op.dst, op.dst_strides.data(), data + op.src_offset, op.src_strides.data(),
                    op.lengths.data(), static_cast<int>(op.lengths.size()), itemsize(op.dtype));
@@ -189,23 +274,23 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
     if (tracer)
       tracer->complete(cat("bucket ", a.bucket), "wire", slot.posted_us, trace_now_us(),
                        {{"bucket", a.bucket}, {"bytes", a.bytes}, {"from", a.src}});
-    slot.request.reset();
+    slot.requests.clear();
     t = Clock::now();
-    const uint64_t sum =
-        checksum64(slot.data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step));
-    const uint64_t sent = read_trailer(slot.data + a.bytes);
+    const auto [sum, sent] = checksums(a, slot.data, step);
     phases.verify += seconds_since(t);
     report.bytes += static_cast<uint64_t>(a.bytes);
+    for (const RecvFragment& f : a.fragments)
+      if (f.direct) report.bytes_direct += static_cast<uint64_t>(f.bytes);
     if (sum != sent) {
       if (report.error.empty())
         report.error = cat("engine rank ", global_rank_, ": bucket ", a.bucket, " of step ", step,
                            " from trainer rank ", a.src, " failed its checksum (computed ",
-                           std::hex, sum, ", sent ", sent, std::dec, "); not applied");
+                           std::hex, sum, ", sent ", sent, std::dec, "); the step is rejected");
     } else {
       report.checksum = checksum_fold(report.checksum, sum);
       t = Clock::now();
       const int64_t apply_us = tracer ? trace_now_us() : 0;
-      apply(a, slot.data);
+      apply(a, 0, a.ops.size(), slot.data);
       phases.apply += seconds_since(t);
       if (tracer) tracer->complete(cat("apply ", a.bucket), "apply", apply_us, trace_now_us());
     }
@@ -216,8 +301,8 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
 
 void ReceivePipeline::cancel_all() {
   for (Slot& s : slots_) {
-    if (s.request) s.request->cancel();
-    s.request.reset();
+    for (auto& r : s.requests) r->cancel();
+    s.requests.clear();
   }
 }
 

@@ -1,11 +1,14 @@
 // The engine rank's data path, compiled once from the plan and run every
 // step: receive bucket k+1 while bucket k is verified and applied, in two
-// receive slots, in the same global bucket order the trainers send in.
+// receive slots, in the same global bucket order the trainers send in. A p2p
+// bucket lands as fragments (wire.h): dense runs go straight into their
+// param (or staging copy), the rest into the slot and is applied from there.
 #pragma once
 
 #include <weightsync/plan.h>
 #include <weightsync/subscriber.h>
 #include <weightsync/transport.h>
+#include <weightsync/wire.h>
 
 #include <chrono>
 #include <functional>
@@ -35,15 +38,29 @@ struct ApplyOp {
   bool transpose = false;
 };
 
+// One message of a p2p bucket: straight into a param, or into the slot at
+// slot_offset, to be applied by ops [first_op, first_op + num_ops).
+struct RecvFragment {
+  int64_t bytes = 0;
+  char* direct = nullptr;  // nullptr: lands in the slot
+  MemoryKind memory = MemoryKind::host;
+  int device = -1;
+  int64_t slot_offset = 0;
+  uint32_t first_op = 0, num_ops = 0;
+};
+
 struct RecvAction {
   int32_t bucket = 0;
   int src = 0;        // transport rank of the sender (trainer rank)
   int64_t bytes = 0;  // payload, without trailer
   std::vector<ApplyOp> ops;
+  std::vector<RecvFragment> fragments;  // p2p
+  int64_t slot_bytes = 0;               // slot bytes used, without trailer
 };
 
 struct ReceiveReport {
   uint64_t bytes = 0;
+  uint64_t bytes_direct = 0;  // landed straight in their targets
   uint64_t checksum = 0;
   std::string error;  // first failed bucket, "" when every bucket was good
 };
@@ -52,7 +69,9 @@ class ReceivePipeline {
  public:
   // `targets`: where this rank's params are applied (the params themselves or
   // their staging copies), indexed like EngineRankLayout::params.
-  ReceivePipeline(const Plan& plan, int global_rank, const std::vector<TensorView>& targets);
+  // `caps` are the transport's: which memory a fragment may land in.
+  ReceivePipeline(const Plan& plan, int global_rank, const std::vector<TensorView>& targets,
+                  const WireOptions& wire, const Capabilities& caps);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
   void prepare(Transport& transport);
@@ -66,17 +85,24 @@ class ReceivePipeline {
 
  private:
   struct Slot : RegisteredHostBuffer {
-    std::unique_ptr<Request> request;
+    std::vector<std::unique_ptr<Request>> requests;
     int64_t posted_us = 0;
   };
+  void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
+  char* direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, Slot& slot, int64_t step, Transport& t);
   void wait(Slot& slot, const std::function<void()>& poll,
             std::chrono::steady_clock::time_point deadline);
-  void apply(const RecvAction& a, const char* data);
+  // The bucket's checksum as it landed and as sent; equal when not checked.
+  std::pair<uint64_t, uint64_t> checksums(const RecvAction& a, const char* data,
+                                          int64_t step) const;
+  void apply(const RecvAction& a, size_t first, size_t count, const char* data);
 
   int global_rank_ = 0;
   int trainer_world_ = 1, engine_world_ = 1;
   bool broadcast_ = false;
+  WireOptions wire_;
+  Capabilities caps_;
   std::vector<RecvAction> actions_;
   std::size_t slot_bytes_ = 0;
   Slot slots_[2];

@@ -29,6 +29,10 @@ std::vector<uint8_t> bytes_of(const std::string& s) {
   return {s.begin(), s.end()};
 }
 
+nlohmann::json json_of(const std::vector<uint8_t>& blob) {
+  return nlohmann::json::parse(blob.begin(), blob.end());
+}
+
 }  // namespace
 
 struct Publisher::Impl {
@@ -84,7 +88,10 @@ void Publisher::Impl::ensure_ready() {
   po.mode = opt.mode;
   po.bucket_bytes = opt.bucket_bytes;
   plan = make_plan(opt.layout, *engine, Topology{}, po);
-  pipeline = std::make_unique<trainer::SendPipeline>(*plan, opt.rank, tensors);
+  const auto po_json = json_of(client->get(key("plan_options"), left_until(deadline)));
+  const WireOptions wire = WireOptions::from_json(po_json.value("wire", nlohmann::json::object()));
+  pipeline = std::make_unique<trainer::SendPipeline>(*plan, opt.rank, tensors, wire,
+                                                     transport->capabilities());
   pipeline->prepare(*transport);
   // Endpoints now rather than inside the first step's timing.
   for (int peer = 0; peer < t.world; ++peer)
@@ -133,6 +140,7 @@ PushResult Publisher::Impl::push(int64_t step) {
   try {
     out.bytes_sent = pipeline->run(
         step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
+    out.bytes_direct = pipeline->bytes_direct();
     client->sent(step, true);
   } catch (const Error& e) {
     pipeline->cancel_all();
@@ -189,7 +197,8 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
     // The engines plan from the same inputs: the layout and the plan options.
     m.client->set(m.key("layout/trainer"), bytes_of(m.opt.layout.to_json().dump()));
     const nlohmann::json po = {{"mode", plan_mode_name(m.opt.mode)},
-                               {"bucket_bytes", m.opt.bucket_bytes}};
+                               {"bucket_bytes", m.opt.bucket_bytes},
+                               {"wire", m.opt.wire.to_json()}};
     m.client->set(m.key("plan_options"), bytes_of(po.dump()));
   }
 }

@@ -3,10 +3,10 @@
 #include <weightsync/checksum.h>
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
+#include <weightsync/wire.h>
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 
 namespace weightsync::trainer {
 namespace {
@@ -43,8 +43,13 @@ void write_trailer(char* data, int64_t bytes, int64_t step) {
 
 }  // namespace
 
-SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorView>& tensors)
-    : rank_(rank), trainer_world_(plan.trainer_world()), engine_world_(plan.engine_world()) {
+SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorView>& tensors,
+                           const WireOptions& wire, const Capabilities& caps)
+    : rank_(rank),
+      trainer_world_(plan.trainer_world()),
+      engine_world_(plan.engine_world()),
+      wire_(wire),
+      caps_(caps) {
   const bool broadcast = plan.mode() == PlanMode::broadcast;
   for (int32_t b : plan.buckets_sent_by(rank)) {
     SendAction a;
@@ -82,12 +87,60 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
         a.parts.push_back(part);
       }
     }
+    if (a.kind == SendAction::Kind::p2p) {
+      compile_fragments(a, plan, tensors);
+      slot_bytes_ =
+          std::max(slot_bytes_, static_cast<size_t>(a.packed_bytes) + kBucketTrailerBytes);
+      continue;
+    }
     for (const PlanItem& item : plan.items(a.bucket)) {
       const Copy c = plan.resolve(item);
       if (c.src_rank != rank) continue;
       a.ops.push_back(make_pack_op(c, tensors.at(static_cast<size_t>(c.src_param)), a.base));
     }
     slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.bytes) + kBucketTrailerBytes);
+  }
+}
+
+const char* SendPipeline::direct_source(const Copy& c, const TensorView& tensor) const {
+  // CUDA memory only unchecked: the checksum is computed on the host.
+  const bool reachable =
+      tensor.memory == MemoryKind::host ? caps_.host_memory : caps_.cuda_memory && !wire_.checksums;
+  if (!reachable || c.src_box.lengths != c.hf_box.lengths) return nullptr;
+  const auto first = dense_run_offset(tensor.effective_strides(), c.src_box);
+  if (!first) return nullptr;
+  return static_cast<const char*>(tensor.data) +
+         *first * static_cast<int64_t>(itemsize(tensor.dtype));
+}
+
+void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,
+                                     const std::vector<TensorView>& tensors) {
+  const auto items = plan.items(a.bucket);
+  for (const Fragment& f : bucket_fragments(plan, a.bucket, wire_.direct_min_bytes)) {
+    SendFragment sf;
+    sf.bytes = f.bytes;
+    if (f.count == 1 && f.bytes >= wire_.direct_min_bytes) {
+      const Copy c = plan.resolve(items[f.first]);
+      const TensorView& tensor = tensors.at(static_cast<size_t>(c.src_param));
+      if (const char* p = direct_source(c, tensor)) {
+        sf.direct = p;
+        sf.memory = tensor.memory;
+        sf.device = tensor.device;
+        a.fragments.push_back(sf);
+        continue;
+      }
+    }
+    // Packed fragments lie back to back in the slot.
+    sf.slot_offset = a.packed_bytes;
+    a.packed_bytes += f.bytes;
+    sf.first_op = static_cast<uint32_t>(a.ops.size());
+    for (uint32_t i = f.first; i < f.first + f.count; ++i) {
+      const Copy c = plan.resolve(items[i]);
+      a.ops.push_back(
+          make_pack_op(c, tensors.at(static_cast<size_t>(c.src_param)), f.offset - sf.slot_offset));
+    }
+    sf.num_ops = f.count;
+    a.fragments.push_back(sf);
   }
 }
 
@@ -101,8 +154,9 @@ void SendPipeline::prepare(Transport& transport) {
   }
 }
 
-void SendPipeline::pack(const SendAction& a, char* buffer) {
-  for (const PackOp& op : a.ops) {
+void SendPipeline::pack(const SendAction& a, size_t first, size_t count, char* buffer) {
+  for (size_t i = first; i < first + count; ++i) {
+    const PackOp& op = a.ops[i];
     char* dst = buffer + op.dst_offset;
     if (op.tensor->memory == MemoryKind::host) {
       copy_strided(dst, op.dst_strides.data(), op.src, op.src_strides.data(), op.lengths.data(),
@@ -114,9 +168,51 @@ void SendPipeline::pack(const SendAction& a, char* buffer) {
   }
 }
 
+void SendPipeline::post_p2p(const SendAction& a, Slot& slot, int64_t step, Transport& t,
+                            PushPhases& phases) {
+  const int peer = trainer_world_ + a.dst_engine;
+  const Tag tag = bucket_tag(step, a.bucket, 0);
+  const int64_t pack_us = tracer_ ? trace_now_us() : 0;
+  double pack_s = 0;
+  uint64_t sum = 0;
+  slot.bucket = a.bucket;
+  slot.bytes = a.bytes;
+  slot.posted_us = pack_us;
+  for (uint32_t i = 0; i < a.fragments.size(); ++i) {
+    const SendFragment& f = a.fragments[i];
+    Buffer buffer{const_cast<char*>(f.direct), static_cast<size_t>(f.bytes), f.memory, f.device,
+                  nullptr};
+    if (f.direct) bytes_direct_ += static_cast<uint64_t>(f.bytes);
+    if (!f.direct) {
+      const auto pack_start = Clock::now();
+      pack(a, f.first_op, f.num_ops, slot.data);
+      pack_s += seconds_since(pack_start);
+      buffer = host_buffer(slot.data + f.slot_offset, buffer.bytes, slot.region.get());
+    }
+    if (wire_.checksums)
+      sum = checksum_fold(sum, checksum64(buffer.data, buffer.bytes, fragment_seed(step, i)));
+    // Posted in fragment order: the receiver matches them in that order.
+    slot.requests.push_back(t.send(peer, tag, buffer));
+    slot.engines.push_back(a.dst_engine);
+  }
+  phases.pack += pack_s;
+  if (tracer_)
+    tracer_->complete(
+        cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
+        {{"bucket", a.bucket}, {"bytes", a.bytes}, {"fragments", a.fragments.size()}});
+  if (!wire_.checksums) return;
+  char* trailer = slot.data + a.packed_bytes;
+  for (size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8)
+    trailer[i] = static_cast<char>(sum & 0xff);
+  slot.requests.push_back(t.send(peer, bucket_tag(step, a.bucket, 1),
+                                 host_buffer(trailer, kBucketTrailerBytes, slot.region.get())));
+  slot.engines.push_back(a.dst_engine);
+}
+
 void SendPipeline::post(const SendAction& a, Slot& slot, int64_t step, Transport& t,
                         std::vector<bool>& dead, const std::function<void()>& poll,
                         PushPhases& phases) {
+  if (a.kind == SendAction::Kind::p2p) return post_p2p(a, slot, step, t, phases);
   const Buffer payload =
       host_buffer(slot.data, static_cast<size_t>(a.bytes) + kBucketTrailerBytes, slot.region.get());
   if (a.kind == SendAction::Kind::root) {
@@ -131,7 +227,7 @@ void SendPipeline::post(const SendAction& a, Slot& slot, int64_t step, Transport
   }
   const auto pack_start = Clock::now();
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
-  pack(a, slot.data);
+  pack(a, 0, a.ops.size(), slot.data);
   phases.pack += seconds_since(pack_start);
   if (tracer_)
     tracer_->complete(cat("pack ", a.bucket), "pack", pack_us, trace_now_us(),
@@ -141,7 +237,7 @@ void SendPipeline::post(const SendAction& a, Slot& slot, int64_t step, Transport
     drain(slot, dead, poll, phases);
     phases.gather += seconds_since(gather_start);
   }
-  write_trailer(slot.data, a.bytes, step);
+  if (wire_.checksums) write_trailer(slot.data, a.bytes, step);
   slot.bucket = a.bucket;
   slot.bytes = a.bytes;
   slot.posted_us = tracer_ ? trace_now_us() : 0;
@@ -171,51 +267,46 @@ void SendPipeline::drain(Slot& slot, std::vector<bool>& dead, const std::functio
                          PushPhases& phases) {
   auto last_poll = Clock::now();
   int spins = 0;
-  while (!slot.requests.empty()) {
-    for (size_t i = 0; i < slot.requests.size();) {
-      const int g = slot.engines[i];
-      bool done = false;
-      if (g >= 0 && dead[static_cast<size_t>(g)]) {
-        slot.requests[i]->cancel();
+  size_t head = 0;  // requests before `head` are finished; they mostly finish in order
+  while (head < slot.requests.size()) {
+    const int g = slot.engines[head];
+    bool done = false;
+    if (g >= 0 && dead[static_cast<size_t>(g)]) {
+      slot.requests[head]->cancel();
+      done = true;
+    } else {
+      try {
+        done = slot.requests[head]->test();
+      } catch (const Error& e) {
+        // An engine whose transfer fails (died, unreachable, endpoint
+        // timeout) is dropped: the coordinator fails it, the others go on.
+        // A failure towards a trainer (a gather part) fails the step.
+        if (g < 0) throw;
+        dead[static_cast<size_t>(g)] = true;
         done = true;
-      } else {
-        try {
-          done = slot.requests[i]->test();
-        } catch (const Error& e) {
-          // An engine whose transfer fails (died, unreachable, endpoint
-          // timeout) is dropped: the coordinator fails it, the others go on.
-          // A failure towards a trainer (a gather part) fails the step.
-          if (g < 0) throw;
-          dead[static_cast<size_t>(g)] = true;
-          done = true;
-        }
-      }
-      if (done) {
-        slot.requests.erase(slot.requests.begin() + static_cast<std::ptrdiff_t>(i));
-        slot.engines.erase(slot.engines.begin() + static_cast<std::ptrdiff_t>(i));
-      } else {
-        ++i;
       }
     }
-    if (slot.requests.empty()) {
-      if (tracer_ && slot.bucket >= 0)
-        tracer_->complete(cat("bucket ", slot.bucket), "wire", slot.posted_us, trace_now_us(),
-                          {{"bucket", slot.bucket}, {"bytes", slot.bytes}});
-      slot.bucket = -1;
-      break;
+    if (done) {
+      ++head;
+      spins = 0;
+      continue;
     }
     const auto now = Clock::now();
     if (now >= deadline_)
-      fail(Errc::timeout, "trainer rank ", rank_, ": ", slot.requests.front()->describe(),
+      fail(Errc::timeout, "trainer rank ", rank_, ": ", slot.requests[head]->describe(),
            " did not complete before the step timeout");
     if (now - last_poll >= std::chrono::milliseconds(1)) {
       last_poll = now;
       poll();
     }
-    // Ranks often outnumber cores (the demo runs 8 processes on 2): after a
-    // short spin, give the core to the peer that must make progress.
-    if (++spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    poll_pause(spins);
   }
+  if (tracer_ && slot.bucket >= 0)
+    tracer_->complete(cat("bucket ", slot.bucket), "wire", slot.posted_us, trace_now_us(),
+                      {{"bucket", slot.bucket}, {"bytes", slot.bytes}});
+  slot.bucket = -1;
+  slot.requests.clear();
+  slot.engines.clear();
   (void)phases;
 }
 
@@ -225,6 +316,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
   deadline_ = deadline;
   tracer_ = tracer;
   uint64_t sent = 0;
+  bytes_direct_ = 0;
   size_t k = 0;
   for (const SendAction& a : actions_) {
     if (a.kind == SendAction::Kind::p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
@@ -232,7 +324,16 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     const auto wire_start = Clock::now();
     drain(slot, dead, poll, phases);
     phases.wire += seconds_since(wire_start);
-    post(a, slot, step, transport, dead, poll, phases);
+    // The drain may have learned of the engine's death.
+    if (a.kind == SendAction::Kind::p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
+    try {
+      post(a, slot, step, transport, dead, poll, phases);
+    } catch (const Error& e) {
+      // A send refused because its engine is known dead drops that engine.
+      if (e.code() != Errc::peer_failure || a.kind != SendAction::Kind::p2p) throw;
+      dead[static_cast<size_t>(a.dst_engine)] = true;
+      continue;
+    }
     sent += static_cast<uint64_t>(a.bytes);
   }
   const auto wire_start = Clock::now();

@@ -1,6 +1,9 @@
 // The trainer rank's data path, compiled once from the plan and run every
 // step: pack bucket k+1 while bucket k is on the wire, in two staging slots.
 //
+// A p2p bucket travels as fragments (wire.h): dense runs of the registered
+// tensors go out as they are, the rest is packed into the slot first.
+//
 // Buckets are handled in one global order shared by every process (the
 // plan's predicted start time, then the bucket id), which with bounded
 // windows on both sides cannot deadlock: the earliest unfinished bucket is
@@ -10,6 +13,7 @@
 #include <weightsync/plan.h>
 #include <weightsync/publisher.h>
 #include <weightsync/transport.h>
+#include <weightsync/wire.h>
 
 #include <chrono>
 #include <functional>
@@ -28,16 +32,29 @@ struct PackOp {
   Shape src_strides, dst_strides;
 };
 
+// One message of a p2p bucket: a dense run of a registered tensor, or the
+// packing of ops [first_op, first_op + num_ops) at slot_offset of the slot.
+struct SendFragment {
+  int64_t bytes = 0;
+  const char* direct = nullptr;  // nullptr: packed
+  MemoryKind memory = MemoryKind::host;
+  int device = -1;
+  int64_t slot_offset = 0;
+  uint32_t first_op = 0, num_ops = 0;
+};
+
 struct SendAction {
   enum class Kind { p2p, root, holder };
   Kind kind = Kind::p2p;
   int32_t bucket = 0;
-  int dst_engine = -1;            // p2p: global engine rank
-  int root = -1;                  // the bucket's sender (broadcast: the root trainer rank)
-  int64_t bytes = 0;              // what goes on the wire, without trailer (holder: its part)
-  int64_t base = 0;               // bucket offset of this rank's packing (holder: part offset)
-  std::vector<PackOp> ops;        // this rank's items
-  std::vector<GatherPart> parts;  // root: the other holders' parts to receive
+  int dst_engine = -1;      // p2p: global engine rank
+  int root = -1;            // the bucket's sender (broadcast: the root trainer rank)
+  int64_t bytes = 0;        // what goes on the wire, without trailer (holder: its part)
+  int64_t base = 0;         // bucket offset of this rank's packing (holder: part offset)
+  std::vector<PackOp> ops;  // this rank's items (p2p: the packed fragments' items)
+  std::vector<SendFragment> fragments;  // p2p
+  int64_t packed_bytes = 0;             // p2p: slot bytes the packed fragments use
+  std::vector<GatherPart> parts;        // root: the other holders' parts to receive
 };
 
 struct PipelineConfig {
@@ -51,10 +68,14 @@ class SendPipeline {
  public:
   // Compiles the actions of `rank` from the plan for the registered tensors
   // (indexed like TrainerLayout::params).
-  SendPipeline(const Plan& plan, int rank, const std::vector<TensorView>& tensors);
+  // `caps` are the transport's: which memory a fragment may be sent from.
+  SendPipeline(const Plan& plan, int rank, const std::vector<TensorView>& tensors,
+               const WireOptions& wire, const Capabilities& caps);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
   std::size_t num_actions() const { return actions_.size(); }
+  // Bytes the last run() sent straight from the registered tensors.
+  uint64_t bytes_direct() const { return bytes_direct_; }
   // Allocates and registers the two slots (once).
   void prepare(Transport& transport);
 
@@ -75,7 +96,10 @@ class SendPipeline {
     int64_t bytes = 0;
     int64_t posted_us = 0;
   };
-  void pack(const SendAction& a, char* buffer);
+  void compile_fragments(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
+  const char* direct_source(const Copy& c, const TensorView& tensor) const;
+  void pack(const SendAction& a, size_t first, size_t count, char* buffer);
+  void post_p2p(const SendAction& a, Slot& slot, int64_t step, Transport& t, PushPhases& phases);
   void post(const SendAction& a, Slot& slot, int64_t step, Transport& t, std::vector<bool>& dead,
             const std::function<void()>& poll, PushPhases& phases);
   void drain(Slot& slot, std::vector<bool>& dead, const std::function<void()>& poll,
@@ -83,8 +107,11 @@ class SendPipeline {
 
   int rank_ = 0, trainer_world_ = 1, engine_world_ = 1;
   bool native_broadcast_ = false;
+  WireOptions wire_;
+  Capabilities caps_;
   std::vector<SendAction> actions_;
   std::size_t slot_bytes_ = 0;
+  uint64_t bytes_direct_ = 0;
   Slot slots_[2];
   std::chrono::steady_clock::time_point deadline_;
   Tracer* tracer_ = nullptr;

@@ -30,6 +30,7 @@
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/tensor.h>
+#include <weightsync/wire.h>
 
 #include <chrono>
 #include <cstdint>
@@ -54,6 +55,9 @@ struct PublisherOptions {
   std::string transport = "ucx";
   PlanMode mode = PlanMode::p2p;
   int64_t bucket_bytes = int64_t{256} << 20;
+  // How buckets travel (wire.h): per-bucket checksums (off by default) and
+  // the smallest item sent zero-copy. Rank 0's settings hold for everyone.
+  WireOptions wire;
   std::string job = "weightsync";  // store key prefix; one per job on a coordinator
   std::chrono::milliseconds connect_timeout{60000};  // coordinator, members, transport
   std::chrono::milliseconds step_timeout{120000};    // one push, end to end
@@ -74,7 +78,8 @@ struct PushResult {
   std::vector<int> committed;                       // engine ranks that committed, ascending
   std::vector<std::pair<int, std::string>> failed;  // engine rank, reason
   uint64_t bytes_sent = 0;                          // payload bytes this rank put on the wire
-  double seconds = 0;                               // push(), call to return
+  uint64_t bytes_direct = 0;  // of those, sent straight from the registered tensors (zero copy)
+  double seconds = 0;         // push(), call to return
   PushPhases phases;
 };
 

@@ -13,12 +13,16 @@
 //   sub.serve();  // until sub.stop()
 //
 // Each step: the coordinator announces (step, plan id); on_begin runs; buckets
-// land and are verified (per-bucket checksum) and applied straight into the
-// registered params, or in staging mode into a private copy; the subscriber
-// acks (step, bytes, checksum); on Commit the staging copy is copied into the
-// params and version() moves to the step; on Abort nothing becomes visible.
-// on_end runs after either. A bucket that fails its checksum is not applied,
-// the step is acked as failed and the coordinator aborts it for this rank.
+// land straight in the registered params (dense runs, zero copy) or in a
+// receive slot and are applied from there; in staging mode both go to a
+// private copy instead. With checksums on (the trainers' WireOptions), every
+// bucket is verified. The subscriber acks (step, bytes, checksum); on Commit
+// the staging copy is copied into the params and version() moves to the step;
+// on Abort nothing becomes visible in staging mode (without staging, the
+// params may hold part of the failed step: use staging where a failed step
+// must leave the served weights intact). on_end runs after either. A bucket
+// that fails its checksum fails the step for this rank: acked as failed, the
+// coordinator aborts it here.
 #pragma once
 
 #include <weightsync/engine_layout.h>
@@ -67,8 +71,9 @@ struct StepPhases {
 struct StepOutcome {
   int64_t step = 0;
   bool committed = false;
-  std::string reason;  // why not, when !committed
-  uint64_t bytes = 0;  // payload bytes received
+  std::string reason;         // why not, when !committed
+  uint64_t bytes = 0;         // payload bytes received
+  uint64_t bytes_direct = 0;  // of those, landed straight in the params (or staging), zero copy
   uint64_t checksum = 0;
   double seconds = 0;  // StepBegin to decision
   StepPhases phases;

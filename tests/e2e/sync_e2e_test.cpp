@@ -6,6 +6,7 @@
 #include "e2e/e2e_helpers.h"
 
 #include <weightsync/transport.h>
+#include <weightsync/wire.h>
 
 #include <gtest/gtest.h>
 
@@ -121,10 +122,14 @@ TEST(E2E, CorruptedStepIsRejectedAndEngineKeepsPreviousVersion) {
   const int64_t bucket = 4096;
   // Engine rank 1's receives of step 1 come first; the first receive of step 2
   // gets one byte flipped.
-  const auto per_step = plan_of(m, "p2p", bucket).buckets_received_by(1).size();
+  const Plan plan = plan_of(m, "p2p", bucket);
+  WireOptions wire;
+  wire.checksums = true;
+  int64_t per_step = 0;
+  for (int32_t b : plan.buckets_received_by(1)) per_step += bucket_messages(plan, b, wire);
   const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&after=" + std::to_string(per_step);
-  const auto d = run_demo(
-      m, {"--staging", "--steps", "2", "--bucket-bytes", "4096", "--engine-transport", fault});
+  const auto d = run_demo(m, {"--staging", "--checksums", "--steps", "2", "--bucket-bytes", "4096",
+                              "--engine-transport", fault});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;
   EXPECT_NE(d.run.exit_code, 0) << "a rejected step must fail the demo";
   const auto& steps = d.summary["steps"];

@@ -29,7 +29,8 @@ namespace fs = std::filesystem;
 constexpr const char* kUsage =
     "usage: weightsync bench [sync] [--json] [--trace F] [--steps K] [--size-gb G]\n"
     "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
-    "                        [--transport NAME] [--timeout S] [--work-dir D]\n\n"
+    "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
+    "                        [--checksums]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -42,6 +43,7 @@ constexpr const char* kUsage =
     "--transport applies to the sync and the raw ceiling alike, e.g.\n"
     "'ucx?tls=posix,sysv,cma,self' for UCX's shared-memory transports only (the\n"
     "default lets UCX choose, which on some hosts is TCP over loopback).\n"
+    "--checksums turns on per-bucket checksums (off by default, as in the library).\n"
     "--bucket-bytes defaults to 64 MiB; --steps to 5; --timeout (s per step) to 600.\n";
 
 double percentile(std::vector<double> v, double q) {
@@ -191,6 +193,8 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"phases", phases},
           {"peak_rss_mb", {{"trainer", rss_t}, {"engine", rss_e}}},
           {"bucket_bytes", job.bucket_bytes},
+          {"checksums", job.checksums},
+          {"transport", job.transport},
           {"publisher_staging_bytes", staging},
           {"publisher_extra_x_bucket", staging / static_cast<double>(job.bucket_bytes)}};
 }
@@ -227,7 +231,7 @@ void print_human(const nlohmann::json& r) {
 
 int run_sync_bench(const std::vector<std::string>& argv) {
   Args args(
-      argv, {"json", "no-peer"},
+      argv, {"json", "no-peer", "checksums"},
       {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir", "transport"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
   if (steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
@@ -240,6 +244,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.bucket_bytes = args.get_int("bucket-bytes", int64_t{64} << 20);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.verify = false;
+  job.checksums = args.flag("checksums");
   job.raw_rounds = 3;
   job.trace = args.has("trace");
   job.work_dir = args.has("work-dir") ? args.require("work-dir") : demo::make_temp_dir("bench");
@@ -253,9 +258,10 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   if (!args.flag("json"))
     std::printf(
         "weightsync bench sync: %s model, %.2f GB, 4 trainer ranks -> 2 replicas x tp=2, "
-        "%s over ucx, bucket %lld bytes\n",
+        "%s over %s, bucket %lld bytes, checksums %s\n",
         model.family.c_str(), static_cast<double>(model.bytes) / 1e9, job.mode.c_str(),
-        static_cast<long long>(job.bucket_bytes));
+        job.transport.c_str(), static_cast<long long>(job.bucket_bytes),
+        job.checksums ? "on" : "off");
   std::fflush(stdout);
   const auto run = demo::run_job(job, args.get_or("trace", ""));
   const auto summary = demo::summarize(job, run);

@@ -11,6 +11,7 @@
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>
+#include <weightsync/wire.h>
 
 #include <charconv>
 #include <filesystem>
@@ -42,6 +43,7 @@ constexpr const char* kUsage =
     "  --timeout S          seconds per step, and for setup (default 120)\n"
     "  --trace F            write a Chrome trace (Perfetto) of every process's phases\n"
     "  --staging            engines apply into a copy swapped in at commit\n"
+    "  --checksums          verify every bucket end to end (per-bucket checksums)\n"
     "  --no-verify          skip the per-step bit-exact checks\n"
     "  --json               print the summary as one JSON object\n"
     "  --summary F          also write the summary JSON to F\n"
@@ -62,10 +64,15 @@ int parse_int(const std::string& text, const char* option) {
 }
 
 // Operations of kind `op` that `role` rank posts per step, from the plan.
-int64_t ops_per_step(const Plan& plan, const std::string& role, int rank) {
+int64_t ops_per_step(const Plan& plan, const std::string& role, int rank, const WireOptions& wire) {
+  if (plan.mode() == PlanMode::p2p) {
+    int64_t n = 0;
+    for (int32_t b : role == "engine" ? plan.buckets_received_by(rank) : plan.buckets_sent_by(rank))
+      n += bucket_messages(plan, b, wire);
+    return n;
+  }
   if (role == "engine") return static_cast<int64_t>(plan.buckets_received_by(rank).size());
   const auto roots = static_cast<int64_t>(plan.buckets_sent_by(rank).size());
-  if (plan.mode() == PlanMode::p2p) return roots;
   int64_t holder = 0;
   for (int32_t b : plan.buckets_gathered_from(rank))
     holder += plan.buckets()[static_cast<size_t>(b)].src_rank != rank;
@@ -89,7 +96,9 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   po.bucket_bytes = job.bucket_bytes;
   const Plan plan = make_plan(TrainerLayout::load(job.trainer),
                               make_engine_layout(EngineConfig::load(job.engine)), Topology{}, po);
-  const int64_t n = ops_per_step(plan, k.role, k.rank);
+  WireOptions wire;
+  wire.checksums = job.checksums;
+  const int64_t n = ops_per_step(plan, k.role, k.rank, wire);
   k.op = k.role == "engine" ? "recv" : "send";
   k.after = (step - 1) * n + n / 2 + 1;
   return k;
@@ -117,6 +126,7 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   job.bucket_bytes = args.get_int("bucket-bytes", int64_t{256} << 20);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 120) * 1000);
   job.staging = args.flag("staging");
+  job.checksums = args.flag("checksums");
   job.verify = !args.flag("no-verify");
   job.dump_dir = args.get_or("dump", "");
   job.trace = args.has("trace");
@@ -150,7 +160,7 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
 
 int run_demo(const std::vector<std::string>& argv) {
   Args args(
-      argv, {"staging", "no-verify", "json"},
+      argv, {"staging", "checksums", "no-verify", "json"},
       {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport", "bucket-bytes",
        "timeout", "trace", "summary", "work-dir", "kill", "engine-transport"});
   std::optional<demo::ModelFiles> model;

@@ -88,6 +88,7 @@ nlohmann::json outcome_json(const StepOutcome& o) {
           {"committed", o.committed},
           {"reason", o.reason},
           {"bytes", o.bytes},
+          {"bytes_direct", o.bytes_direct},
           {"seconds", o.seconds},
           {"phases",
            {{"receive", o.phases.receive},

@@ -19,6 +19,7 @@ nlohmann::json JobSpec::to_json() const {
       {"bucket_bytes", bucket_bytes},
       {"timeout_ms", timeout_ms},
       {"staging", staging},
+      {"checksums", checksums},
       {"verify", verify},
       {"dump_dir", dump_dir},
       {"work_dir", work_dir},
@@ -42,6 +43,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.bucket_bytes = j.at("bucket_bytes").get<int64_t>();
     s.timeout_ms = j.at("timeout_ms").get<int64_t>();
     s.staging = j.at("staging").get<bool>();
+    s.checksums = j.at("checksums").get<bool>();
     s.verify = j.at("verify").get<bool>();
     s.dump_dir = j.at("dump_dir").get<std::string>();
     s.work_dir = j.at("work_dir").get<std::string>();

@@ -43,9 +43,10 @@ struct JobSpec {
   int64_t bucket_bytes = int64_t{256} << 20;
   int64_t timeout_ms = 120000;  // per step; connection setup gets the same
   bool staging = false;
-  bool verify = true;    // engines check every committed step bit-exactly
-  std::string dump_dir;  // engines write engine<e>-rank<r>.safetensors here
-  std::string work_dir;  // stats, traces and logs of the workers
+  bool checksums = false;  // per-bucket checksums on the wire (WireOptions)
+  bool verify = true;      // engines check every committed step bit-exactly
+  std::string dump_dir;    // engines write engine<e>-rank<r>.safetensors here
+  std::string work_dir;    // stats, traces and logs of the workers
   bool trace = false;
   std::string coordinator;
   std::string token;

@@ -45,6 +45,7 @@ nlohmann::json push_json(const PushResult& r) {
           {"ok", true},
           {"seconds", r.seconds},
           {"bytes_sent", r.bytes_sent},
+          {"bytes_direct", r.bytes_direct},
           {"committed", r.committed},
           {"failed", failed},
           {"phases",
@@ -106,6 +107,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.transport = worker_transport(job, "trainer", rank);
   opt.mode = parse_plan_mode(job.mode);
   opt.bucket_bytes = job.bucket_bytes;
+  opt.wire.checksums = job.checksums;
   opt.connect_timeout = timeout;
   opt.step_timeout = timeout;
   opt.tracer = tracer.get();

@@ -1,0 +1,69 @@
+// How a p2p bucket travels between a trainer rank and an engine rank.
+//
+// A bucket is cut into fragments, each one tagged message: every item of at
+// least `direct_min_bytes` is a fragment of its own, and each run of smaller
+// consecutive items is one fragment. Both sides cut the same way from the plan
+// alone, so message sizes match; each side then decides for itself, per
+// fragment, where its bytes live. A big item's fragment that is one dense run
+// of a registered tensor is sent straight from the trainer's tensor, or received
+// straight into the engine's param (zero copy); any other is packed into, or
+// landed in and applied from, the rank's bucket slot at its bucket offset.
+//
+// Fragments of one bucket share the bucket's tag (bucket_tag(step, b, 0)) and
+// are matched in posting order. With checksums on, the sender follows them
+// with one 8-byte message (part 1) holding the fold of the fragments'
+// checksum64 values; the receiver recomputes it before it accepts the bucket.
+// Broadcast buckets travel whole, with the trailer inline (checksum.h).
+#pragma once
+
+#include <weightsync/box.h>
+#include <weightsync/plan.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace weightsync {
+
+// Settings both sides must share; trainer rank 0 publishes them with the plan
+// options and the subscribers follow.
+struct WireOptions {
+  // Verify every bucket end to end. Costs one read of every byte on each side;
+  // the transports below (TCP, shared memory, RDMA) guard their own links.
+  bool checksums = false;
+  int64_t direct_min_bytes = int64_t{64} << 10;  // smaller items travel packed
+
+  nlohmann::json to_json() const;
+  // Errc::invalid_argument naming the field for a malformed object.
+  static WireOptions from_json(const nlohmann::json& j);
+};
+
+// Items [first, first + count) of plan.items(bucket), at [offset, offset + bytes)
+// of the packed bucket.
+struct Fragment {
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  uint32_t first = 0;
+  uint32_t count = 0;
+};
+
+// The fragments of p2p bucket `bucket` (Errc::internal when its items are not
+// packed back to back, which the planner guarantees).
+std::vector<Fragment> bucket_fragments(const Plan& plan, int32_t bucket, int64_t direct_min_bytes);
+
+// The messages of p2p bucket `bucket` on the wire: its fragments, plus the
+// checksum message when checksums are on.
+int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wire);
+
+// When the elements of `box`, in row-major order, are one dense run of memory
+// in a tensor with element `strides`: the element offset of its first element.
+std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box);
+
+// The seed of fragment `index` of a bucket of `step` for checksum64.
+inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {
+  return static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL + index;
+}
+
+}  // namespace weightsync

@@ -1,0 +1,73 @@
+#include <weightsync/error.h>
+#include <weightsync/wire.h>
+
+namespace weightsync {
+
+nlohmann::json WireOptions::to_json() const {
+  return {{"checksums", checksums}, {"direct_min_bytes", direct_min_bytes}};
+}
+
+WireOptions WireOptions::from_json(const nlohmann::json& j) {
+  WireOptions w;
+  if (!j.is_object())
+    fail(Errc::invalid_argument, "wire options: expected an object, got ", j.dump());
+  if (j.contains("checksums")) {
+    if (!j["checksums"].is_boolean())
+      fail(Errc::invalid_argument, "wire options: \"checksums\" must be true or false, got ",
+           j["checksums"].dump());
+    w.checksums = j["checksums"].get<bool>();
+  }
+  if (j.contains("direct_min_bytes")) {
+    if (!j["direct_min_bytes"].is_number_integer() || j["direct_min_bytes"].get<int64_t>() < 1)
+      fail(Errc::invalid_argument,
+           "wire options: \"direct_min_bytes\" must be a positive integer, got ",
+           j["direct_min_bytes"].dump());
+    w.direct_min_bytes = j["direct_min_bytes"].get<int64_t>();
+  }
+  return w;
+}
+
+std::vector<Fragment> bucket_fragments(const Plan& plan, int32_t bucket, int64_t direct_min_bytes) {
+  const auto items = plan.items(bucket);
+  std::vector<Fragment> out;
+  int64_t next = 0;
+  bool open = false;  // the last fragment collects small items
+  for (uint32_t i = 0; i < items.size(); ++i) {
+    const Copy c = plan.resolve(items[i]);
+    if (c.offset != next)
+      fail(Errc::internal, "bucket ", bucket, ": item ", i, " starts at byte ", c.offset,
+           ", expected ", next, " (items must be packed back to back)");
+    next += c.bytes;
+    if (c.bytes >= direct_min_bytes) {
+      out.push_back({c.offset, c.bytes, i, 1});
+      open = false;
+    } else if (open) {
+      out.back().bytes += c.bytes;
+      ++out.back().count;
+    } else {
+      out.push_back({c.offset, c.bytes, i, 1});
+      open = true;
+    }
+  }
+  return out;
+}
+
+int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wire) {
+  return static_cast<int64_t>(bucket_fragments(plan, bucket, wire.direct_min_bytes).size()) +
+         (wire.checksums ? 1 : 0);
+}
+
+std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box) {
+  if (strides.size() != box.rank()) return std::nullopt;
+  int64_t expected = 1;  // the stride a dense row-major run needs at this dim
+  int64_t first = 0;
+  for (size_t d = box.rank(); d-- > 0;) {
+    first += box.offsets[d] * strides[d];
+    if (box.lengths[d] == 1) continue;
+    if (strides[d] != expected) return std::nullopt;
+    expected *= box.lengths[d];
+  }
+  return first;
+}
+
+}  // namespace weightsync

@@ -1,0 +1,243 @@
+// The wire format of p2p buckets (wire.h): how buckets are cut into
+// fragments, which boxes are dense runs, and the publisher and subscriber
+// moving fragments zero-copy or packed, with and without checksums, through
+// their C++ API over UCX (bit-exact against the checkpoint).
+#include "e2e/e2e_helpers.h"
+
+#include <weightsync/control.h>
+#include <weightsync/publisher.h>
+#include <weightsync/subscriber.h>
+#include <weightsync/transport.h>
+#include <weightsync/wire.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace weightsync::e2e {
+namespace {
+
+Box box(Shape offsets, Shape lengths) {
+  return Box{std::move(offsets), std::move(lengths)};
+}
+
+TEST(Wire, DenseRunOffset) {
+  const Shape s = contiguous_strides({4, 6});  // {6, 1}
+  EXPECT_EQ(dense_run_offset(s, box({0, 0}, {4, 6})), 0);
+  EXPECT_EQ(dense_run_offset(s, box({1, 0}, {2, 6})), 6) << "whole rows";
+  EXPECT_EQ(dense_run_offset(s, box({2, 1}, {1, 4})), 13) << "part of one row";
+  EXPECT_EQ(dense_run_offset(s, box({0, 0}, {2, 3})), std::nullopt) << "half rows";
+  EXPECT_EQ(dense_run_offset(s, box({3, 5}, {1, 1})), 23);
+  // Leading length-1 dims (expert params) and a transposed view.
+  EXPECT_EQ(dense_run_offset(contiguous_strides({8, 4, 6}), box({5, 1, 0}, {1, 2, 6})), 5 * 24 + 6);
+  EXPECT_EQ(dense_run_offset(Shape{1, 4}, box({0, 0}, {4, 6})), std::nullopt);
+  EXPECT_EQ(dense_run_offset(Shape{1, 4}, box({0, 2}, {4, 1})), 8) << "one column of a transpose";
+  EXPECT_EQ(dense_run_offset(Shape{6}, box({0, 0}, {1, 2})), std::nullopt) << "rank mismatch";
+}
+
+TEST(Wire, OptionsJson) {
+  WireOptions w;
+  w.checksums = true;
+  w.direct_min_bytes = 12345;
+  const WireOptions back = WireOptions::from_json(w.to_json());
+  EXPECT_TRUE(back.checksums);
+  EXPECT_EQ(back.direct_min_bytes, 12345);
+  EXPECT_FALSE(WireOptions::from_json(nlohmann::json::object()).checksums) << "off by default";
+  for (const char* bad : {R"({"checksums": "yes"})", R"({"direct_min_bytes": 0})",
+                          R"({"direct_min_bytes": 1.5})", R"([1])"}) {
+    try {
+      WireOptions::from_json(nlohmann::json::parse(bad));
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument) << bad;
+      EXPECT_NE(std::string(e.what()).find("wire options"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Wire, FragmentsCoverEachBucketBackToBack) {
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const Plan plan = plan_of(m, "p2p", 8192);
+  for (const int64_t min : {int64_t{1}, int64_t{512}, int64_t{1} << 40}) {
+    for (const Bucket& b : plan.buckets()) {
+      const auto items = plan.items(b.id);
+      const auto frags = bucket_fragments(plan, b.id, min);
+      int64_t next = 0;
+      uint32_t item = 0;
+      for (const Fragment& f : frags) {
+        EXPECT_EQ(f.offset, next) << "bucket " << b.id;
+        EXPECT_EQ(f.first, item) << "bucket " << b.id;
+        int64_t bytes = 0;
+        for (uint32_t i = f.first; i < f.first + f.count; ++i) {
+          const int64_t n = plan.resolve(items[i]).bytes;
+          bytes += n;
+          // A big item travels alone; small ones are grouped.
+          if (n >= min) EXPECT_EQ(f.count, 1u) << "bucket " << b.id << " item " << i;
+        }
+        EXPECT_EQ(f.bytes, bytes);
+        next += f.bytes;
+        item += f.count;
+      }
+      EXPECT_EQ(next, b.bytes) << "bucket " << b.id;
+      EXPECT_EQ(item, items.size()) << "bucket " << b.id;
+      if (min == 1) EXPECT_EQ(frags.size(), items.size());
+      if (min == (int64_t{1} << 40)) EXPECT_EQ(frags.size(), 1u);
+      WireOptions w;
+      w.direct_min_bytes = min;
+      EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()));
+      w.checksums = true;
+      EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()) + 1);
+    }
+  }
+}
+
+// Host memory for a tensor of `shape`, optionally seen through a view whose
+// rows are padded (not contiguous), so that no box of it is a dense run
+// unless it is a single row.
+struct Storage {
+  std::vector<char> bytes;
+  TensorView view;
+};
+
+Storage make_storage(DType dtype, const Shape& shape, bool padded) {
+  Storage s;
+  Shape strides = contiguous_strides(shape);
+  int64_t elements = numel(shape);
+  if (padded && shape.size() >= 2) {
+    const int64_t row = shape.back() + 3;
+    strides = contiguous_strides(shape);
+    for (size_t d = 0; d + 1 < shape.size(); ++d) strides[d] = strides[d] / shape.back() * row;
+    elements = numel(shape) / std::max<int64_t>(shape.back(), 1) * row;
+  }
+  s.bytes.assign(static_cast<size_t>(std::max<int64_t>(elements, 1)) * itemsize(dtype), '\0');
+  s.view = host_view(s.bytes.data(), dtype, shape);
+  if (padded) s.view.strides = strides;
+  return s;
+}
+
+struct WireCase {
+  bool checksums;
+  int64_t direct_min_bytes;
+  bool padded;  // every other tensor registered through a padded view
+};
+
+class WireSync : public ::testing::TestWithParam<WireCase> {};
+
+// One trainer rank, one replica of tp=2 (row-parallel weights are column
+// slices: packed on the trainer, dense in the engine), two steps.
+TEST_P(WireSync, ParamsBitExactAndZeroCopyWhereDense) {
+  const auto names = transport_names();
+  if (std::find(names.begin(), names.end(), "ucx") == names.end())
+    GTEST_SKIP() << "weightsync was built without UCX";
+  const WireCase wc = GetParam();
+  const Model m = make_model("tiny-llama", "fsdp=1", 2, 1);
+  const Checkpoint ckpt = Checkpoint::open(m.checkpoint);
+  const TrainerLayout layout = TrainerLayout::load(m.trainer);
+  const EngineConfig config = EngineConfig::load(m.engine);
+  const EngineLayout engine_layout = make_engine_layout(config);
+  control::Coordinator coordinator(control::CoordinatorOptions{});
+
+  std::vector<std::vector<Storage>> params(2);
+  std::vector<StepOutcome> last(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> engines;
+  for (int r = 0; r < 2; ++r) {
+    const EngineRankLayout& rl = engine_layout.rank_layout(r);
+    for (size_t i = 0; i < rl.params.size(); ++i)
+      params[r].push_back(
+          make_storage(rl.params[i].dtype, rl.params[i].shape, wc.padded && i % 2 == 1));
+    engines.emplace_back([&, r, rl] {
+      try {
+        SubscriberOptions so;
+        so.coordinator = coordinator.address();
+        so.engine = config;
+        so.rank = r;
+        Subscriber sub(so);
+        for (size_t i = 0; i < rl.params.size(); ++i)
+          sub.register_param(rl.params[i].name, params[r][i].view);
+        for (int i = 0; i < 200 && sub.version() < 2; ++i)
+          if (auto o = sub.run_step(std::chrono::milliseconds(200))) last[r] = *o;
+      } catch (const Error& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  std::vector<Storage> shards;
+  PushResult result;
+  std::string trainer_error;
+  size_t staging = 0;
+  try {
+    PublisherOptions po;
+    po.coordinator = coordinator.address();
+    po.layout = layout;
+    po.engine = config;
+    po.bucket_bytes = 16384;
+    po.wire.checksums = wc.checksums;
+    po.wire.direct_min_bytes = wc.direct_min_bytes;
+    Publisher pub(po);
+    for (size_t i = 0; i < layout.params.size(); ++i) {
+      const LoadSpec& spec = layout.params[i];
+      shards.push_back(
+          make_storage(spec.dtype, local_shape(spec, layout.mesh, 0), wc.padded && i % 2 == 0));
+      const TensorView& v = shards.back().view;
+      std::vector<char> dense(static_cast<size_t>(v.numel()) * itemsize(v.dtype));
+      fill_local_tensor(ckpt, spec, layout.mesh, 0, host_view(dense.data(), v.dtype, v.shape));
+      copy_box(host_view(dense.data(), v.dtype, v.shape), Box::full(v.shape), v,
+               Box::full(v.shape));
+      pub.register_tensor(spec.name, shards.back().view);
+    }
+    for (int64_t step = 1; step <= 2; ++step) {
+      result = pub.push(step);
+      EXPECT_EQ(result.committed, (std::vector<int>{0, 1})) << "step " << step;
+    }
+    staging = pub.staging_bytes();
+  } catch (const Error& e) {
+    trainer_error = e.what();
+  }
+  for (auto& t : engines) t.join();
+  ASSERT_EQ(trainer_error, "");
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "") << "engine rank " << r;
+    EXPECT_TRUE(last[r].committed) << last[r].reason;
+    EXPECT_EQ(last[r].checksum != 0, wc.checksums) << "the ack carries a checksum iff checked";
+    const EngineRankLayout& rl = engine_layout.rank_layout(r);
+    for (size_t i = 0; i < rl.params.size(); ++i) {
+      std::vector<char> expected(static_cast<size_t>(numel(rl.params[i].shape)) *
+                                 itemsize(rl.params[i].dtype));
+      fill_param(ckpt, rl.params[i], expected.data());
+      std::vector<char> got(expected.size());
+      copy_box(params[r][i].view, Box::full(rl.params[i].shape),
+               host_view(got.data(), rl.params[i].dtype, rl.params[i].shape),
+               Box::full(rl.params[i].shape));
+      EXPECT_EQ(got, expected) << "engine rank " << r << " " << rl.params[i].name;
+    }
+  }
+  // What went zero-copy: nothing when every item is packed; with small
+  // fragments some bytes, but not all (column slices are never dense on the
+  // trainer).
+  if (wc.direct_min_bytes > (int64_t{1} << 30)) {
+    EXPECT_EQ(result.bytes_direct, 0u);
+    EXPECT_EQ(last[0].bytes_direct + last[1].bytes_direct, 0u);
+  } else {
+    EXPECT_GT(result.bytes_direct, 0u);
+    EXPECT_LT(result.bytes_direct, result.bytes_sent);
+    EXPECT_GT(last[0].bytes_direct, 0u);
+  }
+  EXPECT_LE(staging, 2 * (16384 + 8)) << "two bucket slots at most";
+}
+
+INSTANTIATE_TEST_SUITE_P(Wire, WireSync,
+                         ::testing::Values(WireCase{false, 256, false}, WireCase{true, 256, false},
+                                           WireCase{false, int64_t{1} << 40, false},
+                                           WireCase{true, 256, true}, WireCase{false, 1, true}),
+                         [](const auto& info) {
+                           const WireCase& c = info.param;
+                           return std::string(c.checksums ? "Checked" : "Unchecked") +
+                                  (c.direct_min_bytes > (int64_t{1} << 30) ? "AllPacked"
+                                                                           : "Direct") +
+                                  (c.padded ? "PaddedViews" : "Dense");
+                         });
+
+}  // namespace
+}  // namespace weightsync::e2e
