@@ -176,8 +176,10 @@ class Client final : public Store {
   std::vector<uint8_t> get_plan(const std::string& plan_id, Millis timeout);
 
   // Trainers. begin_step: Errc::protocol if another step is still open or
-  // `step` is not above the last decided one.
-  void begin_step(int64_t step, const std::string& plan_id);
+  // `step` is not above the last decided one. Returns the step's engines (the
+  // engine members live when it began), each with its member id: a new id for
+  // a rank means a new process took that rank.
+  std::vector<Member> begin_step(int64_t step, const std::string& plan_id);
   void sent(int64_t step, bool ok, const std::string& error = {});
   StepResult wait_step_result(int64_t step, Millis timeout);
 

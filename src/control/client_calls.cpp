@@ -103,11 +103,13 @@ std::vector<uint8_t> Client::get_plan(const std::string& plan_id, Millis timeout
   return wire::get_bytes(r, "value");
 }
 
-void Client::begin_step(int64_t step, const std::string& plan_id) {
+std::vector<Member> Client::begin_step(int64_t step, const std::string& plan_id) {
   Json m = wire::make(Kind::begin_step);
   m["step"] = step;
   m["plan_id"] = plan_id;
-  impl_->request(m, impl_->options.request_timeout, cat("begin_step ", step));
+  const Json r = impl_->request(m, impl_->options.request_timeout, cat("begin_step ", step));
+  if (!r.contains("engines")) return {};
+  return wire::members_from_json(r.at("engines"));
 }
 
 void Client::sent(int64_t step, bool ok, const std::string& error) {

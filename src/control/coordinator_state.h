@@ -97,6 +97,7 @@ class CoordinatorState {
   void barrier(ConnId conn, uint64_t id, const wire::Json& body, Clock::time_point now);
 
   // Steps.
+  wire::Json step_engines_json(const OpenStep& s) const;  // the step's engine members
   void begin_step(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body,
                   Clock::time_point now);
   void record_sent(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);

@@ -21,6 +21,12 @@ std::string who(const Member& m) {
 
 }  // namespace
 
+Json CoordinatorState::step_engines_json(const OpenStep& s) const {
+  Json list = Json::array();
+  for (const auto& [member_id, p] : s.engines) list.push_back(wire::member_to_json(p.member));
+  return list;
+}
+
 void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const Json& body,
                                   Clock::time_point now) {
   const int64_t step = body.at("step").get<int64_t>();
@@ -46,7 +52,7 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
       reply_error(conn, id, Errc::mismatch, why);
       return decide();
     }
-    return reply(conn, id);
+    return reply(conn, id, Json{{"engines", step_engines_json(s)}});
   }
   if (last_decided_ && step <= *last_decided_)
     return reply_error(conn, id, Errc::protocol,
@@ -64,7 +70,7 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
       s.engines[other.member.id] = {cid, other.member, Outcome::pending, {}};
   }
   open_step_ = std::move(s);
-  reply(conn, id);
+  reply(conn, id, Json{{"engines", step_engines_json(*open_step_)}});
   Json announce = wire::make(Kind::step_begin);
   announce["step"] = step;
   announce["plan_id"] = plan_id;

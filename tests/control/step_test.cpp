@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 namespace weightsync::control {
 namespace {
 
@@ -105,6 +107,41 @@ TEST(Steps, AnEngineDyingMidStepDoesNotStopTheOthersFromCommitting) {
   EXPECT_EQ(r.failed[0].rank, 1);
   EXPECT_EQ(expect_event<Commit>(*job.engines[0]).step, 1);
   EXPECT_EQ(expect_event<Commit>(*job.engines[2]).step, 1);
+}
+
+// begin_step names the step's engines with their member ids: a rank whose
+// process left is absent, and a new process for it comes with a new id.
+TEST(Steps, BeginStepNamesTheStepsEnginesAndNewProcesses) {
+  Job job(fast_coordinator(), 1, 2);
+  const auto first = job.trainers[0]->begin_step(1, "plan-1");
+  ASSERT_EQ(first.size(), 2u);
+  std::map<int, uint64_t> ids;
+  for (const auto& m : first) ids[m.rank] = m.id;
+  ASSERT_EQ(ids.size(), 2u);
+  for (auto& e : job.engines) e->ack({1, true, 1, 1, ""});
+  job.trainers[0]->sent(1, true);
+  job.trainers[0]->wait_step_result(1, 20s);
+
+  job.engines[1].reset();                         // rank 1's process leaves
+  Event left = job.trainers[0]->wait_event(20s);  // the coordinator noticed
+  while (std::holds_alternative<StepResult>(left)) left = job.trainers[0]->wait_event(20s);
+  ASSERT_TRUE(std::holds_alternative<MemberLeft>(left)) << "got event index " << left.index();
+  EXPECT_EQ(std::get<MemberLeft>(left).member.rank, 1);
+  const auto second = job.trainers[0]->begin_step(2, "plan-1");
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second[0].rank, 0);
+  EXPECT_EQ(second[0].id, ids[0]);
+  job.engines[0]->ack({2, true, 1, 1, ""});
+  job.trainers[0]->sent(2, true);
+  job.trainers[0]->wait_step_result(2, 20s);
+
+  job.engines[1] = std::make_unique<Client>(client_of(job.coord, Role::engine, 1, 2));
+  const auto third = job.trainers[0]->begin_step(3, "plan-1");
+  ASSERT_EQ(third.size(), 2u);
+  for (const auto& m : third) {
+    if (m.rank == 0) EXPECT_EQ(m.id, ids[0]) << "the same process";
+    if (m.rank == 1) EXPECT_NE(m.id, ids[1]) << "a new process took rank 1";
+  }
 }
 
 TEST(Steps, AnEngineThatStopsHeartbeatingCountsAsFailed) {
