@@ -172,6 +172,12 @@ class Transport {
   virtual void connect(int peer) = 0;
   // True once the transport learned that `peer` died or became unreachable.
   virtual bool peer_failed(int peer) const = 0;
+  // A new process took rank `peer` (it created its transport with the same
+  // prefix): drop the old connection (its pending operations fail with
+  // Errc::peer_failure) and connect afresh on the next operation, to the
+  // address the new process publishes (waited for up to bootstrap_timeout).
+  // Errc::unsupported where the backend cannot (NCCL: a communicator is fixed).
+  virtual void reconnect(int peer);
 
   // Broadcast of `buffer` from `root` to every rank of `ranks` (which includes
   // root); called by each of those ranks with the same arguments and a buffer

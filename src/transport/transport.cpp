@@ -109,6 +109,11 @@ std::string Request::describe() const {
   return cat(what, " rank ", peer_, ", tag ", hex(tag_), ", ", bytes_, " bytes, over ", transport_);
 }
 
+void Transport::reconnect(int peer) {
+  fail(Errc::unsupported, name(), ": cannot reconnect to rank ", peer,
+       " (a new process took it); this backend keeps its peers for its lifetime");
+}
+
 std::size_t Request::wait(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int spins = 0;

@@ -38,6 +38,7 @@ class KillTransport final : public Transport {
   void progress() override { inner_->progress(); }
   void connect(int peer) override { inner_->connect(peer); }
   bool peer_failed(int peer) const override { return inner_->peer_failed(peer); }
+  void reconnect(int peer) override { inner_->reconnect(peer); }
 
  private:
   void count() {

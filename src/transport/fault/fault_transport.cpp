@@ -87,6 +87,7 @@ class FaultTransport final : public Transport {
   bool peer_failed(int peer) const override {
     return plan_.dead(peer) || inner_->peer_failed(peer);
   }
+  void reconnect(int peer) override { inner_->reconnect(peer); }
 
   std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override {
     FaultRequest::Setup s;

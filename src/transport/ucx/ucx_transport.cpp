@@ -242,8 +242,7 @@ void UcxTransport::check_alive(int peer, const char* what) const {
 ucp_ep_h UcxTransport::endpoint(int peer) {
   UcxPeer& p = peers_[peer];
   if (p.ep || p.failed) return p.ep;  // never reconnect to a failed peer
-  const auto address =
-      options_.store->get(address_key(options_.prefix, peer), options_.bootstrap_timeout);
+  auto address = fresh_address(p);
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -259,7 +258,39 @@ ucp_ep_h UcxTransport::endpoint(int peer) {
     status = ucp_ep_create(worker_->worker(), &params, &p.ep);
   }
   check(status, cat("ucx transport: connecting to rank ", peer));
+  p.address = std::move(address);
   return p.ep;
+}
+
+// The peer's published address; after reconnect(), a different one than the
+// old process's (the new process may not have published its own yet).
+std::vector<uint8_t> UcxTransport::fresh_address(const UcxPeer& p) {
+  const auto key = address_key(options_.prefix, p.rank);
+  const auto deadline = std::chrono::steady_clock::now() + options_.bootstrap_timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    auto address = options_.store->get(key, std::max(left, std::chrono::milliseconds(0)));
+    if (p.stale_address.empty() || address != p.stale_address) return address;
+    if (std::chrono::steady_clock::now() >= deadline)
+      fail(Errc::timeout, "ucx transport: rank ", p.rank,
+           " was taken by a new process, which did not publish its address within ",
+           options_.bootstrap_timeout.count(), " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void UcxTransport::reconnect(int peer) {
+  check_post(peer, 0, Buffer{}, "reconnect to");
+  UcxPeer& p = peers_[peer];
+  // Fail what is pending with the old process and close its endpoint.
+  mark_failed(p, "replaced by a new process");
+  handle_failures();
+  if (!p.address.empty()) p.stale_address = std::move(p.address);
+  p.address.clear();
+  p.failed = false;
+  p.failure_handled = false;
+  p.failure.clear();
 }
 
 void UcxTransport::connect(int peer) {

@@ -50,7 +50,9 @@ struct UcxPeer {
   ucp_ep_h ep = nullptr;
   bool failed = false;
   bool failure_handled = false;
-  std::string failure;  // why, for messages
+  std::string failure;                 // why, for messages
+  std::vector<uint8_t> address;        // the worker address the endpoint was made for
+  std::vector<uint8_t> stale_address;  // after reconnect(): the old process's address
 };
 
 class UcxTransport final : public Transport {
@@ -69,6 +71,7 @@ class UcxTransport final : public Transport {
   void progress() override;
   void connect(int peer) override;
   bool peer_failed(int peer) const override;
+  void reconnect(int peer) override;
 
   // Used by UcxRequest.
   void cancel(UcxOp& op);
@@ -83,6 +86,7 @@ class UcxTransport final : public Transport {
   void check_post(int peer, Tag tag, const Buffer& buffer, const char* what) const;
   void check_alive(int peer, const char* what) const;
   ucp_ep_h endpoint(int peer);
+  std::vector<uint8_t> fresh_address(const UcxPeer& p);
   UcxOp* new_op(Request::Kind kind, int peer, Tag tag, std::size_t bytes);
   std::unique_ptr<Request> finish_post(UcxOp* op, ucs_status_ptr_t posted, const char* what);
   void handle_failures();
