@@ -45,7 +45,8 @@ struct Publisher::Impl {
   std::unique_ptr<Transport> transport;
   std::optional<Plan> plan;
   std::unique_ptr<trainer::SendPipeline> pipeline;
-  std::vector<bool> dead;  // engine ranks dropped (died or failed)
+  std::vector<bool> dead;               // engine ranks dropped (died or failed)
+  std::vector<uint64_t> engine_member;  // member id of each engine rank's process (0: none yet)
   std::optional<control::StepResult> early_result;
   int64_t current_step = -1;
   std::mutex push_mutex;
@@ -55,6 +56,7 @@ struct Publisher::Impl {
 
   void ensure_ready();
   void poll();
+  void admit(const std::vector<control::Member>& step_engines);
   PushResult push(int64_t step);
   control::StepResult decide(int64_t step, Clock::time_point deadline);
 };
@@ -97,6 +99,34 @@ void Publisher::Impl::ensure_ready() {
   for (int peer = 0; peer < t.world; ++peer)
     if (peer != opt.rank) transport->connect(peer);
   dead.assign(static_cast<size_t>(engines), false);
+  engine_member.assign(static_cast<size_t>(engines), 0);
+}
+
+// The step's engines, as the coordinator saw them when it began: ranks not
+// among them are skipped; a rank now held by a new process (a restarted
+// engine) is reconnected and served again. The plan itself does not change:
+// it covers every engine rank, and absent ones are skipped.
+void Publisher::Impl::admit(const std::vector<control::Member>& step_engines) {
+  std::vector<uint64_t> now(engine_member.size(), 0);
+  for (const auto& m : step_engines)
+    if (m.rank >= 0 && m.rank < static_cast<int>(now.size()))
+      now[static_cast<size_t>(m.rank)] = m.id;
+  for (size_t g = 0; g < now.size(); ++g) {
+    if (now[g] == 0) {
+      dead[g] = true;
+      continue;
+    }
+    if (engine_member[g] != 0 && engine_member[g] != now[g]) {
+      try {
+        transport->reconnect(trainer_world() + static_cast<int>(g));
+        dead[g] = false;
+      } catch (const Error& e) {
+        if (e.code() != Errc::unsupported) throw;
+        dead[g] = true;  // this backend cannot take a new process in
+      }
+    }
+    engine_member[g] = now[g];
+  }
 }
 
 void Publisher::Impl::poll() {
@@ -134,7 +164,7 @@ PushResult Publisher::Impl::push(int64_t step) {
   {
     TraceSpan span(opt.tracer, "begin", "control");
     const auto t = Clock::now();
-    client->begin_step(step, plan->plan_id_hex());
+    admit(client->begin_step(step, plan->plan_id_hex()));
     out.phases.begin = seconds_since(t);
   }
   try {

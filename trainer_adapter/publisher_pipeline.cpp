@@ -328,9 +328,10 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     if (a.kind == SendAction::Kind::p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
     try {
       post(a, slot, step, transport, dead, poll, phases);
-    } catch (const Error& e) {
-      // A send refused because its engine is known dead drops that engine.
-      if (e.code() != Errc::peer_failure || a.kind != SendAction::Kind::p2p) throw;
+    } catch (const Error&) {
+      // A send to an engine refused at posting (known dead, endpoint timeout,
+      // unreachable) drops that engine, as a failed transfer does in drain().
+      if (a.kind != SendAction::Kind::p2p) throw;
       dead[static_cast<size_t>(a.dst_engine)] = true;
       continue;
     }
