@@ -170,6 +170,33 @@ TEST(E2E, EngineKilledMidStepDoesNotStopTheOthers) {
   }
 }
 
+TEST(E2E, RestartedEngineRejoinsAndCatchesUp) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const auto d = run_demo(m, {"--staging", "--steps", "5", "--bucket-bytes", "4096", "--kill",
+                              "engine:3:2", "--restart"});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  const auto& steps = d.summary["steps"];
+  EXPECT_EQ(ints(steps[0]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 1, 2})) << "killed mid-step 2";
+  // The new process for rank 3 joins a later step and gets the whole state:
+  // it serves the last version, bit for bit.
+  EXPECT_EQ(ints(steps[4]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  for (int g = 0; g < 4; ++g) {
+    EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 5) << "engine " << g;
+    EXPECT_TRUE(d.summary["engine_ok"][g].get<bool>()) << "engine " << g;
+  }
+  bool restarted = false;
+  for (const auto& c : d.summary["children"]) {
+    if (c["label"] == "engine 3")
+      EXPECT_NE(c["status"].get<std::string>().find("signal 9"), std::string::npos);
+    else
+      EXPECT_EQ(c["status"], "exit 0") << c["label"];
+    restarted |= c["label"] == "engine 3 restarted";
+  }
+  EXPECT_TRUE(restarted) << d.run.output;
+}
+
 TEST(E2E, TrainerKilledMidStepLeavesEnginesOnLastCommittedVersion) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);

@@ -50,6 +50,10 @@ constexpr const char* kUsage =
     "  --work-dir D         logs, stats and job files here (default: a temp dir)\n"
     "  --kill ROLE:RANK:STEP   kill that rank (trainer rank or global engine rank)\n"
     "                       halfway through STEP's transfers (failure drills)\n"
+    "  --restart            with --kill engine:...: start that engine again at once;\n"
+    "                       the new process rejoins at a later step\n"
+    "  --step-gap S         trainers pause S seconds between steps, as training would\n"
+    "                       (default 0; 1 with --restart)\n"
     "  --engine-transport G:NAME  engine rank G uses transport NAME (e.g. a fault\n"
     "                       wrapper corrupting what it receives)\n\n"
     "Exit code 0 only if every engine rank committed every step and matched the\n"
@@ -155,14 +159,22 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
     job.engine_transport[g] = et->substr(colon + 1);
   }
   if (auto k = args.get("kill")) job.kill = parse_kill(*k, job);
+  job.restart_killed = args.flag("restart");
+  // A restarted engine needs a moment to start and register: by default the
+  // trainers then pace their steps as a training loop would.
+  job.step_gap_ms =
+      static_cast<int64_t>(args.get_double("step-gap", job.restart_killed ? 1.0 : 0.0) * 1000);
+  if (job.step_gap_ms < 0) fail(Errc::invalid_argument, "--step-gap must be >= 0");
+  if (job.restart_killed && job.kill.role != "engine")
+    fail(Errc::invalid_argument, "--restart needs --kill engine:RANK:STEP");
   return job;
 }
 
 int run_demo(const std::vector<std::string>& argv) {
   Args args(
-      argv, {"staging", "checksums", "no-verify", "json"},
+      argv, {"staging", "checksums", "restart", "no-verify", "json"},
       {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport", "bucket-bytes",
-       "timeout", "trace", "summary", "work-dir", "kill", "engine-transport"});
+       "timeout", "trace", "summary", "work-dir", "kill", "engine-transport", "step-gap"});
   std::optional<demo::ModelFiles> model;
   const demo::JobSpec job = job_from_args(args, model);
   if (!args.flag("json")) {

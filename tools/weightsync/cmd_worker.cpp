@@ -9,7 +9,7 @@ namespace weightsync::cli {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: weightsync worker --job FILE --role trainer|engine --rank R\n\n"
+    "usage: weightsync worker --job FILE --role trainer|engine --rank R [--restarted]\n\n"
     "One rank of a job started by `weightsync demo` or `weightsync bench`: they\n"
     "re-execute this binary once per trainer rank and engine rank. FILE is the job\n"
     "description the parent wrote (checkpoint, layouts, coordinator address, steps);\n"
@@ -18,8 +18,14 @@ constexpr const char* kUsage =
     "step matched the reference bit for bit).\n";
 
 int run_worker(const std::vector<std::string>& argv) {
-  Args args(argv, {}, {"job", "role", "rank"});
-  const auto job = demo::JobSpec::load(args.require("job"));
+  Args args(argv, {"restarted"}, {"job", "role", "rank"});
+  auto job = demo::JobSpec::load(args.require("job"));
+  if (args.flag("restarted")) {
+    // A rank started again after the kill drill: it is not killed again and
+    // joins the steps still to come.
+    job.kill = demo::KillSpec{};
+    job.raw_rounds = 0;
+  }
   const std::string role = args.require("role");
   const int rank = static_cast<int>(args.get_int("rank", -1));
   if (rank < 0) fail(Errc::invalid_argument, "--rank must be >= 0");

@@ -27,7 +27,9 @@ nlohmann::json JobSpec::to_json() const {
       {"coordinator", coordinator},
       {"token", token},
       {"kill", {{"role", kill.role}, {"rank", kill.rank}, {"op", kill.op}, {"after", kill.after}}},
-      {"raw_rounds", raw_rounds}};
+      {"raw_rounds", raw_rounds},
+      {"restart_killed", restart_killed},
+      {"step_gap_ms", step_gap_ms}};
 }
 
 JobSpec JobSpec::from_json(const nlohmann::json& j) {
@@ -54,6 +56,8 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.kill = {k.at("role").get<std::string>(), k.at("rank").get<int>(),
               k.at("op").get<std::string>(), k.at("after").get<int64_t>()};
     s.raw_rounds = j.at("raw_rounds").get<int>();
+    s.restart_killed = j.value("restart_killed", false);
+    s.step_gap_ms = j.value("step_gap_ms", int64_t{0});
     return s;
   } catch (const nlohmann::json::exception& e) {
     fail(Errc::format, "job file: ", e.what());

@@ -51,7 +51,9 @@ struct JobSpec {
   std::string coordinator;
   std::string token;
   KillSpec kill;
-  int raw_rounds = 0;  // bench: plain transport transfers of the plan's link bytes
+  bool restart_killed = false;  // start the killed rank again at once (it rejoins)
+  int64_t step_gap_ms = 0;      // trainers pause this long before each step after the first
+  int raw_rounds = 0;           // bench: plain transport transfers of the plan's link bytes
 
   nlohmann::json to_json() const;
   static JobSpec from_json(const nlohmann::json& j);

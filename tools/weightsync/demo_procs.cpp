@@ -99,13 +99,23 @@ void ProcessGroup::kill_all() {
     if (running_[i]) ::kill(children_[i].pid, SIGKILL);
 }
 
-std::vector<ChildResult> ProcessGroup::wait_all(std::chrono::milliseconds timeout,
-                                                std::chrono::milliseconds grace) {
+std::vector<ChildResult> ProcessGroup::wait_all(
+    std::chrono::milliseconds timeout, std::chrono::milliseconds grace,
+    const std::function<void(const ChildResult&)>& on_exit) {
   using Clock = std::chrono::steady_clock;
   auto deadline = Clock::now() + timeout;
   bool failed = false;
+  std::vector<bool> reported;
   while (std::count(running_.begin(), running_.end(), true) > 0) {
     reap(false);
+    reported.resize(children_.size(), false);
+    for (size_t i = 0; on_exit && i < children_.size(); ++i) {
+      if (running_[i] || reported[i]) continue;
+      reported[i] = true;
+      const ChildResult ended = children_[i];  // on_exit may grow children_
+      on_exit(ended);
+      reported.resize(children_.size(), false);
+    }
     if (!failed) {
       for (size_t i = 0; i < children_.size(); ++i) {
         const auto& c = children_[i];

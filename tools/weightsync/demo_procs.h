@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -46,8 +47,11 @@ class ProcessGroup {
   // fail fast with a peer_failure of their own), then are killed. Children
   // still running at the deadline are killed and reported as timed out.
   // Returns every child's result, in spawn order.
-  std::vector<ChildResult> wait_all(std::chrono::milliseconds timeout,
-                                    std::chrono::milliseconds grace = std::chrono::seconds(10));
+  // `on_exit`, when set, is called once for each child that ended (it may
+  // spawn more children, which are then waited for too).
+  std::vector<ChildResult> wait_all(
+      std::chrono::milliseconds timeout, std::chrono::milliseconds grace = std::chrono::seconds(10),
+      const std::function<void(const ChildResult&)>& on_exit = nullptr);
   void kill_all();  // SIGKILL to every running child
   bool timed_out() const { return timed_out_; }
 

@@ -71,12 +71,23 @@ JobRun run_job(JobSpec job, const std::string& trace_out) {
                 {"worker", "--job", job_path, "--role", role, "--rank", std::to_string(rank)},
                 victim);
   };
+  // --restart: the killed rank comes back as a new process (without the kill).
+  bool restarted = false;
+  auto on_exit = [&](const ChildResult& c) {
+    if (!job.restart_killed || restarted || c.exited ||
+        c.label != cat(job.kill.role, " ", job.kill.rank))
+      return;
+    restarted = true;
+    group.spawn(cat(c.label, " restarted"),
+                {"worker", "--job", job_path, "--role", job.kill.role, "--rank",
+                 std::to_string(job.kill.rank), "--restarted"});
+  };
   for (int g = 0; g < engines; ++g) spawn("engine", g);
   for (int t = 0; t < trainers; ++t) spawn("trainer", t);
   // Setup, every step, and the teardown each get the per-step timeout.
   const auto budget = std::chrono::milliseconds(job.timeout_ms) * (job.steps + 3);
   JobRun run;
-  run.children = group.wait_all(budget);
+  run.children = group.wait_all(budget, std::chrono::seconds(10), on_exit);
   run.timed_out = group.timed_out();
   for (int t = 0; t < trainers; ++t)
     run.trainers.push_back(read_json_or_null(job.stats_path("trainer", t)));

@@ -12,6 +12,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <thread>
 
 namespace weightsync::demo {
 namespace {
@@ -129,7 +130,9 @@ int run_trainer_worker(const JobSpec& job, int rank) {
     for (auto& t : shards) xor_bytes(t.view.data, t.view.nbytes(), applied ^ target);
     applied = target;
     try {
-      // Ranks start a step together, as after a synchronous optimizer step.
+      // Ranks start a step together, as after a synchronous optimizer step
+      // (which --step-gap stands in for).
+      if (s > 1 && job.step_gap_ms > 0) std::this_thread::sleep_for(Millis(job.step_gap_ms));
       observer->barrier(cat("step ", s), trainers, timeout);
       steps.push_back(push_json(pub.push(s)));
     } catch (const Error& e) {
