@@ -117,15 +117,11 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
 }
 
 char* ReceivePipeline::direct_target(const Copy& c, const TensorView& target) const {
-  // CUDA memory only unchecked: the checksum is computed on the host.
-  const bool reachable =
-      target.memory == MemoryKind::host ? caps_.host_memory : caps_.cuda_memory && !wire_.checksums;
-  if (!reachable || c.transpose || c.view_box != c.hf_box || c.dst_box.rank() < c.hf_box.rank() ||
+  // The packed item must be the param box in row-major order.
+  if (c.transpose || c.view_box != c.hf_box || c.dst_box.rank() < c.hf_box.rank() ||
       c.dst_box.lengths != lead(c.hf_box.lengths, c.dst_box.rank() - c.hf_box.rank(), 1))
     return nullptr;
-  const auto first = dense_run_offset(target.effective_strides(), c.dst_box);
-  if (!first) return nullptr;
-  return static_cast<char*>(target.data) + *first * static_cast<int64_t>(itemsize(target.dtype));
+  return direct_run(target, c.dst_box, caps_, wire_);
 }
 
 void ReceivePipeline::compile_fragments(RecvAction& a, const Plan& plan,

@@ -103,14 +103,8 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
 }
 
 const char* SendPipeline::direct_source(const Copy& c, const TensorView& tensor) const {
-  // CUDA memory only unchecked: the checksum is computed on the host.
-  const bool reachable =
-      tensor.memory == MemoryKind::host ? caps_.host_memory : caps_.cuda_memory && !wire_.checksums;
-  if (!reachable || c.src_box.lengths != c.hf_box.lengths) return nullptr;
-  const auto first = dense_run_offset(tensor.effective_strides(), c.src_box);
-  if (!first) return nullptr;
-  return static_cast<const char*>(tensor.data) +
-         *first * static_cast<int64_t>(itemsize(tensor.dtype));
+  if (c.src_box.lengths != c.hf_box.lengths) return nullptr;
+  return direct_run(tensor, c.src_box, caps_, wire_);
 }
 
 void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,

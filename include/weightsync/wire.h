@@ -18,6 +18,7 @@
 
 #include <weightsync/box.h>
 #include <weightsync/plan.h>
+#include <weightsync/transport.h>
 
 #include <nlohmann/json.hpp>
 
@@ -60,6 +61,13 @@ int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wir
 // When the elements of `box`, in row-major order, are one dense run of memory
 // in a tensor with element `strides`: the element offset of its first element.
 std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box);
+
+// Where the elements of `box` of `tensor` start when they are one dense run
+// in memory the transport can reach (`caps`): what a fragment may be sent
+// from or received into without a copy. nullptr otherwise. CUDA memory only
+// without checksums (they are computed on the host).
+char* direct_run(const TensorView& tensor, const Box& box, const Capabilities& caps,
+                 const WireOptions& wire);
 
 // The seed of fragment `index` of a bucket of `step` for checksum64.
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {

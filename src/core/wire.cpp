@@ -57,6 +57,16 @@ int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wir
          (wire.checksums ? 1 : 0);
 }
 
+char* direct_run(const TensorView& tensor, const Box& box, const Capabilities& caps,
+                 const WireOptions& wire) {
+  const bool reachable =
+      tensor.memory == MemoryKind::host ? caps.host_memory : caps.cuda_memory && !wire.checksums;
+  if (!reachable) return nullptr;
+  const auto first = dense_run_offset(tensor.effective_strides(), box);
+  if (!first) return nullptr;
+  return static_cast<char*>(tensor.data) + *first * static_cast<int64_t>(itemsize(tensor.dtype));
+}
+
 std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box) {
   if (strides.size() != box.rank()) return std::nullopt;
   int64_t expected = 1;  // the stride a dense row-major run needs at this dim
