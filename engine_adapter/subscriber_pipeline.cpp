@@ -202,7 +202,14 @@ void ReceivePipeline::wait(Slot& slot, const std::function<void()>& poll,
   int spins = 0;
   size_t done = 0;  // requests complete in order of posting, mostly
   while (done < slot.requests.size()) {
+    const Request& r = *slot.requests[done];
     if (slot.requests[done]->test()) {
+      // Every message of a bucket has a size both sides derive from the plan:
+      // a shorter one is a peer out of step with it, never data to apply.
+      if (r.transferred() != r.bytes() && slot.error.empty())
+        slot.error = cat("engine rank ", global_rank_, ": ", r.describe(), " brought ",
+                         r.transferred(), " bytes, expected ", r.bytes(),
+                         " (does the sender use the same plan and wire options?)");
       ++done;
       spins = 0;
       continue;
@@ -274,6 +281,13 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
     t = Clock::now();
     const auto [sum, sent] = checksums(a, slot.data, step);
     phases.verify += seconds_since(t);
+    if (!slot.error.empty()) {
+      // Not applied; the step goes on so that the senders do not stall.
+      if (report.error.empty()) report.error = slot.error + "; the step is rejected";
+      slot.error.clear();
+      post(k + 2, slot, step, transport);
+      continue;
+    }
     report.bytes += static_cast<uint64_t>(a.bytes);
     for (const RecvFragment& f : a.fragments)
       if (f.direct) report.bytes_direct += static_cast<uint64_t>(f.bytes);

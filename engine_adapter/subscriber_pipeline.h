@@ -87,6 +87,7 @@ class ReceivePipeline {
   struct Slot : RegisteredHostBuffer {
     std::vector<std::unique_ptr<Request>> requests;
     int64_t posted_us = 0;
+    std::string error;  // a message of the bucket came short
   };
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   char* direct_target(const Copy& c, const TensorView& target) const;

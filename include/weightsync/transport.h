@@ -241,6 +241,7 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //     seed=N           generator seed (default 1)
 //     drop_send=P      the send completes locally but nothing is sent
 //     corrupt_send=P   a copy of the payload with one byte flipped is sent
+//     truncate_send=P  the payload goes out one byte short
 //     corrupt_recv=P   one byte of the received buffer is flipped
 //     delay_ms=D       every operation completes no sooner than D ms after posting
 //     fail_after=N     operations after the first N (sends+receives) fail with

@@ -147,6 +147,36 @@ TEST(E2E, CorruptedStepIsRejectedAndEngineKeepsPreviousVersion) {
       << stats["steps"][1]["reason"];
 }
 
+// Without checksums, message sizes still guard the wire: a fragment that comes
+// short (a peer out of step with the plan) is never applied as data.
+TEST(E2E, ShortMessageFailsTheStepForItsEngineOnly) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  // Each trainer's first message of step 1 goes out one byte short.
+  const auto d = run_demo(m, {"--staging", "--steps", "2", "--bucket-bytes", "4096", "--transport",
+                              "fault:ucx?truncate_send=1&count=1"});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  EXPECT_NE(d.run.exit_code, 0);
+  const auto& steps = d.summary["steps"];
+  const auto first = ints(steps[0]["committed"]);
+  EXPECT_LT(first.size(), 4u) << "an engine that got a short fragment must not commit";
+  EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  int reasons = 0;
+  for (int g = 0; g < 4; ++g) {
+    EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 2) << "engine " << g;
+    EXPECT_TRUE(d.summary["engine_ok"][g].get<bool>()) << "engine " << g;
+    const auto stats = read_json(m.dir + "/work/stats-engine" + std::to_string(g) + ".json");
+    ASSERT_TRUE(stats.is_object());
+    const std::string reason = stats["steps"][0]["reason"].get<std::string>();
+    if (std::find(first.begin(), first.end(), g) == first.end()) {
+      EXPECT_NE(reason.find("bytes, expected"), std::string::npos)
+          << "engine " << g << ": " << reason;
+      ++reasons;
+    }
+  }
+  EXPECT_EQ(reasons, 4 - static_cast<int>(first.size()));
+}
+
 TEST(E2E, EngineKilledMidStepDoesNotStopTheOthers) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);

@@ -47,9 +47,9 @@ std::set<int> parse_ranks(const std::string& key, const std::string& value) {
 }  // namespace
 
 bool FaultConfig::is_fault_key(const std::string& key) {
-  static const std::set<std::string> keys{"seed",     "drop_send",  "corrupt_send", "corrupt_recv",
-                                          "delay_ms", "fail_after", "dead",         "after",
-                                          "tag",      "count"};
+  static const std::set<std::string> keys{
+      "seed",       "drop_send", "corrupt_send", "truncate_send", "corrupt_recv", "delay_ms",
+      "fail_after", "dead",      "after",        "tag",           "count"};
   return keys.count(key) > 0;
 }
 
@@ -59,6 +59,7 @@ FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params)
     if (key == "seed") c.seed = parse_uint(key, value);
     if (key == "drop_send") c.drop_send = parse_probability(key, value);
     if (key == "corrupt_send") c.corrupt_send = parse_probability(key, value);
+    if (key == "truncate_send") c.truncate_send = parse_probability(key, value);
     if (key == "corrupt_recv") c.corrupt_recv = parse_probability(key, value);
     if (key == "delay_ms") c.delay_ms = static_cast<int64_t>(parse_uint(key, value));
     if (key == "fail_after") c.fail_after = parse_uint(key, value);
@@ -87,6 +88,7 @@ FaultPlan::Fault FaultPlan::next_send(Tag tag) {
   const uint64_t index = sends_++;
   if (chosen(config_.drop_send, index, tag)) return Fault::drop;
   if (chosen(config_.corrupt_send, index, tag)) return Fault::corrupt;
+  if (chosen(config_.truncate_send, index, tag)) return Fault::truncate;
   return Fault::none;
 }
 

@@ -17,6 +17,7 @@ struct FaultConfig {
   uint64_t seed = 1;
   double drop_send = 0;
   double corrupt_send = 0;
+  double truncate_send = 0;  // the message goes out one byte short
   double corrupt_recv = 0;
   int64_t delay_ms = 0;
   std::optional<uint64_t> fail_after;
@@ -38,7 +39,7 @@ class FaultPlan {
  public:
   explicit FaultPlan(const FaultConfig& config) : config_(config), random_(config.seed) {}
 
-  enum class Fault { none, drop, corrupt };
+  enum class Fault { none, drop, corrupt, truncate };
   // The fault for the next send (or receive) with `tag`.
   Fault next_send(Tag tag);
   Fault next_recv(Tag tag);

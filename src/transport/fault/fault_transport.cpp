@@ -1,5 +1,5 @@
 // "fault:<inner>": wraps any transport and injects the faults its settings ask
-// for (drop, corrupt, delay, fail after N, dead peers), deterministically, so
+// for (drop, corrupt, truncate, delay, fail after N, dead peers), deterministically, so
 // that failure paths are tested on real transports without real failures.
 #include <weightsync/error.h>
 #include <weightsync/transport.h>
@@ -100,6 +100,10 @@ class FaultTransport final : public Transport {
         s.payload_copy.assign(p, p + buffer.bytes);
         if (buffer.bytes) s.payload_copy[plan_.position(buffer.bytes)] ^= 0xFF;
         s.inner = inner_->send(peer, tag, host_buffer(s.payload_copy.data(), buffer.bytes));
+      } else if (fault == FaultPlan::Fault::truncate) {
+        Buffer shorter = buffer;
+        shorter.bytes = buffer.bytes ? buffer.bytes - 1 : 0;
+        s.inner = inner_->send(peer, tag, shorter);
       } else if (fault == FaultPlan::Fault::none) {
         s.inner = inner_->send(peer, tag, buffer);
       }  // dropped: nothing goes out, the send completes locally
