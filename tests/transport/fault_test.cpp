@@ -57,6 +57,27 @@ void fault_corrupt_send(ScenarioContext& c) {
   t.send(1, 7, bye.buffer())->wait(kWait);
 }
 
+// With truncate_send=1&count=1&tag=10 on the sender, the first tag-10 message
+// arrives one byte short (the receive says so) and the second whole.
+void fault_truncate_send(ScenarioContext& c) {
+  Transport& t = c.transport;
+  TestBuffer a(4096, c.memory), b(4096, c.memory), bye(1, c.memory);
+  if (t.rank() == 1) {
+    a.fill(7);
+    b.fill(8);
+    t.send(0, 10, a.buffer())->wait(kWait);
+    t.send(0, 10, b.buffer())->wait(kWait);
+    t.recv(0, 11, bye.buffer())->wait(kWait);
+    return;
+  }
+  const std::size_t first = t.recv(1, 10, a.buffer())->wait(kWait);
+  const std::size_t second = t.recv(1, 10, b.buffer())->wait(kWait);
+  require(first == a.size() - 1, cat("first message: ", first, " bytes, expected ", a.size() - 1));
+  require(a.holds(7, first), "the bytes that came are the sender's");
+  require(second == b.size() && b.holds(8, b.size()), "second message whole (count=1)");
+  t.send(1, 11, bye.buffer())->wait(kWait);
+}
+
 // With drop_send=1&count=1&tag=8 on the sender, the first tag-8 message never
 // arrives: rank 0's first receive gets the second, its next one times out.
 void fault_drop_send(ScenarioContext& c) {
@@ -95,6 +116,10 @@ TEST(FaultTransport, CorruptsOneReceivedByte) {
 
 TEST(FaultTransport, CorruptsOneSentByteWithoutTouchingTheSendersBuffer) {
   expect_scenario("fault_corrupt_send", "fault:ucx?tls=tcp,self&corrupt_send=1&count=1&tag=6");
+}
+
+TEST(FaultTransport, TruncatesASend) {
+  expect_scenario("fault_truncate_send", "fault:ucx?tls=tcp,self&truncate_send=1&count=1&tag=10");
 }
 
 TEST(FaultTransport, DropsASend) {

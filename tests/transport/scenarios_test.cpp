@@ -248,6 +248,7 @@ void broadcast(ScenarioContext& c) {
 void fault_corrupt_recv(ScenarioContext& c);
 void fault_corrupt_send(ScenarioContext& c);
 void fault_drop_send(ScenarioContext& c);
+void fault_truncate_send(ScenarioContext& c);
 
 Scenario find_scenario(const std::string& name) {
   static const std::map<std::string, Scenario> scenarios{
@@ -263,6 +264,7 @@ Scenario find_scenario(const std::string& name) {
       {"fault_corrupt_recv", fault_corrupt_recv},
       {"fault_corrupt_send", fault_corrupt_send},
       {"fault_drop_send", fault_drop_send},
+      {"fault_truncate_send", fault_truncate_send},
   };
   auto it = scenarios.find(name);
   if (it == scenarios.end()) fail(Errc::not_found, "no transport test scenario '", name, "'");
