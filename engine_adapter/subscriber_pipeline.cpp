@@ -116,46 +116,27 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
   });
 }
 
-char* ReceivePipeline::direct_target(const Copy& c, const TensorView& target) const {
+FragmentRoute ReceivePipeline::direct_target(const Copy& c, const TensorView& target) const {
+  if (c.dst_rank != global_rank_)
+    fail(Errc::internal, "engine rank ", global_rank_,
+         ": a bucket for it holds an item for engine rank ", c.dst_rank);
   // The packed item must be the param box in row-major order.
   if (c.transpose || c.view_box != c.hf_box || c.dst_box.rank() < c.hf_box.rank() ||
       c.dst_box.lengths != lead(c.hf_box.lengths, c.dst_box.rank() - c.hf_box.rank(), 1))
-    return nullptr;
-  return direct_run(target, c.dst_box, caps_, wire_);
+    return {};
+  return direct_route(target, c.dst_box, caps_, wire_);
 }
 
 void ReceivePipeline::compile_fragments(RecvAction& a, const Plan& plan,
                                         const std::vector<TensorView>& targets) {
-  const auto items = plan.items(a.bucket);
-  for (const Fragment& f : bucket_fragments(plan, a.bucket, wire_.direct_min_bytes)) {
-    RecvFragment rf;
-    rf.bytes = f.bytes;
-    if (f.count == 1 && f.bytes >= wire_.direct_min_bytes) {
-      const Copy c = plan.resolve(items[f.first]);
-      if (c.dst_rank != global_rank_)
-        fail(Errc::internal, "engine rank ", global_rank_, ": bucket ", a.bucket,
-             " holds an item for engine rank ", c.dst_rank);
-      const TensorView& target = targets.at(static_cast<size_t>(c.dst_param));
-      if (char* p = direct_target(c, target)) {
-        rf.direct = p;
-        rf.memory = target.memory;
-        rf.device = target.device;
-        a.fragments.push_back(rf);
-        continue;
-      }
-    }
-    // Fragments that land in the slot lie back to back there.
-    rf.slot_offset = a.slot_bytes;
-    a.slot_bytes += f.bytes;
-    rf.first_op = static_cast<uint32_t>(a.ops.size());
-    for (uint32_t i = f.first; i < f.first + f.count; ++i) {
-      const Copy c = plan.resolve(items[i]);
-      a.ops.push_back(make_apply_op(c, targets.at(static_cast<size_t>(c.dst_param)),
-                                    rf.slot_offset - f.offset));
-    }
-    rf.num_ops = f.count;
-    a.fragments.push_back(rf);
-  }
+  auto target = [&](const Copy& c) -> const TensorView& {
+    return targets.at(static_cast<size_t>(c.dst_param));
+  };
+  a.fragments = route_fragments(
+      plan, a.bucket, wire_.direct_min_bytes,
+      [&](const Copy& c) { return direct_target(c, target(c)); },
+      [&](const Copy& c, int64_t shift) { a.ops.push_back(make_apply_op(c, target(c), shift)); },
+      a.slot_bytes);
 }
 
 void ReceivePipeline::prepare(Transport& transport) {
@@ -171,7 +152,7 @@ void ReceivePipeline::post(size_t k, Slot& slot, int64_t step, Transport& t) {
   const Tag tag = bucket_tag(step, a.bucket, 0);
   if (!broadcast_) {
     // In fragment order: the trainer posts them in that order (wire.h).
-    for (const RecvFragment& f : a.fragments) {
+    for (const FragmentRoute& f : a.fragments) {
       const Buffer buffer =
           f.direct ? Buffer{f.direct, static_cast<size_t>(f.bytes), f.memory, f.device, nullptr}
                    : host_buffer(slot.data + f.slot_offset, static_cast<size_t>(f.bytes),
@@ -234,7 +215,7 @@ std::pair<uint64_t, uint64_t> ReceivePipeline::checksums(const RecvAction& a, co
             read_trailer(data + a.bytes)};
   uint64_t sum = 0;
   for (uint32_t i = 0; i < a.fragments.size(); ++i) {
-    const RecvFragment& f = a.fragments[i];
+    const FragmentRoute& f = a.fragments[i];
     const char* p = f.direct ? f.direct : data + f.slot_offset;
     sum = checksum_fold(sum, checksum64(p, static_cast<size_t>(f.bytes), fragment_seed(step, i)));
   }
@@ -289,7 +270,7 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
       continue;
     }
     report.bytes += static_cast<uint64_t>(a.bytes);
-    for (const RecvFragment& f : a.fragments)
+    for (const FragmentRoute& f : a.fragments)
       if (f.direct) report.bytes_direct += static_cast<uint64_t>(f.bytes);
     if (sum != sent) {
       if (report.error.empty())

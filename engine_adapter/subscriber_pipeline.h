@@ -38,24 +38,13 @@ struct ApplyOp {
   bool transpose = false;
 };
 
-// One message of a p2p bucket: straight into a param, or into the slot at
-// slot_offset, to be applied by ops [first_op, first_op + num_ops).
-struct RecvFragment {
-  int64_t bytes = 0;
-  char* direct = nullptr;  // nullptr: lands in the slot
-  MemoryKind memory = MemoryKind::host;
-  int device = -1;
-  int64_t slot_offset = 0;
-  uint32_t first_op = 0, num_ops = 0;
-};
-
 struct RecvAction {
   int32_t bucket = 0;
   int src = 0;        // transport rank of the sender (trainer rank)
   int64_t bytes = 0;  // payload, without trailer
   std::vector<ApplyOp> ops;
-  std::vector<RecvFragment> fragments;  // p2p
-  int64_t slot_bytes = 0;               // slot bytes used, without trailer
+  std::vector<FragmentRoute> fragments;  // p2p
+  int64_t slot_bytes = 0;                // slot bytes used, without trailer
 };
 
 struct ReceiveReport {
@@ -90,7 +79,7 @@ class ReceivePipeline {
     std::string error;  // a message of the bucket came short
   };
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
-  char* direct_target(const Copy& c, const TensorView& target) const;
+  FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, Slot& slot, int64_t step, Transport& t);
   void wait(Slot& slot, const std::function<void()>& poll,
             std::chrono::steady_clock::time_point deadline);

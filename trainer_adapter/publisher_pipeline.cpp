@@ -102,40 +102,20 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
   }
 }
 
-const char* SendPipeline::direct_source(const Copy& c, const TensorView& tensor) const {
-  if (c.src_box.lengths != c.hf_box.lengths) return nullptr;
-  return direct_run(tensor, c.src_box, caps_, wire_);
-}
-
 void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,
                                      const std::vector<TensorView>& tensors) {
-  const auto items = plan.items(a.bucket);
-  for (const Fragment& f : bucket_fragments(plan, a.bucket, wire_.direct_min_bytes)) {
-    SendFragment sf;
-    sf.bytes = f.bytes;
-    if (f.count == 1 && f.bytes >= wire_.direct_min_bytes) {
-      const Copy c = plan.resolve(items[f.first]);
-      const TensorView& tensor = tensors.at(static_cast<size_t>(c.src_param));
-      if (const char* p = direct_source(c, tensor)) {
-        sf.direct = p;
-        sf.memory = tensor.memory;
-        sf.device = tensor.device;
-        a.fragments.push_back(sf);
-        continue;
-      }
-    }
-    // Packed fragments lie back to back in the slot.
-    sf.slot_offset = a.packed_bytes;
-    a.packed_bytes += f.bytes;
-    sf.first_op = static_cast<uint32_t>(a.ops.size());
-    for (uint32_t i = f.first; i < f.first + f.count; ++i) {
-      const Copy c = plan.resolve(items[i]);
-      a.ops.push_back(
-          make_pack_op(c, tensors.at(static_cast<size_t>(c.src_param)), f.offset - sf.slot_offset));
-    }
-    sf.num_ops = f.count;
-    a.fragments.push_back(sf);
-  }
+  auto tensor = [&](const Copy& c) -> const TensorView& {
+    return tensors.at(static_cast<size_t>(c.src_param));
+  };
+  a.fragments = route_fragments(
+      plan, a.bucket, wire_.direct_min_bytes,
+      [&](const Copy& c) {
+        return c.src_box.lengths == c.hf_box.lengths
+                   ? direct_route(tensor(c), c.src_box, caps_, wire_)
+                   : FragmentRoute{};
+      },
+      [&](const Copy& c, int64_t shift) { a.ops.push_back(make_pack_op(c, tensor(c), -shift)); },
+      a.packed_bytes);
 }
 
 void SendPipeline::prepare(Transport& transport) {
@@ -173,7 +153,7 @@ void SendPipeline::post_p2p(const SendAction& a, Slot& slot, int64_t step, Trans
   slot.bytes = a.bytes;
   slot.posted_us = pack_us;
   for (uint32_t i = 0; i < a.fragments.size(); ++i) {
-    const SendFragment& f = a.fragments[i];
+    const FragmentRoute& f = a.fragments[i];
     Buffer buffer{const_cast<char*>(f.direct), static_cast<size_t>(f.bytes), f.memory, f.device,
                   nullptr};
     if (f.direct) bytes_direct_ += static_cast<uint64_t>(f.bytes);

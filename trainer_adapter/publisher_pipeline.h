@@ -32,17 +32,6 @@ struct PackOp {
   Shape src_strides, dst_strides;
 };
 
-// One message of a p2p bucket: a dense run of a registered tensor, or the
-// packing of ops [first_op, first_op + num_ops) at slot_offset of the slot.
-struct SendFragment {
-  int64_t bytes = 0;
-  const char* direct = nullptr;  // nullptr: packed
-  MemoryKind memory = MemoryKind::host;
-  int device = -1;
-  int64_t slot_offset = 0;
-  uint32_t first_op = 0, num_ops = 0;
-};
-
 struct SendAction {
   enum class Kind { p2p, root, holder };
   Kind kind = Kind::p2p;
@@ -52,9 +41,9 @@ struct SendAction {
   int64_t bytes = 0;        // what goes on the wire, without trailer (holder: its part)
   int64_t base = 0;         // bucket offset of this rank's packing (holder: part offset)
   std::vector<PackOp> ops;  // this rank's items (p2p: the packed fragments' items)
-  std::vector<SendFragment> fragments;  // p2p
-  int64_t packed_bytes = 0;             // p2p: slot bytes the packed fragments use
-  std::vector<GatherPart> parts;        // root: the other holders' parts to receive
+  std::vector<FragmentRoute> fragments;  // p2p
+  int64_t packed_bytes = 0;              // p2p: slot bytes the packed fragments use
+  std::vector<GatherPart> parts;         // root: the other holders' parts to receive
 };
 
 struct PipelineConfig {
@@ -97,7 +86,6 @@ class SendPipeline {
     int64_t posted_us = 0;
   };
   void compile_fragments(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
-  const char* direct_source(const Copy& c, const TensorView& tensor) const;
   void pack(const SendAction& a, size_t first, size_t count, char* buffer);
   void post_p2p(const SendAction& a, Slot& slot, int64_t step, Transport& t, PushPhases& phases);
   void post(const SendAction& a, Slot& slot, int64_t step, Transport& t, std::vector<bool>& dead,

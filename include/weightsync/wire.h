@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -62,12 +63,35 @@ int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wir
 // in a tensor with element `strides`: the element offset of its first element.
 std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box);
 
-// Where the elements of `box` of `tensor` start when they are one dense run
-// in memory the transport can reach (`caps`): what a fragment may be sent
-// from or received into without a copy. nullptr otherwise. CUDA memory only
-// without checksums (they are computed on the host).
-char* direct_run(const TensorView& tensor, const Box& box, const Capabilities& caps,
-                 const WireOptions& wire);
+// One fragment as one side moves it: straight from or into a registered
+// tensor (`direct`), or through the side's bucket slot at `slot_offset`, with
+// the copies of its items (pack or apply ops) at [first_op, first_op + num_ops)
+// of that side's op list.
+struct FragmentRoute {
+  int64_t bytes = 0;
+  char* direct = nullptr;  // nullptr: through the slot
+  MemoryKind memory = MemoryKind::host;
+  int device = -1;
+  int64_t slot_offset = 0;
+  uint32_t first_op = 0, num_ops = 0;
+};
+
+// The route straight from or into `box` of `tensor` when its elements are one
+// dense run in memory the transport can reach (`caps`); a route with a null
+// `direct` otherwise. CUDA memory only without checksums (they are computed
+// on the host).
+FragmentRoute direct_route(const TensorView& tensor, const Box& box, const Capabilities& caps,
+                           const WireOptions& wire);
+
+// Routes the fragments of p2p bucket `bucket` for one side. `direct(copy)`
+// offers a big item's direct route (direct_route, or none); every other item
+// is handed to `add_op(copy, shift)`, in order (its op index counts from 0),
+// its packed bytes lying at copy.offset + shift of the slot, where such
+// fragments lie back to back from `slot_bytes` on (which grows by them).
+std::vector<FragmentRoute> route_fragments(
+    const Plan& plan, int32_t bucket, int64_t direct_min_bytes,
+    const std::function<FragmentRoute(const Copy&)>& direct,
+    const std::function<void(const Copy&, int64_t shift)>& add_op, int64_t& slot_bytes);
 
 // The seed of fragment `index` of a bucket of `step` for checksum64.
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {

@@ -57,14 +57,48 @@ int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wir
          (wire.checksums ? 1 : 0);
 }
 
-char* direct_run(const TensorView& tensor, const Box& box, const Capabilities& caps,
-                 const WireOptions& wire) {
+FragmentRoute direct_route(const TensorView& tensor, const Box& box, const Capabilities& caps,
+                           const WireOptions& wire) {
+  FragmentRoute r;
   const bool reachable =
       tensor.memory == MemoryKind::host ? caps.host_memory : caps.cuda_memory && !wire.checksums;
-  if (!reachable) return nullptr;
+  if (!reachable) return r;
   const auto first = dense_run_offset(tensor.effective_strides(), box);
-  if (!first) return nullptr;
-  return static_cast<char*>(tensor.data) + *first * static_cast<int64_t>(itemsize(tensor.dtype));
+  if (!first) return r;
+  r.direct =
+      static_cast<char*>(tensor.data) + *first * static_cast<int64_t>(itemsize(tensor.dtype));
+  r.memory = tensor.memory;
+  r.device = tensor.device;
+  return r;
+}
+
+std::vector<FragmentRoute> route_fragments(
+    const Plan& plan, int32_t bucket, int64_t direct_min_bytes,
+    const std::function<FragmentRoute(const Copy&)>& direct,
+    const std::function<void(const Copy&, int64_t shift)>& add_op, int64_t& slot_bytes) {
+  const auto items = plan.items(bucket);
+  std::vector<FragmentRoute> out;
+  uint32_t ops = 0;
+  for (const Fragment& f : bucket_fragments(plan, bucket, direct_min_bytes)) {
+    if (f.count == 1 && f.bytes >= direct_min_bytes) {
+      FragmentRoute r = direct(plan.resolve(items[f.first]));
+      if (r.direct) {
+        r.bytes = f.bytes;
+        out.push_back(r);
+        continue;
+      }
+    }
+    FragmentRoute r;
+    r.bytes = f.bytes;
+    r.slot_offset = slot_bytes;
+    slot_bytes += f.bytes;
+    r.first_op = ops;
+    for (uint32_t i = f.first; i < f.first + f.count; ++i, ++ops)
+      add_op(plan.resolve(items[i]), r.slot_offset - f.offset);
+    r.num_ops = f.count;
+    out.push_back(r);
+  }
+  return out;
 }
 
 std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box) {

@@ -36,24 +36,27 @@ TEST(Wire, DenseRunOffset) {
   EXPECT_EQ(dense_run_offset(Shape{6}, box({0, 0}, {1, 2})), std::nullopt) << "rank mismatch";
 }
 
-TEST(Wire, DirectRunNeedsADenseRunTheTransportReaches) {
+TEST(Wire, DirectRouteNeedsADenseRunTheTransportReaches) {
   std::vector<uint16_t> data(24);
   const TensorView host = host_view(data.data(), DType::BF16, {4, 6});
   Capabilities caps;
   caps.host_memory = true;
   WireOptions wire;
-  EXPECT_EQ(direct_run(host, box({1, 0}, {2, 6}), caps, wire),
+  EXPECT_EQ(direct_route(host, box({1, 0}, {2, 6}), caps, wire).direct,
             reinterpret_cast<char*>(data.data() + 6));
-  EXPECT_EQ(direct_run(host, box({0, 0}, {2, 3}), caps, wire), nullptr) << "not dense";
+  EXPECT_EQ(direct_route(host, box({0, 0}, {2, 3}), caps, wire).direct, nullptr) << "not dense";
   caps.host_memory = false;
-  EXPECT_EQ(direct_run(host, box({1, 0}, {2, 6}), caps, wire), nullptr) << "host not reachable";
+  EXPECT_EQ(direct_route(host, box({1, 0}, {2, 6}), caps, wire).direct, nullptr)
+      << "host not reachable";
   // A CUDA view (never dereferenced): reachable only without checksums.
   TensorView cuda = host;
   cuda.memory = MemoryKind::cuda;
   caps.cuda_memory = true;
-  EXPECT_NE(direct_run(cuda, box({1, 0}, {2, 6}), caps, wire), nullptr);
+  const FragmentRoute route = direct_route(cuda, box({1, 0}, {2, 6}), caps, wire);
+  EXPECT_NE(route.direct, nullptr);
+  EXPECT_EQ(route.memory, MemoryKind::cuda);
   wire.checksums = true;
-  EXPECT_EQ(direct_run(cuda, box({1, 0}, {2, 6}), caps, wire), nullptr);
+  EXPECT_EQ(direct_route(cuda, box({1, 0}, {2, 6}), caps, wire).direct, nullptr);
 }
 
 TEST(Wire, OptionsJson) {
