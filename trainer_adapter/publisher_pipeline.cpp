@@ -35,10 +35,9 @@ PackOp make_pack_op(const Copy& c, const TensorView& tensor, int64_t base) {
   return op;
 }
 
-void write_trailer(char* data, int64_t bytes, int64_t step) {
-  uint64_t sum = checksum64(data, static_cast<size_t>(bytes), static_cast<uint64_t>(step));
-  for (size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8)
-    data[bytes + static_cast<int64_t>(i)] = static_cast<char>(sum & 0xff);
+// The 8-byte little-endian trailer holding `sum` (checksum.h).
+void store_trailer(char* at, uint64_t sum) {
+  for (size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8) at[i] = static_cast<char>(sum & 0xff);
 }
 
 }  // namespace
@@ -156,8 +155,9 @@ void SendPipeline::post_p2p(const SendAction& a, Slot& slot, int64_t step, Trans
     const FragmentRoute& f = a.fragments[i];
     Buffer buffer{const_cast<char*>(f.direct), static_cast<size_t>(f.bytes), f.memory, f.device,
                   nullptr};
-    if (f.direct) bytes_direct_ += static_cast<uint64_t>(f.bytes);
-    if (!f.direct) {
+    if (f.direct) {
+      bytes_direct_ += static_cast<uint64_t>(f.bytes);
+    } else {
       const auto pack_start = Clock::now();
       pack(a, f.first_op, f.num_ops, slot.data);
       pack_s += seconds_since(pack_start);
@@ -176,8 +176,7 @@ void SendPipeline::post_p2p(const SendAction& a, Slot& slot, int64_t step, Trans
         {{"bucket", a.bucket}, {"bytes", a.bytes}, {"fragments", a.fragments.size()}});
   if (!wire_.checksums) return;
   char* trailer = slot.data + a.packed_bytes;
-  for (size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8)
-    trailer[i] = static_cast<char>(sum & 0xff);
+  store_trailer(trailer, sum);
   slot.requests.push_back(t.send(peer, bucket_tag(step, a.bucket, 1),
                                  host_buffer(trailer, kBucketTrailerBytes, slot.region.get())));
   slot.engines.push_back(a.dst_engine);
@@ -211,7 +210,9 @@ void SendPipeline::post(const SendAction& a, Slot& slot, int64_t step, Transport
     drain(slot, dead, poll, phases);
     phases.gather += seconds_since(gather_start);
   }
-  if (wire_.checksums) write_trailer(slot.data, a.bytes, step);
+  if (wire_.checksums)
+    store_trailer(slot.data + a.bytes,
+                  checksum64(slot.data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step)));
   slot.bucket = a.bucket;
   slot.bytes = a.bytes;
   slot.posted_us = tracer_ ? trace_now_us() : 0;
