@@ -28,6 +28,11 @@ struct Box {
   friend bool operator==(const Box&, const Box&) = default;
 };
 
+// True when `a` and `b` are equal once leading 1s are dropped (a box of a
+// stacked trainer tensor, load_spec.h, or of an expert slot of an engine
+// param has leading length-1 dims its HF box lacks).
+bool same_lengths_but_leading_ones(const Shape& a, const Shape& b);
+
 // The common part of two boxes of equal rank; nullopt when it holds no element.
 std::optional<Box> intersect(const Box& a, const Box& b);
 
@@ -35,11 +40,15 @@ std::optional<Box> intersect(const Box& a, const Box& b);
 std::string box_str(const Box& box);
 
 // Copies the elements of `src_box` of `src` into `dst_box` of `dst`. The boxes
-// must have equal lengths and dtypes must match (Errc::mismatch otherwise).
+// must have equal lengths, up to leading dims of length 1 that one side lacks
+// (same_lengths_but_leading_ones), and dtypes must match (Errc::mismatch
+// otherwise).
 // Dims that are contiguous in both views are merged so that contiguous runs
-// move at memcpy speed. Host memory always; CUDA memory when built with CUDA
-// (`cuda_stream` is a cudaStream_t, nullptr for the default stream; the copy
-// is asynchronous on that stream then).
+// move at memcpy speed. Host memory always; CUDA memory on either side when
+// built with CUDA: one launch of the copy kernel (transposes included), after
+// the work queued on `cuda_stream` (a cudaStream_t; nullptr: the legacy
+// default stream), returning when the copy is done. A one-off copy: the data
+// path runs copy programs instead (src/core/copy_program.h).
 void copy_box(const TensorView& src, const Box& src_box, const TensorView& dst, const Box& dst_box,
               void* cuda_stream = nullptr);
 

@@ -1,12 +1,11 @@
 #include <weightsync/box.h>
 #include <weightsync/error.h>
 
+#include "core/copy_program.h"
+#include "core/cuda/gpu.h"
+
 #include <algorithm>
 #include <cstring>
-
-#ifdef WEIGHTSYNC_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace weightsync {
 
@@ -32,6 +31,15 @@ Box Box::relative_to(const Box& origin) const {
 
 Box Box::full(const Shape& shape) {
   return Box{Shape(shape.size(), 0), shape};
+}
+
+bool same_lengths_but_leading_ones(const Shape& a, const Shape& b) {
+  const Shape& longer = a.size() >= b.size() ? a : b;
+  const Shape& shorter = a.size() >= b.size() ? b : a;
+  const size_t lead = longer.size() - shorter.size();
+  for (size_t d = 0; d < lead; ++d)
+    if (longer[d] != 1) return false;
+  return std::equal(shorter.begin(), shorter.end(), longer.begin() + static_cast<ptrdiff_t>(lead));
 }
 
 std::optional<Box> intersect(const Box& a, const Box& b) {
@@ -166,7 +174,7 @@ void check_copy(const TensorView& src, const Box& src_box, const TensorView& dst
   if (src.dtype != dst.dtype)
     fail(Errc::mismatch, "copy_box: dtype ", dtype_name(src.dtype), " into ",
          dtype_name(dst.dtype));
-  if (src_box.lengths != dst_box.lengths)
+  if (!same_lengths_but_leading_ones(src_box.lengths, dst_box.lengths))
     fail(Errc::mismatch, "copy_box: box ", box_str(src_box), " into box ", box_str(dst_box),
          " of other lengths");
   if (!src_box.fits(src.shape))
@@ -183,39 +191,40 @@ int64_t element_offset(const Box& box, const Shape& strides) {
   return off;
 }
 
-#ifdef WEIGHTSYNC_HAVE_CUDA
-// Device copies go run by run; 2-D pieces use one cudaMemcpy2DAsync.
-void copy_cuda(char* d, const Shape& ds, const char* s, const Shape& ss, const Shape& len,
-               size_t item, void* stream) {
-  CopyShape c = normalize(ds.data(), ss.data(), len.data(), static_cast<int>(len.size()));
-  auto st = static_cast<cudaStream_t>(stream);
-  auto check = [](cudaError_t e) {
-    if (e != cudaSuccess)
-      fail(Errc::transport, "copy_box: CUDA copy failed: ", cudaGetErrorString(e));
-  };
-  if (c.rank == 0) return check(cudaMemcpyAsync(d, s, item, cudaMemcpyDefault, st));
-  const int in = c.rank - 1;
-  if (c.dst[in] != 1 || c.src[in] != 1)
-    fail(Errc::unsupported, "copy_box: transposed copies in CUDA memory are not supported");
-  if (c.rank == 1) return check(cudaMemcpyAsync(d, s, c.len[0] * item, cudaMemcpyDefault, st));
-  int64_t idx[16] = {};
-  const int outer = c.rank - 2;  // dims above the 2-D plane
-  while (true) {
-    check(cudaMemcpy2DAsync(d, c.dst[in - 1] * item, s, c.src[in - 1] * item, c.len[in] * item,
-                            c.len[in - 1], cudaMemcpyDefault, st));
-    int k = outer - 1;
-    for (; k >= 0; --k) {
-      d += c.dst[k] * item;
-      s += c.src[k] * item;
-      if (++idx[k] < c.len[k]) break;
-      d -= c.dst[k] * c.len[k] * item;
-      s -= c.src[k] * c.len[k] * item;
-      idx[k] = 0;
-    }
-    if (k < 0) return;
+// CUDA memory on either side: one copy program run by the copy kernel. A
+// host side (pageable memory the kernel cannot reach) is packed or unpacked
+// on the host and crosses in one cudaMemcpy of the dense block.
+void copy_cuda(const TensorView& src, const char* s, const Shape& ss, const TensorView& dst,
+               char* d, const Shape& ds, const Shape& len, size_t item, void* stream) {
+  const auto addr = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  const Shape dense = contiguous_strides(len);
+  const size_t bytes = static_cast<size_t>(numel(len)) * item;
+  if (src.memory == MemoryKind::cuda && dst.memory == MemoryKind::cuda) {
+    CopyProgram p;
+    p.add(static_cast<int64_t>(addr(s)), ss, static_cast<int64_t>(addr(d)), ds, len, item);
+    return gpu::run_once(p, dst.device, stream, 0, 0);
   }
+  const bool to_device = dst.memory == MemoryKind::cuda;
+  const int device = to_device ? dst.device : src.device;
+  gpu::Memory block(bytes, gpu::MemoryPlace::device, device);
+  std::vector<char> host(bytes);
+  CopyProgram p;
+  if (to_device) {
+    copy_strided(host.data(), dense.data(), s, ss.data(), len.data(), static_cast<int>(len.size()),
+                 item);
+    gpu::synchronize_stream(stream);  // after the stream's earlier work
+    gpu::copy_to_device(block.data(), host.data(), bytes);
+    p.add(static_cast<int64_t>(addr(block.data())), dense, static_cast<int64_t>(addr(d)), ds, len,
+          item);
+    return gpu::run_once(p, device, nullptr, 0, 0);
+  }
+  p.add(static_cast<int64_t>(addr(s)), ss, static_cast<int64_t>(addr(block.data())), dense, len,
+        item);
+  gpu::run_once(p, device, stream, 0, 0);
+  gpu::copy_to_host(host.data(), block.data(), bytes);
+  copy_strided(d, ds.data(), host.data(), dense.data(), len.data(), static_cast<int>(len.size()),
+               item);
 }
-#endif
 
 }  // namespace
 
@@ -224,20 +233,20 @@ void copy_box(const TensorView& src, const Box& src_box, const TensorView& dst, 
   check_copy(src, src_box, dst, dst_box);
   if (src_box.empty()) return;
   const size_t item = itemsize(src.dtype);
-  const Shape ss = src.effective_strides();
-  const Shape ds = dst.effective_strides();
+  Shape ss = src.effective_strides();
+  Shape ds = dst.effective_strides();
   const char* s = static_cast<const char*>(src.data) + element_offset(src_box, ss) * item;
   char* d = static_cast<char*>(dst.data) + element_offset(dst_box, ds) * item;
+  // Boxes that differ by leading length-1 dims: the shorter side steps 0 there.
+  const Shape& lengths = src_box.rank() >= dst_box.rank() ? src_box.lengths : dst_box.lengths;
+  ss.insert(ss.begin(), lengths.size() - ss.size(), 0);
+  ds.insert(ds.begin(), lengths.size() - ds.size(), 0);
   if (src.memory == MemoryKind::host && dst.memory == MemoryKind::host) {
-    copy_strided(d, ds.data(), s, ss.data(), src_box.lengths.data(),
-                 static_cast<int>(src_box.rank()), item);
+    copy_strided(d, ds.data(), s, ss.data(), lengths.data(), static_cast<int>(lengths.size()),
+                 item);
     return;
   }
-#ifdef WEIGHTSYNC_HAVE_CUDA
-  copy_cuda(d, ds, s, ss, src_box.lengths, item, cuda_stream);
-#else
-  fail(Errc::unsupported, "copy_box: CUDA memory, but weightsync was built without CUDA");
-#endif
+  copy_cuda(src, s, ss, dst, d, ds, lengths, item, cuda_stream);
 }
 
 }  // namespace weightsync

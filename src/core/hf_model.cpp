@@ -132,7 +132,11 @@ void read_moe_fields(HfModelConfig& c, const json& j, Moe moe) {
       return;
     case Moe::qwen:
     case Moe::qwen2_shared:
-      c.num_experts = req_int(j, "num_experts");
+      // transformers >= 5.2x writes Qwen MoE configs (to_dict) with the
+      // expert count as num_local_experts.
+      c.num_experts = j.contains("num_experts") || !j.contains("num_local_experts")
+                          ? req_int(j, "num_experts")
+                          : req_int(j, "num_local_experts");
       c.moe_intermediate_size = req_int(j, "moe_intermediate_size");
       c.decoder_sparse_step = opt_int(j, "decoder_sparse_step").value_or(1);
       if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {

@@ -53,12 +53,90 @@ int64_t Mesh::rank_of(const std::vector<int64_t>& coords) const {
   return rank;
 }
 
-Shape LoadSpec::hf_key_shape() const {
-  Shape s = origin_shape.empty() && !global_shape.empty() ? global_shape : origin_shape;
-  if (fused_dim && *fused_dim >= 0 && static_cast<size_t>(*fused_dim) < s.size() &&
-      !hf_keys.empty())
-    s[*fused_dim] /= static_cast<int64_t>(hf_keys.size());
+int64_t LoadSpec::keys_per_entry() const {
+  const auto keys = static_cast<int64_t>(hf_keys.size());
+  if (!stack_dim) return keys;
+  const Shape& origin = origin_shape.empty() ? global_shape : origin_shape;
+  const int64_t entries = origin.empty() ? 0 : origin[0];
+  return entries > 0 ? keys / entries : keys;
+}
+
+namespace {
+
+// The shape every key shares in the compact form.
+Shape compact_key_shape(const LoadSpec& spec) {
+  Shape s = spec.origin_shape.empty() && !spec.global_shape.empty() ? spec.global_shape
+                                                                    : spec.origin_shape;
+  const int64_t per_entry = spec.keys_per_entry();
+  if (spec.fused_dim && *spec.fused_dim >= 0 && static_cast<size_t>(*spec.fused_dim) < s.size() &&
+      per_entry > 0)
+    s[*spec.fused_dim] /= per_entry;
+  if (spec.stack_dim && !s.empty()) s.erase(s.begin());
   return s;
+}
+
+}  // namespace
+
+std::vector<Shape> LoadSpec::key_shapes() const {
+  if (segments) return detail::segment_key_shapes(*this);
+  return std::vector<Shape>(hf_keys.size(), compact_key_shape(*this));
+}
+
+Shape LoadSpec::hf_key_shape() const {
+  if (!segments) return compact_key_shape(*this);
+  const std::vector<Shape> shapes = key_shapes();
+  for (size_t k = 1; k < shapes.size(); ++k)
+    if (shapes[k] != shapes[0])
+      fail(Errc::invalid_layout, "param '", name, "': its keys have different shapes ('",
+           hf_keys[0], "' ", shape_str(shapes[0]), ", '", hf_keys[k], "' ", shape_str(shapes[k]),
+           "); ask for key_shapes()");
+  if (shapes.empty())
+    fail(Errc::invalid_layout, "param '", name, "' holds no HF key (empty segments)");
+  return shapes[0];
+}
+
+bool LoadSpec::has_padding() const {
+  if (!origin_shape.empty() && origin_shape != global_shape) return true;
+  if (!segments) return false;
+  // Segments are disjoint (validate()): they cover the tensor when their
+  // volumes add up to it.
+  int64_t covered = 0;
+  for (const LoadSegment& s : *segments) covered += s.param_box.numel();
+  return covered != numel(global_shape);
+}
+
+bool holds(const LoadSpec& spec, const Mesh& mesh, int64_t rank) {
+  if (!spec.stage) return true;
+  const int a = mesh.axis_index(spec.stage->axis);
+  if (a < 0)
+    fail(Errc::invalid_layout, "param '", spec.name, "': stage axis '", spec.stage->axis,
+         "' is not a mesh axis");
+  if (rank < 0 || rank >= mesh.world())
+    fail(Errc::invalid_argument, "rank ", rank, " out of range for a mesh of ", mesh.world(),
+         " ranks (shape ", shape_str(mesh.shape), ")");
+  int64_t stride = 1;
+  for (size_t i = static_cast<size_t>(a) + 1; i < mesh.shape.size(); ++i) stride *= mesh.shape[i];
+  return (rank / stride) % mesh.shape[static_cast<size_t>(a)] == spec.stage->index;
+}
+
+Box local_sub_box(const Box& piece_hf, const Box& piece_local, const Box& hf_sub) {
+  const size_t lead = piece_local.rank() - piece_hf.rank();
+  Box out = piece_local;
+  for (size_t d = 0; d < hf_sub.rank(); ++d) {
+    out.offsets[lead + d] += hf_sub.offsets[d] - piece_hf.offsets[d];
+    out.lengths[lead + d] = hf_sub.lengths[d];
+  }
+  return out;
+}
+
+Box hf_sub_box(const Box& piece_hf, const Box& piece_local, const Box& local_sub) {
+  const size_t lead = piece_local.rank() - piece_hf.rank();
+  Box out = piece_hf;
+  for (size_t d = 0; d < piece_hf.rank(); ++d) {
+    out.offsets[d] += local_sub.offsets[lead + d] - piece_local.offsets[lead + d];
+    out.lengths[d] = local_sub.lengths[lead + d];
+  }
+  return out;
 }
 
 namespace detail {
@@ -128,6 +206,11 @@ std::vector<std::vector<Run>> dim_runs(const LoadSpec& spec, const Mesh& mesh, i
 }  // namespace detail
 
 Shape local_shape(const LoadSpec& spec, const Mesh& mesh, int64_t rank) {
+  if (!holds(spec, mesh, rank))
+    fail(Errc::invalid_argument, "param '", spec.name, "' lives on stage ", spec.stage->index,
+         " of axis '", spec.stage->axis, "'; rank ", rank, " is on stage ",
+         mesh.coords(rank)[static_cast<size_t>(mesh.axis_index(spec.stage->axis))],
+         " and does not hold it");
   const auto runs = detail::dim_runs(spec, mesh, rank);
   Shape shape(runs.size());
   for (size_t d = 0; d < runs.size(); ++d) shape[d] = detail::total_length(runs[d]);
@@ -171,52 +254,79 @@ std::vector<PlacedRun> place_runs(const std::vector<detail::Run>& runs, int64_t 
   return out;
 }
 
+// Checks what local_pieces relies on, for specs that skipped validate():
+// keys must split the fused extent evenly (and the stack entries), or a piece
+// could name a key that does not exist.
+void check_key_split(const LoadSpec& spec, const Shape& origin) {
+  const size_t nd = origin.size();
+  const auto keys = static_cast<int64_t>(spec.hf_keys.size());
+  const int64_t per_entry = spec.keys_per_entry();
+  bool ok = keys > 0 && per_entry > 0;
+  if (ok && spec.stack_dim)
+    ok = *spec.stack_dim == 0 && nd >= 2 && origin[0] > 0 && keys == origin[0] * per_entry;
+  if (ok && spec.fused_dim)
+    ok = *spec.fused_dim >= (spec.stack_dim ? 1 : 0) && static_cast<size_t>(*spec.fused_dim) < nd &&
+         origin[*spec.fused_dim] % per_entry == 0;
+  if (ok && !spec.fused_dim) ok = per_entry == 1;
+  if (!ok)
+    fail(Errc::invalid_layout, "param '", spec.name, "': ", keys,
+         " hf_keys do not split origin_shape ", shape_str(origin), " along fused_dim ",
+         spec.fused_dim ? std::to_string(*spec.fused_dim) : std::string("null"),
+         spec.stack_dim ? cat(" stacked on dim ", *spec.stack_dim) : std::string());
+}
+
 }  // namespace
 
 std::vector<Piece> local_pieces(const LoadSpec& spec, const Mesh& mesh, int64_t rank) {
+  if (!holds(spec, mesh, rank)) return {};
   const auto runs = detail::dim_runs(spec, mesh, rank);
+  if (spec.segments) return detail::segment_pieces(spec, runs);
   const size_t nd = runs.size();
   const Shape& origin = spec.origin_shape.empty() ? spec.global_shape : spec.origin_shape;
   if (origin.size() != nd)
     fail(Errc::invalid_layout, "param '", spec.name, "': origin_shape ", shape_str(origin),
          " has another rank than global_shape ", shape_str(spec.global_shape));
-  // Cheap guards for specs that skipped validate(): keys must split the fused
-  // extent evenly, or a piece could name a key that does not exist.
-  if (spec.hf_keys.empty() ||
-      (spec.fused_dim && (*spec.fused_dim < 0 || static_cast<size_t>(*spec.fused_dim) >= nd ||
-                          origin[*spec.fused_dim] % static_cast<int64_t>(spec.hf_keys.size()))) ||
-      (!spec.fused_dim && spec.hf_keys.size() > 1))
-    fail(Errc::invalid_layout, "param '", spec.name, "': ", spec.hf_keys.size(),
-         " hf_keys do not split origin_shape ", shape_str(origin), " along fused_dim ",
-         spec.fused_dim ? std::to_string(*spec.fused_dim) : std::string("null"));
+  check_key_split(spec, origin);
+  const int64_t per_entry = spec.keys_per_entry();
+  const bool stacked = spec.stack_dim.has_value();
+  const auto fused = spec.fused_dim ? static_cast<size_t>(*spec.fused_dim) : nd;
   std::vector<std::vector<PlacedRun>> placed(nd);
   size_t count = 1;
   for (size_t d = 0; d < nd; ++d) {
+    // The stack dim is cut at every entry (each holds other keys); the fused
+    // dim at every key.
     int64_t key_extent = 0;
-    if (spec.fused_dim && static_cast<size_t>(*spec.fused_dim) == d && !spec.hf_keys.empty())
-      key_extent = origin[d] / static_cast<int64_t>(spec.hf_keys.size());
+    if (stacked && d == 0) key_extent = 1;
+    if (d == fused) key_extent = origin[d] / per_entry;
     placed[d] = place_runs(runs[d], origin[d], key_extent);
     count *= placed[d].size();
   }
   std::vector<Piece> pieces;
   if (count == 0) return pieces;
   pieces.reserve(count);
+  const size_t lead = stacked ? 1 : 0;
   // Odometer over the per-dim runs, last dim fastest (row-major piece order).
   std::vector<size_t> idx(nd, 0);
   for (size_t p = 0; p < count; ++p) {
     Piece piece;
-    piece.hf_box.offsets.resize(nd);
-    piece.hf_box.lengths.resize(nd);
+    piece.hf_box.offsets.resize(nd - lead);
+    piece.hf_box.lengths.resize(nd - lead);
     piece.local_box.offsets.resize(nd);
     piece.local_box.lengths.resize(nd);
+    int64_t entry = 0, part = 0;
     for (size_t d = 0; d < nd; ++d) {
       const PlacedRun& r = placed[d][idx[d]];
-      piece.hf_box.offsets[d] = r.global;
-      piece.hf_box.lengths[d] = r.length;
       piece.local_box.offsets[d] = r.local;
       piece.local_box.lengths[d] = r.length;
-      if (spec.fused_dim && static_cast<size_t>(*spec.fused_dim) == d) piece.key = r.key;
+      if (d < lead) {
+        entry = r.key;  // a run of length 1: the entry's index
+        continue;
+      }
+      piece.hf_box.offsets[d - lead] = r.global;
+      piece.hf_box.lengths[d - lead] = r.length;
+      if (d == fused) part = r.key;
     }
+    piece.key = static_cast<int>(entry * per_entry + part);
     pieces.push_back(std::move(piece));
     for (size_t d = nd; d-- > 0;) {
       if (++idx[d] < placed[d].size()) break;

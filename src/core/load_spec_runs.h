@@ -1,5 +1,5 @@
 // Internal: per-dim runs of global indices, shared by the LoadSpec geometry
-// and its validation.
+// and its validation; the segment form's geometry.
 #pragma once
 
 #include <weightsync/load_spec.h>
@@ -23,5 +23,12 @@ void apply_shard(std::vector<Run>& runs, int64_t w, int64_t r, int64_t interleav
                  const std::string& param, size_t shard_index);
 // The runs of every dim of `spec` held by `rank`.
 std::vector<std::vector<Run>> dim_runs(const LoadSpec& spec, const Mesh& mesh, int64_t rank);
+
+// The segment form (load_spec_segments.cpp): the pieces of the part of the
+// global tensor given by `runs`, segment by segment; each key's extent over
+// its segments; and the checks of validate() (`where` names the param).
+std::vector<Piece> segment_pieces(const LoadSpec& spec, const std::vector<std::vector<Run>>& runs);
+std::vector<Shape> segment_key_shapes(const LoadSpec& spec);
+void validate_segments(const LoadSpec& spec, const std::string& where);
 
 }  // namespace weightsync::detail

@@ -5,6 +5,8 @@
 #include <weightsync/load_spec.h>
 #include <weightsync/safetensors.h>
 
+#include "load_spec_mirror.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -28,12 +30,10 @@ void copy_local_rows(const Checkpoint& checkpoint, const LoadSpec& spec,
     std::optional<Box> part =
         local.empty() ? std::optional<Box>(piece.local_box) : intersect(piece.local_box, window);
     if (!part) continue;
-    Box src_box = piece.hf_box;
-    for (size_t d = 0; d < src_box.rank(); ++d)
-      src_box.offsets[d] += part->offsets[d] - piece.local_box.offsets[d];
-    src_box.lengths = part->lengths;
-    const TensorView src = checkpoint.view(spec.hf_keys[piece.key]);
-    copy_box(src, src_box, dst_view, part->relative_to(window));
+    // A stacked key lacks the local tensor's leading stack dim; copy_box
+    // takes boxes that differ by leading length-1 dims.
+    copy_box(checkpoint.view(spec.hf_keys[piece.key]),
+             hf_sub_box(piece.hf_box, piece.local_box, *part), dst_view, part->relative_to(window));
   }
 }
 
@@ -44,8 +44,10 @@ void check_rank(const Mesh& mesh, int64_t rank) {
 }
 
 void check_spec_keys(const Checkpoint& checkpoint, const LoadSpec& spec) {
-  const Shape expected = spec.hf_key_shape();
-  for (const std::string& key : spec.hf_keys) {
+  const std::vector<Shape> shapes = spec.key_shapes();
+  for (size_t k = 0; k < spec.hf_keys.size(); ++k) {
+    const std::string& key = spec.hf_keys[k];
+    const Shape& expected = shapes[k];
     if (!checkpoint.contains(key))
       fail(Errc::not_found, "checkpoint '", checkpoint.path(), "' has no tensor '", key,
            "' (needed by trainer param '", spec.name, "')");
@@ -59,10 +61,39 @@ void check_spec_keys(const Checkpoint& checkpoint, const LoadSpec& spec) {
   }
 }
 
+// What fills `spec`'s local tensor: the spec itself, or for a mirror the
+// compact spec of the one key it copies (same global shape and shards; the
+// key's checkpoint shape as its origin, the rest padding).
+LoadSpec content_of(const Checkpoint& checkpoint, const LoadSpec& spec) {
+  if (!spec.mirror_of) return spec;
+  const std::string& key = *spec.mirror_of;
+  if (!checkpoint.contains(key))
+    fail(Errc::not_found, "checkpoint '", checkpoint.path(), "' has no tensor '", key,
+         "' (mirrored by trainer param '", spec.name, "')");
+  return detail::mirror_content(spec, checkpoint.info(key).shape);
+}
+
 }  // namespace
 
+LoadSpec detail::mirror_content(const LoadSpec& spec, const Shape& key_shape) {
+  if (!spec.mirror_of) return spec;
+  if (!Box::full(key_shape).fits(spec.global_shape))
+    fail(Errc::mismatch, "checkpoint tensor '", *spec.mirror_of, "' has shape ",
+         shape_str(key_shape), ", which does not fit trainer param '", spec.name, "' ",
+         shape_str(spec.global_shape), " that mirrors it");
+  LoadSpec c = spec;
+  c.mirror_of.reset();
+  c.segments.reset();
+  c.hf_keys = {*spec.mirror_of};
+  c.fused_dim.reset();
+  c.stack_dim.reset();
+  c.origin_shape = key_shape;
+  return c;
+}
+
 void check_checkpoint(const Checkpoint& checkpoint, const TrainerLayout& layout) {
-  for (const LoadSpec& spec : layout.params) check_spec_keys(checkpoint, spec);
+  for (const LoadSpec& spec : layout.params)
+    check_spec_keys(checkpoint, content_of(checkpoint, spec));
 }
 
 void fill_local_tensor(const Checkpoint& checkpoint, const LoadSpec& spec, const Mesh& mesh,
@@ -74,10 +105,11 @@ void fill_local_tensor(const Checkpoint& checkpoint, const LoadSpec& spec, const
     fail(Errc::mismatch, "param '", spec.name, "' on rank ", rank, ": destination ",
          dtype_name(dst.dtype), shape_str(dst.shape), " is not a contiguous host tensor of ",
          dtype_name(spec.dtype), shape_str(local));
-  check_spec_keys(checkpoint, spec);
+  const LoadSpec content = content_of(checkpoint, spec);
+  check_spec_keys(checkpoint, content);
   if (dst.nbytes() == 0) return;
   std::memset(dst.data, 0, dst.nbytes());
-  copy_local_rows(checkpoint, spec, local_pieces(spec, mesh, rank), local, 0,
+  copy_local_rows(checkpoint, content, local_pieces(content, mesh, rank), local, 0,
                   local.empty() ? 1 : local[0], dst.data);
 }
 
@@ -87,14 +119,18 @@ void write_rank_shard(const Checkpoint& checkpoint, const TrainerLayout& layout,
   layout.validate();
   check_rank(layout.mesh, rank);
   check_checkpoint(checkpoint, layout);
+  // Only the params of the rank's stages: names repeat across stages.
+  const std::vector<size_t> held = layout.rank_params(rank);
   std::vector<SafetensorsWriter::Entry> entries;
-  entries.reserve(layout.params.size());
-  for (const LoadSpec& spec : layout.params)
+  entries.reserve(held.size());
+  for (size_t p : held) {
+    const LoadSpec& spec = layout.params[p];
     entries.push_back({spec.name, spec.dtype, local_shape(spec, layout.mesh, rank)});
+  }
   SafetensorsWriter writer(out_path, entries, {{"weightsync.trainer_rank", std::to_string(rank)}});
   std::vector<char> buffer;
-  for (size_t i = 0; i < layout.params.size(); ++i) {
-    const LoadSpec& spec = layout.params[i];
+  for (size_t i = 0; i < held.size(); ++i) {
+    const LoadSpec spec = content_of(checkpoint, layout.params[held[i]]);
     const Shape& local = entries[i].shape;
     if (numel(local) == 0) continue;
     const std::vector<Piece> pieces = local_pieces(spec, layout.mesh, rank);

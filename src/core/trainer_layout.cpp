@@ -2,6 +2,8 @@
 #include <weightsync/error.h>
 #include <weightsync/trainer_layout.h>
 
+#include "trainer_layout_internal.h"
+
 #include <charconv>
 #include <set>
 #include <unordered_map>
@@ -59,6 +61,8 @@ void add_moe_params(TrainerLayout& layout, MoeLayerKeys moe, const Shape& gate_s
 
 TrainerLayout make_trainer_layout(const HfModelConfig& config, const Mesh& mesh,
                                   const TrainerLayoutOptions& options) {
+  if (options.style == TrainerLayoutStyle::megatron)
+    return make_megatron_layout(config, megatron_parallel(mesh), options.megatron, options.dtype);
   TrainerLayout layout;
   layout.mesh = mesh;
   const DType dtype = options.dtype.value_or(config.dtype);
@@ -106,6 +110,7 @@ TrainerLayout make_trainer_layout(const HfModelConfig& config, const Mesh& mesh,
     if (!spec.global_shape.empty()) spec.shards = dim0_shards(mesh, false);
     layout.params.push_back(std::move(spec));
   }
+  if (options.style == TrainerLayoutStyle::transformers) to_transformers_style(layout, config);
   layout.validate();
   return layout;
 }

@@ -9,6 +9,22 @@
 namespace weightsync {
 namespace {
 
+TEST(TensorView, NonOverlappingViews) {
+  auto view = [](Shape shape, Shape strides) {
+    TensorView v = host_view(nullptr, DType::F32, std::move(shape));
+    v.strides = std::move(strides);
+    return v;
+  };
+  EXPECT_TRUE(view({4, 3}, {}).is_non_overlapping());
+  EXPECT_TRUE(view({4, 3}, {1, 4}).is_non_overlapping());   // transposed
+  EXPECT_TRUE(view({4, 3}, {8, 1}).is_non_overlapping());   // rows of a wider buffer
+  EXPECT_TRUE(view({4, 1}, {1, 0}).is_non_overlapping());   // stride 0 on a dim of 1
+  EXPECT_FALSE(view({4, 3}, {0, 1}).is_non_overlapping());  // expanded rows
+  EXPECT_FALSE(view({4, 3}, {2, 1}).is_non_overlapping());  // rows overlap by one
+  EXPECT_FALSE(view({2, 2, 2}, {2, 1, 1}).is_non_overlapping());
+  EXPECT_TRUE(view({2, 3, 2}, {6, 1, 3}).is_non_overlapping());
+}
+
 TEST(Box, IntersectAndEmpty) {
   Box a{{0, 2}, {4, 4}};
   Box b{{2, 0}, {4, 3}};

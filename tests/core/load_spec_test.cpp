@@ -221,6 +221,94 @@ TEST(LoadSpec, ScalarAndEmptyTensors) {
   EXPECT_TRUE(local_pieces(empty, m, 0).empty());
 }
 
+// transformers >= 5: experts.gate_up_proj [E, 2I, H] holds, per expert, gate
+// then up, each [I, H] on disk.
+LoadSpec stacked_gate_up(int64_t experts, int64_t inter, int64_t hidden) {
+  LoadSpec s;
+  s.name = "mlp.experts.gate_up_proj";
+  for (int64_t e = 0; e < experts; ++e) {
+    s.hf_keys.push_back(cat("mlp.experts.", e, ".gate_proj.weight"));
+    s.hf_keys.push_back(cat("mlp.experts.", e, ".up_proj.weight"));
+  }
+  s.stack_dim = 0;
+  s.fused_dim = 1;
+  s.global_shape = {experts, 2 * inter, hidden};
+  s.origin_shape = s.global_shape;
+  return s;
+}
+
+TEST(LoadSpec, StackedKeysLoseTheStackDim) {
+  const LoadSpec s = stacked_gate_up(4, 3, 5);
+  EXPECT_EQ(s.keys_per_entry(), 2);
+  EXPECT_EQ(s.hf_key_shape(), (Shape{3, 5}));
+}
+
+TEST(LoadSpec, StackedKeysGiveOnePiecePerEntryAndKey) {
+  // 4 experts over ep=2: rank 1 holds experts 2 and 3, each a gate and an up piece.
+  const Mesh m = mesh_of({"ep"}, {2});
+  LoadSpec s = stacked_gate_up(4, 3, 5);
+  s.shards = {{0, "ep", 1}};
+  EXPECT_EQ(local_shape(s, m, 1), (Shape{2, 6, 5}));
+  const auto pieces = local_pieces(s, m, 1);
+  ASSERT_EQ(pieces.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(s.hf_keys[static_cast<size_t>(pieces[i].key)],
+              cat("mlp.experts.", 2 + i / 2, i % 2 ? ".up_proj.weight" : ".gate_proj.weight"));
+    EXPECT_EQ(pieces[i].hf_box, (Box{{0, 0}, {3, 5}}));
+    EXPECT_EQ(pieces[i].local_box, (Box{{i / 2, 3 * (i % 2), 0}, {1, 3, 5}}));
+  }
+}
+
+TEST(LoadSpec, StackedKeysShardedInsideAnEntry) {
+  // FSDP=4 on dim 1 (6 rows: gate 0..2, up 3..5), chunk 2: rank 1 holds gate
+  // row 2 and up row 0.
+  const Mesh m = mesh_of({"fsdp"}, {4});
+  LoadSpec s = stacked_gate_up(1, 3, 2);
+  s.shards = {{1, "fsdp", 1}};
+  const auto pieces = local_pieces(s, m, 1);
+  ASSERT_EQ(pieces.size(), 2u);
+  EXPECT_EQ(pieces[0].key, 0);
+  EXPECT_EQ(pieces[0].hf_box, (Box{{2, 0}, {1, 2}}));
+  EXPECT_EQ(pieces[0].local_box, (Box{{0, 0, 0}, {1, 1, 2}}));
+  EXPECT_EQ(pieces[1].key, 1);
+  EXPECT_EQ(pieces[1].hf_box, (Box{{0, 0}, {1, 2}}));
+  EXPECT_EQ(pieces[1].local_box, (Box{{0, 1, 0}, {1, 1, 2}}));
+  EXPECT_EQ(local_sub_box(pieces[1].hf_box, pieces[1].local_box, Box{{0, 1}, {1, 1}}),
+            (Box{{0, 1, 1}, {1, 1, 1}}));
+  EXPECT_EQ(hf_sub_box(pieces[1].hf_box, pieces[1].local_box, Box{{0, 1, 1}, {1, 1, 1}}),
+            (Box{{0, 1}, {1, 1}}));
+}
+
+TEST(LoadSpec, StackedKeysValidation) {
+  auto rejects = [](LoadSpec s, const std::string& what) {
+    TrainerLayout l{mesh_of({"ep"}, {2}), {std::move(s)}};
+    try {
+      l.validate();
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_layout);
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  LoadSpec s = stacked_gate_up(4, 3, 5);
+  s.stack_dim = 1;
+  rejects(s, "stack_dim 1 is not supported");
+  s = stacked_gate_up(4, 3, 5);
+  s.hf_keys.pop_back();
+  rejects(s, "7 hf_keys are not a whole number per entry");
+  s = stacked_gate_up(4, 3, 5);
+  s.fused_dim.reset();
+  rejects(s, "2 hf_keys per stacked entry need a fused_dim");
+  s = stacked_gate_up(4, 3, 5);
+  s.fused_dim = 0;
+  rejects(s, "must be a dim after stack_dim 0");
+  s = stacked_gate_up(4, 3, 5);
+  s.global_shape[1] = s.origin_shape[1] = 7;
+  rejects(s, "do not divide the fused extent 7");
+  TrainerLayout ok{mesh_of({"ep"}, {2}), {stacked_gate_up(4, 3, 5)}};
+  EXPECT_NO_THROW(ok.validate());
+}
+
 TEST(TrainerLayout, JsonRoundTrip) {
   const nlohmann::json j = nlohmann::json::parse(R"({
     "mesh": {"axes": ["ep", "fsdp"], "shape": [2, 2]},
@@ -230,10 +318,16 @@ TEST(TrainerLayout, JsonRoundTrip) {
       {"name": "embed", "hf_keys": ["embed"], "global_shape": [10, 4], "origin_shape": [9, 4],
        "dtype": "BF16", "shards": [{"dim": 0, "axis": "fsdp", "interleave": 1}]},
       {"name": "norm", "hf_keys": ["norm"], "fused_dim": null, "global_shape": [4],
-       "dtype": "F8_E4M3", "shards": []}
+       "dtype": "F8_E4M3", "shards": []},
+      {"name": "down", "hf_keys": ["e0.down", "e1.down"], "stack_dim": 0, "global_shape": [2, 3, 4],
+       "dtype": "BF16", "shards": [{"dim": 0, "axis": "ep"}]}
     ]})");
   const TrainerLayout layout = TrainerLayout::from_json(j);
-  ASSERT_EQ(layout.params.size(), 3u);
+  ASSERT_EQ(layout.params.size(), 4u);
+  EXPECT_EQ(layout.params[3].stack_dim, 0);
+  EXPECT_EQ(layout.params[3].hf_key_shape(), (Shape{3, 4}));
+  EXPECT_FALSE(layout.params[0].stack_dim.has_value());
+  EXPECT_FALSE(layout.to_json()["params"][0].contains("stack_dim"));
   EXPECT_EQ(layout.params[0].fused_dim, 0);
   EXPECT_EQ(layout.params[0].hf_key_shape(), (Shape{4, 4}));
   EXPECT_EQ(layout.params[0].dtype, DType::F32);

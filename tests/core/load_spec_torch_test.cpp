@@ -20,7 +20,7 @@
 namespace weightsync {
 namespace {
 
-const char* kPython = "/usr/bin/python3";
+const char* kPython = WEIGHTSYNC_TEST_PYTHON;
 
 // Reads cases [{mesh, spec}] from argv[1]; prints, per case and rank, the
 // local tensor's shape and flat values.

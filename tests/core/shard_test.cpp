@@ -52,7 +52,8 @@ std::map<std::string, Bytes> write_checkpoint(const std::string& path,
 }
 
 // Mesh dp=2 x ep=2 x fsdp=3 and params exercising every rule: fused keys with
-// EP then FSDP, tail padding, interleave, an empty local shard, replication.
+// EP then FSDP, tail padding, interleave, an empty local shard, replication,
+// keys stacked on a leading dim (fused and padded; transformers >= 5 experts).
 TrainerLayout mixed_layout() {
   return TrainerLayout::from_json(nlohmann::json::parse(R"({
     "mesh": {"axes": ["dp", "ep", "fsdp"], "shape": [2, 2, 3]},
@@ -64,15 +65,58 @@ TrainerLayout mixed_layout() {
        "dtype": "BF16", "shards": [{"dim": 0, "axis": "fsdp"}]},
       {"name": "w13", "hf_keys": ["w13"], "global_shape": [8, 4], "dtype": "F16",
        "shards": [{"dim": 0, "axis": "ep", "interleave": 2}, {"dim": 1, "axis": "fsdp"}]},
-      {"name": "norm", "hf_keys": ["norm"], "global_shape": [5], "dtype": "F32", "shards": []}
+      {"name": "norm", "hf_keys": ["norm"], "global_shape": [5], "dtype": "F32", "shards": []},
+      {"name": "experts.stacked_gate_up", "stack_dim": 0, "fused_dim": 1,
+       "global_shape": [5, 6, 3], "dtype": "BF16",
+       "hf_keys": ["s0.gate", "s0.up", "s1.gate", "s1.up", "s2.gate", "s2.up", "s3.gate",
+                   "s3.up", "s4.gate", "s4.up"],
+       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 0, "axis": "fsdp"}]},
+      {"name": "experts.stacked_down", "stack_dim": 0, "global_shape": [6, 3, 2],
+       "origin_shape": [5, 3, 2], "dtype": "F32",
+       "hf_keys": ["s0.down", "s1.down", "s2.down", "s3.down", "s4.down"],
+       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 1, "axis": "fsdp"}]}
     ]})"));
 }
 
 std::map<std::string, KeySpec> keys_of(const TrainerLayout& layout) {
   std::map<std::string, KeySpec> keys;
-  for (const LoadSpec& p : layout.params)
-    for (const auto& k : p.hf_keys) keys[k] = {p.dtype, p.hf_key_shape()};
+  for (const LoadSpec& p : layout.params) {
+    const std::vector<Shape> shapes = p.key_shapes();
+    for (size_t k = 0; k < p.hf_keys.size(); ++k) keys[p.hf_keys[k]] = {p.dtype, shapes[k]};
+  }
   return keys;
+}
+
+// Mesh pp=2 x tp=2: grouped QKV (segments, tp on whole groups) and a
+// per-stage weight under one local name, a copy with no HF content on stage
+// 1, a param on every rank.
+TrainerLayout staged_layout() {
+  return TrainerLayout::from_json(nlohmann::json::parse(R"({
+    "mesh": {"axes": ["pp", "tp"], "shape": [2, 2]},
+    "params": [
+      {"name": "layers.0.qkv", "global_shape": [12, 3], "dtype": "BF16",
+       "shards": [{"dim": 0, "axis": "tp"}], "stage": {"axis": "pp", "index": 0},
+       "segments": [
+         {"hf_key": "l0.q", "hf_box": {"offsets": [0, 0], "lengths": [4, 3]},
+          "param_box": {"offsets": [0, 0], "lengths": [4, 3]}},
+         {"hf_key": "l0.k", "hf_box": {"offsets": [0, 0], "lengths": [1, 3]},
+          "param_box": {"offsets": [4, 0], "lengths": [1, 3]}},
+         {"hf_key": "l0.v", "hf_box": {"offsets": [0, 0], "lengths": [1, 3]},
+          "param_box": {"offsets": [5, 0], "lengths": [1, 3]}},
+         {"hf_key": "l0.q", "hf_box": {"offsets": [4, 0], "lengths": [4, 3]},
+          "param_box": {"offsets": [6, 0], "lengths": [4, 3]}},
+         {"hf_key": "l0.k", "hf_box": {"offsets": [1, 0], "lengths": [1, 3]},
+          "param_box": {"offsets": [10, 0], "lengths": [1, 3]}},
+         {"hf_key": "l0.v", "hf_box": {"offsets": [1, 0], "lengths": [1, 3]},
+          "param_box": {"offsets": [11, 0], "lengths": [1, 3]}}]},
+      {"name": "layers.0.w", "hf_keys": ["l0.w"], "global_shape": [4, 2], "dtype": "F32",
+       "shards": [{"dim": 1, "axis": "tp"}], "stage": {"axis": "pp", "index": 0}},
+      {"name": "layers.0.w", "hf_keys": ["l1.w"], "global_shape": [6, 2], "origin_shape": [5, 2],
+       "dtype": "F32", "shards": [{"dim": 0, "axis": "tp"}], "stage": {"axis": "pp", "index": 1}},
+      {"name": "tied_copy", "hf_keys": [], "segments": [], "global_shape": [2, 3],
+       "dtype": "F32", "shards": [], "stage": {"axis": "pp", "index": 1}},
+      {"name": "norm", "hf_keys": ["norm"], "global_shape": [3], "dtype": "F16", "shards": []}
+    ]})"));
 }
 
 // Reads every rank's shard file back into HF tensors; checks shapes, dtypes
@@ -84,8 +128,10 @@ std::map<std::string, Bytes> reassemble(const TrainerLayout& layout,
     out[key].assign(numel(ks.shape) * itemsize(ks.dtype), 0);
   for (int64_t r = 0; r < layout.mesh.world(); ++r) {
     const auto file = SafetensorsFile::open(shard_files[r]);
-    EXPECT_EQ(file->tensors().size(), layout.params.size());
-    for (const LoadSpec& spec : layout.params) {
+    // A rank's file holds exactly the params of its stages.
+    EXPECT_EQ(file->tensors().size(), layout.rank_params(r).size());
+    for (size_t p : layout.rank_params(r)) {
+      const LoadSpec& spec = layout.params[p];
       const TensorInfo* info = file->find(spec.name);
       EXPECT_NE(info, nullptr) << spec.name << " missing on rank " << r;
       if (!info) continue;
@@ -96,10 +142,11 @@ std::map<std::string, Bytes> reassemble(const TrainerLayout& layout,
       Bytes mask(local.numel(), 0);
       const TensorView mask_view = host_view(mask.data(), DType::U8, Shape(local.shape));
       const size_t isz = itemsize(spec.dtype);
+      const std::vector<Shape> key_shapes = spec.key_shapes();
       for (const Piece& p : local_pieces(spec, layout.mesh, r)) {
-        const Shape key_shape = spec.hf_key_shape();
         copy_box(local, p.local_box,
-                 host_view(out[spec.hf_keys[p.key]].data(), spec.dtype, key_shape), p.hf_box);
+                 host_view(out[spec.hf_keys[p.key]].data(), spec.dtype, key_shapes[p.key]),
+                 p.hf_box);
         Bytes ones(p.local_box.numel(), 1);
         copy_box(host_view(ones.data(), DType::U8, p.local_box.lengths),
                  Box::full(p.local_box.lengths), mask_view, p.local_box);
@@ -135,6 +182,31 @@ TEST_F(Shard, EveryRankReassemblesTheCheckpoint) {
   for (const auto& [key, bytes] : original) EXPECT_TRUE(rebuilt.at(key) == bytes) << key;
 }
 
+TEST_F(Shard, SegmentsAndStagesReassembleTheCheckpoint) {
+  const TrainerLayout layout = staged_layout();
+  const auto original = write_checkpoint(path("ckpt.safetensors"), keys_of(layout), 17);
+  const Checkpoint ckpt = Checkpoint::open(path("ckpt.safetensors"));
+  std::vector<std::string> files;
+  for (int64_t r = 0; r < layout.mesh.world(); ++r) {
+    files.push_back(path("rank" + std::to_string(r) + ".safetensors"));
+    write_rank_shard(ckpt, layout, r, files.back(), 16);
+  }
+  // Stage 1's ranks hold their own "layers.0.w" (key l1.w) and the copy.
+  const auto stage1 = SafetensorsFile::open(files[layout.mesh.rank_of({1, 1})]);
+  EXPECT_EQ(stage1->find("layers.0.w")->shape, (Shape{3, 2}));
+  EXPECT_NE(stage1->find("tied_copy"), nullptr);
+  EXPECT_EQ(stage1->find("layers.0.qkv"), nullptr);
+  // tp rank 1 of stage 0 holds group 1 of the QKV: q rows 4..8, k 1, v 1.
+  const auto stage0 = SafetensorsFile::open(files[layout.mesh.rank_of({0, 1})]);
+  const TensorView qkv = stage0->view("layers.0.qkv");
+  const auto* got = static_cast<const uint8_t*>(qkv.data);
+  const Bytes& q = original.at("l0.q");
+  EXPECT_TRUE(std::equal(q.begin() + 4 * 3 * 2, q.end(), got)) << "q rows of group 1";
+  EXPECT_TRUE(std::equal(original.at("l0.k").begin() + 6, original.at("l0.k").end(), got + 24));
+  const auto rebuilt = reassemble(layout, files);
+  for (const auto& [key, bytes] : original) EXPECT_TRUE(rebuilt.at(key) == bytes) << key;
+}
+
 TEST_F(Shard, FillLocalTensorMatchesTheShardFile) {
   const TrainerLayout layout = mixed_layout();
   write_checkpoint(path("ckpt.safetensors"), keys_of(layout), 8);
@@ -158,10 +230,20 @@ TEST_F(Shard, FillLocalTensorMatchesTheShardFile) {
                Error);
 }
 
-TEST_F(Shard, TinyMoeModelRoundTripsWithGeneratedLayout) {
+TrainerLayoutOptions style_of(TrainerLayoutStyle style) {
+  TrainerLayoutOptions o;
+  o.style = style;
+  return o;
+}
+
+// Both layout styles: XTuner's fused experts and transformers' stacked ones.
+class ShardStyles : public ScratchDir, public ::testing::WithParamInterface<TrainerLayoutStyle> {};
+
+TEST_P(ShardStyles, TinyMoeModelRoundTripsWithGeneratedLayout) {
   const HfModelConfig config = HfModelConfig::load(std::string(WEIGHTSYNC_SOURCE_DIR) +
                                                    "/configs/models/tiny-qwen3-moe/config.json");
-  const TrainerLayout layout = make_trainer_layout(config, parse_mesh_spec("ep=2,fsdp=3"));
+  const TrainerLayout layout =
+      make_trainer_layout(config, parse_mesh_spec("ep=2,fsdp=3"), style_of(GetParam()));
   write_random_checkpoint(path("ckpt"), hf_tensors(config), {.seed = 3, .num_files = 2});
   const Checkpoint ckpt = Checkpoint::open(path("ckpt"));
   std::vector<std::string> files;
@@ -176,6 +258,13 @@ TEST_F(Shard, TinyMoeModelRoundTripsWithGeneratedLayout) {
     EXPECT_TRUE(rebuilt.at(t.key) == Bytes(p, p + v.nbytes())) << t.key;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Styles, ShardStyles,
+                         ::testing::Values(TrainerLayoutStyle::xtuner,
+                                           TrainerLayoutStyle::transformers),
+                         [](const auto& info) {
+                           return std::string(trainer_layout_style_name(info.param));
+                         });
 
 TEST_F(Shard, CheckedInPaddedVocabExampleRoundTrips) {
   const std::string src = WEIGHTSYNC_SOURCE_DIR;

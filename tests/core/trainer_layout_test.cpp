@@ -20,6 +20,12 @@ HfModelConfig model(const std::string& name) {
                              "/config.json");
 }
 
+TrainerLayoutOptions transformers_style() {
+  TrainerLayoutOptions o;
+  o.style = TrainerLayoutStyle::transformers;
+  return o;
+}
+
 const LoadSpec* find(const TrainerLayout& layout, const std::string& name) {
   for (const auto& p : layout.params)
     if (p.name == name) return &p;
@@ -131,6 +137,61 @@ TEST(TrainerLayoutGen, EveryFamilyCoversItsCheckpoint) {
   }
 }
 
+TEST(TrainerLayoutGen, TransformersStyleStacksExperts) {
+  const HfModelConfig config = model("tiny-qwen3-moe");
+  const TrainerLayout layout =
+      make_trainer_layout(config, parse_mesh_spec("ep=2,fsdp=3"), transformers_style());
+  expect_covers_model(config, layout);
+  const int64_t e = config.num_experts, i = config.moe_intermediate_size, h = config.hidden_size;
+  const LoadSpec* gu = find(layout, "model.layers.0.mlp.experts.gate_up_proj");
+  ASSERT_NE(gu, nullptr);
+  EXPECT_EQ(gu->global_shape, (Shape{e, 2 * i, h}));
+  EXPECT_EQ(gu->stack_dim, 0);
+  EXPECT_EQ(gu->fused_dim, 1);
+  EXPECT_EQ(gu->hf_keys[1], "model.layers.0.mlp.experts.0.up_proj.weight");
+  ASSERT_EQ(gu->shards.size(), 2u);
+  EXPECT_EQ(gu->shards[0].axis, "ep");
+  EXPECT_EQ(gu->shards[0].dim, 0);
+  const LoadSpec* down = find(layout, "model.layers.0.mlp.experts.down_proj");
+  ASSERT_NE(down, nullptr);
+  EXPECT_EQ(down->global_shape, (Shape{e, h, i}));
+  EXPECT_FALSE(down->fused_dim.has_value());
+}
+
+// transformers_param maps every param of the transformers-style layout back
+// to the same keys, for every family (the Python side relies on it).
+TEST(TrainerLayoutGen, TransformersParamInvertsTheTransformersStyle) {
+  for (const char* name : {"tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
+                           "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3", "Kimi-K2"}) {
+    SCOPED_TRACE(name);
+    const HfModelConfig config = model(name);
+    const TrainerLayout layout =
+        make_trainer_layout(config, parse_mesh_spec("ep=2,fsdp=2"), transformers_style());
+    expect_covers_model(config, layout);
+    for (const LoadSpec& p : layout.params) {
+      EXPECT_EQ(p.name.find("block_sparse_moe"), std::string::npos) << p.name;
+      const TransformersParam t = transformers_param(config.model_type, p.name, p.global_shape);
+      EXPECT_EQ(t.hf_keys, p.hf_keys) << p.name;
+      EXPECT_EQ(t.fused_dim, p.fused_dim) << p.name;
+      EXPECT_EQ(t.stack_dim, p.stack_dim) << p.name;
+    }
+  }
+}
+
+TEST(TrainerLayoutGen, TransformersParamRenamesMixtralAndRejectsOddGateUp) {
+  EXPECT_EQ(transformers_param("mixtral", "model.layers.2.mlp.gate.weight", {8, 16}).hf_keys,
+            std::vector<std::string>{"model.layers.2.block_sparse_moe.gate.weight"});
+  EXPECT_EQ(
+      transformers_param("mixtral", "model.layers.2.mlp.experts.down_proj", {2, 4, 3}).hf_keys,
+      (std::vector<std::string>{"model.layers.2.block_sparse_moe.experts.0.w2.weight",
+                                "model.layers.2.block_sparse_moe.experts.1.w2.weight"}));
+  EXPECT_EQ(transformers_param("llama", "model.norm.weight", {4}).hf_keys,
+            std::vector<std::string>{"model.norm.weight"});
+  EXPECT_THROW(transformers_param("qwen3_moe", "m.experts.gate_up_proj", {2, 5, 4}), Error);
+  EXPECT_EQ(parse_trainer_layout_style("megatron"), TrainerLayoutStyle::megatron);
+  EXPECT_THROW(parse_trainer_layout_style("deepspeed"), Error);
+}
+
 TEST(TrainerLayoutGen, DeepSeekSharedExpertsStayDense) {
   const HfModelConfig config = model("tiny-deepseek-v3");
   const TrainerLayout layout = make_trainer_layout(config, parse_mesh_spec("ep=2,fsdp=2"));
@@ -169,6 +230,24 @@ TEST(TrainerLayoutCli, PrintsTheLayoutJson) {
   const TrainerLayout expected =
       make_trainer_layout(HfModelConfig::load(cfg), parse_mesh_spec("ep=2,fsdp=3"));
   EXPECT_EQ(printed.to_json(), expected.to_json());
+}
+
+TEST(TrainerLayoutCli, TransformersStyle) {
+  const std::string cmd = std::string(WEIGHTSYNC_CLI) + " trainer-layout --hf-config " +
+                          WEIGHTSYNC_SOURCE_DIR +
+                          "/configs/models/tiny-mixtral/config.json --mesh ep=2 --style "
+                          "transformers";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  ASSERT_EQ(pclose(pipe), 0);
+  const TrainerLayout layout = TrainerLayout::from_json(nlohmann::json::parse(out));
+  const LoadSpec* gu = find(layout, "model.layers.0.mlp.experts.gate_up_proj");
+  ASSERT_NE(gu, nullptr);
+  EXPECT_EQ(gu->stack_dim, 0);
+  EXPECT_EQ(gu->hf_keys[0], "model.layers.0.block_sparse_moe.experts.0.w1.weight");
 }
 
 TEST(TrainerLayoutCli, BadMeshIsAClearError) {

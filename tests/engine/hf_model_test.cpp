@@ -94,6 +94,18 @@ TEST(HfModel, Qwen3HasQkNormsAndMoeSkipsMlpOnlyLayers) {
   EXPECT_EQ(layers[1].up[4], "model.layers.2.mlp.experts.4.up_proj.weight");
 }
 
+// transformers >= 5.2x's to_dict() of a Qwen MoE config names the expert
+// count num_local_experts.
+TEST(HfModel, QwenMoeExpertCountUnderEitherName) {
+  nlohmann::json j = model("tiny-qwen3-moe").raw;
+  const int64_t experts = j.at("num_experts");
+  j.erase("num_experts");
+  j["num_local_experts"] = experts;
+  EXPECT_EQ(HfModelConfig::from_json(j).num_experts, experts);
+  j.erase("num_local_experts");
+  EXPECT_TRUE(throws_errc([&] { HfModelConfig::from_json(j); }, Errc::format));
+}
+
 TEST(HfModel, Qwen2MoeHasSharedExpertAndItsGate) {
   const auto m = tensor_map(model("tiny-qwen2-moe"));
   EXPECT_EQ(m.at("model.layers.0.mlp.shared_expert.gate_proj.weight"), (Shape{64, 64}));
