@@ -4,9 +4,6 @@ include(CMakePackageConfigHelpers)
 install(DIRECTORY include/weightsync DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 set(_ws_targets weightsync weightsync_options weightsync_core weightsync_control
     weightsync_transport weightsync_engine weightsync_trainer)
-if(TARGET weightsync_nccl_dep)
-  list(APPEND _ws_targets weightsync_nccl_dep)
-endif()
 install(TARGETS ${_ws_targets} EXPORT weightsyncTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
@@ -24,3 +21,20 @@ write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/weightsyncConfigVer
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/weightsyncConfig.cmake
               ${CMAKE_CURRENT_BINARY_DIR}/weightsyncConfigVersion.cmake
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/weightsync)
+
+# Data files the command finds beside itself (tools/weightsync/cli.h,
+# find_data): the benches' peer baselines and the model configs, under
+# share/weightsync as they sit in the source tree.
+set(_ws_data_scripts tools/bench/peer_baseline.py tools/bench/peer_ipc_baseline.py)
+install(FILES ${_ws_data_scripts} DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync/tools/bench)
+install(DIRECTORY configs DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync)
+# The Python package ships the command as weightsync/bin/weightsync (component
+# "python", python/CMakeLists.txt): its data goes to weightsync/share/weightsync.
+# Only in that component's own install (scikit-build-core asks for it), so a
+# plain `cmake --install` does not put a package folder at the prefix.
+if(WEIGHTSYNC_HAVE_PYTHON AND TARGET weightsync_cli)
+  install(FILES ${_ws_data_scripts} DESTINATION weightsync/share/weightsync/tools/bench
+          COMPONENT python EXCLUDE_FROM_ALL)
+  install(DIRECTORY configs DESTINATION weightsync/share/weightsync
+          COMPONENT python EXCLUDE_FROM_ALL)
+endif()
