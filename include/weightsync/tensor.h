@@ -33,6 +33,9 @@ struct TensorView {
   }
   Shape effective_strides() const { return strides.empty() ? contiguous_strides(shape) : strides; }
   bool is_contiguous() const;
+  // True when no two elements share memory (no zero or negative strides, no
+  // dims interleaved into one another): a view that may be written.
+  bool is_non_overlapping() const;
 };
 
 // A view of `data` as a contiguous host tensor.

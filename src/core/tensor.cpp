@@ -1,7 +1,9 @@
 #include <weightsync/error.h>
 #include <weightsync/tensor.h>
 
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 namespace weightsync {
 
@@ -27,6 +29,23 @@ bool TensorView::is_contiguous() const {
   for (size_t i = shape.size(); i-- > 0;) {
     if (shape[i] != 1 && strides[i] != s) return false;
     s *= shape[i];
+  }
+  return true;
+}
+
+bool TensorView::is_non_overlapping() const {
+  if (strides.empty() || numel() <= 1) return true;
+  // Dims of more than one element, by stride: each must step past everything
+  // the smaller ones span (a sufficient test, exact for permuted, sliced and
+  // padded views).
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, extent)
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (shape[i] > 1) dims.emplace_back(strides[i], shape[i]);
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 1;  // elements the smaller dims cover, one past the last
+  for (const auto& [stride, extent] : dims) {
+    if (stride < span) return false;
+    span = stride * (extent - 1) + span;
   }
   return true;
 }
