@@ -187,15 +187,32 @@ class Transport {
                                              const std::vector<int>& ranks, Tag tag);
 };
 
-// Page-aligned, zeroed host memory registered with a transport: a staging
-// buffer of the data path, allocated once and reused every step. Members are
-// destroyed region first, then memory.
-struct RegisteredHostBuffer {
-  std::unique_ptr<char[]> memory;  // owns the allocation; `data` lies inside it
-  char* data = nullptr;            // page-aligned, `bytes` long
+// Where a staging slot of the data path lives (DESIGN.md "GPU data path"):
+// plain page-aligned host memory (host tensors), pinned host memory (CUDA
+// tensors over a transport that reaches host memory only: device-to-host at
+// PCIe speed, never pageable), or device memory (CUDA tensors over a
+// transport that reaches it: NCCL, CUDA IPC). wire.h chooses.
+enum class SlotMemory : uint8_t { host, pinned, device };
+const char* slot_memory_name(SlotMemory memory) noexcept;  // "host", "pinned", "device"
+
+// A staging buffer of the data path: zeroed memory where `memory` says,
+// registered with a transport, allocated once and reused every step. Members
+// are destroyed region first, then the memory.
+struct StagingBuffer {
+  std::shared_ptr<void> owner;  // the allocation; `data` lies inside it
+  char* data = nullptr;         // page-aligned (host, pinned) or 256-byte aligned (device)
+  std::size_t bytes = 0;
+  SlotMemory memory = SlotMemory::host;
+  int device = -1;  // CUDA ordinal of device memory
   std::unique_ptr<MemoryRegion> region;
+
+  // [data + offset, data + offset + n) as a transport buffer (pinned memory is
+  // host memory to a transport).
+  Buffer buffer(std::size_t offset, std::size_t n) const;
 };
-RegisteredHostBuffer allocate_registered_host(Transport& transport, std::size_t bytes);
+// Errc::unsupported for pinned or device memory without CUDA.
+StagingBuffer allocate_staging(Transport& transport, std::size_t bytes, SlotMemory memory,
+                               int device);
 
 // The polling loops' pause between two looks at a pending request: busy
 // polling for the first 64 looks (lowest latency), then a 20 us sleep each
@@ -224,6 +241,13 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //   The UCX transports used follow UCX_TLS from the environment, or
 //   params["tls"] (e.g. "tcp,self" or "posix,sysv,cma,self") when given.
 //   Other UCX settings: params["UCX_<NAME>"] (e.g. UCX_RNDV_THRESH=64k).
+//   Settings go to this transport's own UCX context (ucp_config_modify),
+//   never to the process environment. Where tcp may be used, weightsync
+//   tunes it: UCX_TCP_PUT_ENABLE=n, UCX_TCP_RX_SEG_SIZE=256K,
+//   UCX_TCP_MAX_POLL=64, and UCX_KEEPALIVE_INTERVAL=1s everywhere. A value
+//   the user gives for one of these, as a param or as that UCX_* variable in
+//   the environment (which UCX reads itself), stands instead; weightsync
+//   reads the environment only for UCX_TLS and these names, to know that.
 //   Dead peers are reported (Errc::peer_failure) where the UCX transports can
 //   tell (tcp); UCX 1.13's shared-memory transports cannot, and asking for it
 //   excludes them, so with only shared memory in "tls" the transport does not

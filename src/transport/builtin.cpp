@@ -10,6 +10,9 @@ std::vector<BuiltinTransport> builtin_transports() {
 #ifdef WEIGHTSYNC_HAVE_NCCL
       {"nccl", make_nccl_transport},
 #endif
+#ifdef WEIGHTSYNC_HAVE_CUDA
+      {"cuda_ipc", make_cuda_ipc_transport},
+#endif
       {"fault", make_fault_transport},
   };
 }

@@ -18,6 +18,7 @@ std::vector<BuiltinTransport> builtin_transports();
 // Each backend folder defines its factory; builtin.cpp lists those built.
 std::unique_ptr<Transport> make_ucx_transport(const TransportOptions& options);
 std::unique_ptr<Transport> make_nccl_transport(const TransportOptions& options);
+std::unique_ptr<Transport> make_cuda_ipc_transport(const TransportOptions& options);
 std::unique_ptr<Transport> make_fault_transport(const TransportOptions& options);
 
 }  // namespace weightsync::transport

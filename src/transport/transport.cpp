@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "builtin.h"
+#include "core/cuda/gpu.h"
 
 #include <algorithm>
 #include <mutex>
@@ -185,15 +186,46 @@ std::unique_ptr<Transport> make_transport(TransportOptions options) {
   return factory(options);
 }
 
-RegisteredHostBuffer allocate_registered_host(Transport& transport, std::size_t bytes) {
-  // Page-aligned so that registration covers whole pages.
-  constexpr std::size_t kAlign = 4096;
-  RegisteredHostBuffer b;
-  b.memory.reset(new char[bytes + kAlign]);
-  b.data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(b.memory.get()) + kAlign - 1) &
-                                   ~uintptr_t{kAlign - 1});
-  std::memset(b.data, 0, bytes);
-  b.region = transport.register_memory(host_buffer(b.data, bytes));
+const char* slot_memory_name(SlotMemory memory) noexcept {
+  switch (memory) {
+    case SlotMemory::host:
+      return "host";
+    case SlotMemory::pinned:
+      return "pinned";
+    case SlotMemory::device:
+      return "device";
+  }
+  return "?";
+}
+
+Buffer StagingBuffer::buffer(std::size_t offset, std::size_t n) const {
+  const bool on_device = memory == SlotMemory::device;
+  return Buffer{data + offset, n, on_device ? MemoryKind::cuda : MemoryKind::host,
+                on_device ? device : -1, region.get()};
+}
+
+StagingBuffer allocate_staging(Transport& transport, std::size_t bytes, SlotMemory memory,
+                               int device) {
+  StagingBuffer b;
+  b.memory = memory;
+  b.bytes = bytes;
+  if (memory == SlotMemory::host) {
+    // Page-aligned so that registration covers whole pages.
+    constexpr std::size_t kAlign = 4096;
+    std::shared_ptr<char[]> raw(new char[bytes + kAlign]);
+    b.data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw.get()) + kAlign - 1) &
+                                     ~uintptr_t{kAlign - 1});
+    std::memset(b.data, 0, bytes);
+    b.owner = std::move(raw);
+  } else {
+    auto mem = std::make_shared<gpu::Memory>(
+        bytes, memory == SlotMemory::device ? gpu::MemoryPlace::device : gpu::MemoryPlace::pinned,
+        device);
+    b.data = mem->data();
+    b.device = memory == SlotMemory::device ? device : -1;
+    b.owner = std::move(mem);
+  }
+  b.region = transport.register_memory(b.buffer(0, bytes));
   return b;
 }
 

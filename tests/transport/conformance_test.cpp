@@ -2,9 +2,9 @@
 // over every transport, between real processes on this machine.
 #include "harness.h"
 
-#include <gtest/gtest.h>
+#include "core/cuda/gpu.h"
 
-#include <algorithm>
+#include <gtest/gtest.h>
 
 namespace weightsync::transport_test {
 namespace {
@@ -12,11 +12,9 @@ namespace {
 class Conformance : public ::testing::TestWithParam<TransportSpec> {
  protected:
   void SetUp() override {
-    const std::string& name = GetParam().name;
-    const std::string base = name.substr(0, name.find_first_of(":?"));
-    const auto built = transport_names();
-    if (std::find(built.begin(), built.end(), base) == built.end())
-      GTEST_SKIP() << "transport '" << base << "' is not built in (WEIGHTSYNC_WITH_*)";
+    register_test_transports();
+    if (const std::string why = not_built_reason(GetParam().name); !why.empty())
+      GTEST_SKIP() << why;
     // A world of one shows whether the transport can run here at all.
     TempDir dir;
     try {
@@ -28,6 +26,11 @@ class Conformance : public ::testing::TestWithParam<TransportSpec> {
   }
 
   void run(const std::string& scenario, int world = 2) {
+    if (GetParam().name.rfind("nccl", 0) == 0 && gpu::device_count() < world)
+      GTEST_SKIP() << "NCCL refuses two ranks of one communicator on one GPU (\"Duplicate GPU "
+                      "detected\"): "
+                   << scenario << " needs " << world << " GPUs, this machine has "
+                   << gpu::device_count();
     std::string failures;
     try {
       failures = run_scenario(scenario, GetParam().name, world);
@@ -89,7 +92,11 @@ INSTANTIATE_TEST_SUITE_P(
                       TransportSpec{"ucx_shm", "ucx?tls=posix,sysv,cma,self", true},
                       TransportSpec{"fault_passthrough_ucx", "fault:ucx?tls=tcp,self&seed=7",
                                     false},
-                      TransportSpec{"nccl", "nccl", false}),
+                      TransportSpec{"nccl", "nccl", false},
+                      // cuda_ipc's protocol between processes over shared host
+                      // memory (test-only), and cuda_ipc itself on one GPU.
+                      TransportSpec{"ipc_host", "ipc_host", false},
+                      TransportSpec{"cuda_ipc", "cuda_ipc", true}),
     [](const ::testing::TestParamInfo<TransportSpec>& info) { return info.param.label; });
 
 }  // namespace

@@ -108,6 +108,19 @@ struct TempDir {
 // ("" on success). Throws what rank 0 threw.
 std::string run_scenario(const std::string& scenario, const std::string& transport, int world);
 
+// Host memory of TestBuffers: page-granular allocations from a memfd arena,
+// so that another process can map them (ipc_host_test.cpp).
+void* shared_host_alloc(std::size_t bytes);
+void shared_host_free(void* p);
+// Registers the transports that exist only in the tests ("ipc_host": the
+// cuda_ipc protocol over shared host memory). Idempotent.
+void register_test_transports();
+
+// Why the transport `name` (with its ?params; behind fault: wrappers, the
+// inner one) is not in this build, e.g. "weightsync was built without CUDA:
+// no cuda_ipc transport"; "" when it is built in. Tests skip with it.
+std::string not_built_reason(const std::string& name);
+
 // Creates a transport for rank `rank` of `world` over a file store in `dir`.
 std::unique_ptr<Transport> make_test_transport(const std::string& name, const std::string& dir,
                                                int rank, int world,

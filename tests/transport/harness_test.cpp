@@ -1,14 +1,18 @@
 // The multi-process harness (see harness.h) and the peer entry point.
 #include "harness.h"
 
+#include "core/cuda/gpu.h"
+
 #include <weightsync/store.h>
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <thread>
 
 #include <signal.h>
@@ -97,7 +101,7 @@ TestBuffer::TestBuffer(std::size_t bytes, MemoryKind memory, std::size_t offset)
     : bytes_(bytes), memory_(memory) {
   const std::size_t total = (bytes + offset + kAlign) / kAlign * kAlign;
   if (memory == MemoryKind::host) {
-    base_ = std::aligned_alloc(kAlign, total);
+    base_ = shared_host_alloc(total);  // other processes can map it (ipc_host_test.cpp)
   } else {
 #ifdef WEIGHTSYNC_HAVE_CUDA
     if (cudaMalloc(&base_, total) != cudaSuccess) base_ = nullptr;
@@ -108,7 +112,7 @@ TestBuffer::TestBuffer(std::size_t bytes, MemoryKind memory, std::size_t offset)
 }
 
 TestBuffer::~TestBuffer() {
-  if (memory_ == MemoryKind::host) std::free(base_);
+  if (memory_ == MemoryKind::host) shared_host_free(base_);
 #ifdef WEIGHTSYNC_HAVE_CUDA
   else
     cudaFree(base_);
@@ -124,15 +128,23 @@ void TestBuffer::fill(uint64_t seed) {
   }
   for (std::size_t i = 0; i < bytes_; ++i) p[i] = pattern_byte(seed, i);
 #ifdef WEIGHTSYNC_HAVE_CUDA
-  if (memory_ != MemoryKind::host) cudaMemcpy(data_, p, bytes_, cudaMemcpyHostToDevice);
+  // Complete on the device before returning: a transport copies on its own
+  // stream, which nothing orders after this one (and a pageable-source
+  // cudaMemcpy may return before the data has landed).
+  if (memory_ != MemoryKind::host) {
+    cudaMemcpy(data_, p, bytes_, cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();
+  }
 #endif
 }
 
 void TestBuffer::zero() {
   if (memory_ == MemoryKind::host) std::memset(data_, 0, bytes_);
 #ifdef WEIGHTSYNC_HAVE_CUDA
-  else
+  else {
     cudaMemset(data_, 0, bytes_);
+    cudaDeviceSynchronize();  // a late memset would wipe what a peer wrote
+  }
 #endif
 }
 
@@ -239,10 +251,25 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path, ec);
 }
 
+std::string not_built_reason(const std::string& name) {
+  register_test_transports();
+  std::string base = name.substr(0, name.find('?'));
+  while (base.rfind("fault:", 0) == 0) base = base.substr(std::strlen("fault:"));
+  const auto built = transport_names();
+  if (std::find(built.begin(), built.end(), base) != built.end()) return "";
+  // The build option that decides each backend (WEIGHTSYNC_WITH_*).
+  static const std::map<std::string, std::string> needs{
+      {"cuda_ipc", "CUDA"}, {"nccl", "NCCL"}, {"ucx", "UCX"}};
+  const auto it = needs.find(base);
+  if (it == needs.end()) return cat("there is no '", base, "' transport in this build");
+  return cat("weightsync was built without ", it->second, ": no ", base, " transport");
+}
+
 std::unique_ptr<Transport> make_test_transport(const std::string& name, const std::string& dir,
                                                int rank, int world, const std::string& prefix) {
   // The store outlives the transport's bootstrap: transports keep a pointer
   // for their first contact with each peer.
+  register_test_transports();
   static std::vector<std::unique_ptr<Store>> stores;
   stores.push_back(make_file_store(dir));
   TransportOptions o;
@@ -252,6 +279,9 @@ std::unique_ptr<Transport> make_test_transport(const std::string& name, const st
   o.rank = rank;
   o.world = world;
   o.bootstrap_timeout = 60s;
+  // NCCL takes one GPU per rank (it refuses two ranks of one communicator on
+  // one GPU); the conformance suite skips worlds larger than the GPU count.
+  if (name.rfind("nccl", 0) == 0) o.device = rank % std::max(1, gpu::device_count());
   return make_transport(o);
 }
 

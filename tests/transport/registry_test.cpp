@@ -50,7 +50,7 @@ TEST(TransportRegistry, NeedsAStoreAndARankInsideTheWorld) {
 }
 
 TEST(TransportRegistry, NcclWithoutAGpuIsUnsupported) {
-  if (!built("nccl")) GTEST_SKIP() << "NCCL transport not built (WEIGHTSYNC_WITH_NCCL)";
+  if (!built("nccl")) GTEST_SKIP() << not_built_reason("nccl");
   TempDir dir;
   try {
     make_test_transport("nccl", dir.path, 0, 1);
@@ -64,7 +64,7 @@ TEST(TransportRegistry, NcclWithoutAGpuIsUnsupported) {
 class UcxSelf : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!built("ucx")) GTEST_SKIP() << "UCX transport not built (WEIGHTSYNC_WITH_UCX)";
+    if (!built("ucx")) GTEST_SKIP() << not_built_reason("ucx");
     t = make_test_transport("ucx?tls=tcp,self", dir.path, 0, 1);
   }
   TempDir dir;

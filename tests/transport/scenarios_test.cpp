@@ -249,6 +249,8 @@ void fault_corrupt_recv(ScenarioContext& c);
 void fault_corrupt_send(ScenarioContext& c);
 void fault_drop_send(ScenarioContext& c);
 void fault_truncate_send(ScenarioContext& c);
+// Defined in ipc_scenarios_test.cpp: cuda_ipc's own scenarios, or nullptr.
+Scenario find_ipc_scenario(const std::string& name);
 
 Scenario find_scenario(const std::string& name) {
   static const std::map<std::string, Scenario> scenarios{
@@ -267,8 +269,9 @@ Scenario find_scenario(const std::string& name) {
       {"fault_truncate_send", fault_truncate_send},
   };
   auto it = scenarios.find(name);
-  if (it == scenarios.end()) fail(Errc::not_found, "no transport test scenario '", name, "'");
-  return it->second;
+  if (it != scenarios.end()) return it->second;
+  if (Scenario s = find_ipc_scenario(name)) return s;
+  fail(Errc::not_found, "no transport test scenario '", name, "'");
 }
 
 }  // namespace weightsync::transport_test

@@ -15,6 +15,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kReleaseWait = std::chrono::seconds(10);
+constexpr auto kGroupEnqueueWait = std::chrono::seconds(60);
 
 void check_cuda(cudaError_t err, const std::string& what) {
   if (err != cudaSuccess) fail(Errc::transport, what, ": ", cudaGetErrorString(err));
@@ -77,6 +78,9 @@ NcclTransport::NcclTransport(const TransportOptions& options)
     fail(Errc::unsupported,
          "nccl transport: no usable GPU here (cudaGetDeviceCount: ", cudaGetErrorString(err), ")");
   if (count == 0) fail(Errc::unsupported, "nccl transport: no CUDA device present");
+  // Loaded only now: a process without a GPU never needs NCCL, and a libnccl
+  // that weightsync loads stays in the process (see nccl_library.h).
+  nccl_ = &nccl_library();
   if (options.device >= 0) {
     if (options.device >= count)
       fail(Errc::invalid_argument, "nccl transport: device ", options.device, " but only ", count,
@@ -100,8 +104,8 @@ void NcclTransport::init_communicator(const TransportOptions& options) {
   const std::string key = cat(options.prefix, "/nccl/unique_id");
   ncclUniqueId id{};
   if (rank_ == 0) {
-    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
-      fail(Errc::transport, "nccl transport: ncclGetUniqueId: ", ncclGetErrorString(r));
+    if (ncclResult_t r = nccl_->get_unique_id(&id); r != ncclSuccess)
+      fail(Errc::transport, "nccl transport: ncclGetUniqueId: ", nccl_->get_error_string(r));
     const auto* p = reinterpret_cast<const uint8_t*>(&id);
     options.store->set(key, std::vector<uint8_t>(p, p + sizeof(id)));
   } else {
@@ -113,26 +117,26 @@ void NcclTransport::init_communicator(const TransportOptions& options) {
   }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
-  ncclResult_t r = ncclCommInitRankConfig(&comm_, world_, id, rank_, &config);
+  ncclResult_t r = nccl_->comm_init_rank_config(&comm_, world_, id, rank_, &config);
   if (r != ncclSuccess && r != ncclInProgress)
     fail(Errc::transport, "nccl transport: ncclCommInitRankConfig (rank ", rank_, " of ", world_,
-         "): ", ncclGetErrorString(r));
+         "): ", nccl_->get_error_string(r));
   const auto deadline = Clock::now() + options.bootstrap_timeout;
   do {
-    ncclCommGetAsyncError(comm_, &r);
+    nccl_->comm_get_async_error(comm_, &r);
     if (r == ncclInProgress && Clock::now() >= deadline) {
-      ncclCommAbort(comm_);
+      nccl_->comm_abort(comm_);
       comm_ = nullptr;
       fail(Errc::timeout, "nccl transport: rank ", rank_, " of ", world_,
            ": communicator not formed within ", options.bootstrap_timeout.count(), " ms");
     }
   } while (r == ncclInProgress);
   if (r != ncclSuccess) {
-    const std::string detail = ncclGetLastError(comm_);
-    ncclCommAbort(comm_);
+    const std::string detail = nccl_->get_last_error(comm_);
+    nccl_->comm_abort(comm_);
     comm_ = nullptr;
-    fail(Errc::transport, "nccl transport: joining the communicator: ", ncclGetErrorString(r), " ",
-         detail);
+    fail(Errc::transport, "nccl transport: joining the communicator: ", nccl_->get_error_string(r),
+         " ", detail);
   }
 }
 
@@ -140,7 +144,7 @@ NcclTransport::~NcclTransport() {
   if (comm_) {
     if (!aborted_) cudaStreamSynchronize(stream_);
     // Destroy flushes outstanding work; abort does not wait for peers.
-    aborted_ ? ncclCommAbort(comm_) : ncclCommDestroy(comm_);
+    aborted_ ? nccl_->comm_abort(comm_) : nccl_->comm_destroy(comm_);
   }
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -178,6 +182,8 @@ std::shared_ptr<NcclOp> NcclTransport::post(NcclOp::Call call, int peer, const B
   op->data = buffer.data;
   op->bytes = buffer.bytes;
   op->peer = peer;
+  // On the communicator's device: the event is recorded on its stream.
+  check_cuda(cudaSetDevice(device_), "nccl transport: cudaSetDevice");
   check_cuda(cudaEventCreateWithFlags(&op->done_event, cudaEventDisableTiming),
              "nccl transport: cudaEventCreate");
   pending_.push_back(op);
@@ -209,31 +215,53 @@ std::unique_ptr<Request> NcclTransport::broadcast(const Buffer& buffer, int root
 void NcclTransport::issue_pending() {
   if (pending_.empty() || aborted_) return;
   check_cuda(cudaSetDevice(device_), "nccl transport: cudaSetDevice");
-  ncclGroupStart();
+  nccl_->group_start();
   for (auto& op : pending_) {
     ncclResult_t r = ncclSuccess;
     switch (op->call) {
       case NcclOp::Call::send:
-        r = ncclSend(op->data, op->bytes, ncclUint8, op->peer, comm_, stream_);
+        r = nccl_->send(op->data, op->bytes, ncclUint8, op->peer, comm_, stream_);
         break;
       case NcclOp::Call::recv:
-        r = ncclRecv(op->data, op->bytes, ncclUint8, op->peer, comm_, stream_);
+        r = nccl_->recv(op->data, op->bytes, ncclUint8, op->peer, comm_, stream_);
         break;
       case NcclOp::Call::broadcast:
-        r = ncclBroadcast(op->data, op->data, op->bytes, ncclUint8, op->peer, comm_, stream_);
+        r = nccl_->broadcast(op->data, op->data, op->bytes, ncclUint8, op->peer, comm_, stream_);
         break;
     }
     if (r != ncclSuccess && r != ncclInProgress) {
-      ncclGroupEnd();
+      nccl_->group_end();
       pending_.clear();
-      fail(Errc::transport, "nccl transport: posting an operation with rank ", op->peer, ": ",
-           ncclGetErrorString(r), " ", ncclGetLastError(comm_));
+      // A half-issued group leaves the communicator in an unknown state.
+      const std::string why = cat("posting an operation with rank ", op->peer, ": ",
+                                  nccl_->get_error_string(r), " ", nccl_->get_last_error(comm_));
+      abort(why);
+      fail(Errc::transport, "nccl transport: ", why);
     }
   }
-  const ncclResult_t r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress)
-    fail(Errc::transport, "nccl transport: ncclGroupEnd: ", ncclGetErrorString(r), " ",
-         ncclGetLastError(comm_));
+  ncclResult_t r = nccl_->group_end();
+  // A non-blocking communicator may still be enqueuing the group's kernels
+  // (ncclInProgress, typically while connections to new peers form): an event
+  // recorded now could land before them and complete at once. Wait until
+  // NCCL is done with the group (bounded), then record.
+  const auto deadline = Clock::now() + kGroupEnqueueWait;
+  while (r == ncclInProgress) {
+    nccl_->comm_get_async_error(comm_, &r);
+    if (r == ncclInProgress && Clock::now() >= deadline) {
+      pending_.clear();
+      const std::string why = "ncclGroupEnd: the group was still being enqueued after 60 s";
+      abort(why);
+      fail(Errc::timeout, "nccl transport: ", why);
+    }
+    if (r == ncclInProgress) std::this_thread::yield();
+  }
+  if (r != ncclSuccess) {
+    pending_.clear();
+    const std::string why =
+        cat("ncclGroupEnd: ", nccl_->get_error_string(r), " ", nccl_->get_last_error(comm_));
+    abort(why);
+    fail(Errc::transport, "nccl transport: ", why);
+  }
   for (auto& op : pending_) {
     check_cuda(cudaEventRecord(op->done_event, stream_), "nccl transport: cudaEventRecord");
     op->issued = true;
@@ -243,11 +271,11 @@ void NcclTransport::issue_pending() {
 
 void NcclTransport::check_async(const std::string& what) {
   ncclResult_t r = ncclSuccess;
-  ncclCommGetAsyncError(comm_, &r);
+  nccl_->comm_get_async_error(comm_, &r);
   if (r != ncclSuccess && r != ncclInProgress) {
-    const std::string detail = ncclGetLastError(comm_);
-    abort(cat("asynchronous error: ", ncclGetErrorString(r)));
-    fail(Errc::transport, "nccl transport: ", what, ": ", ncclGetErrorString(r), " ", detail);
+    const std::string detail = nccl_->get_last_error(comm_);
+    abort(cat("asynchronous error: ", nccl_->get_error_string(r)));
+    fail(Errc::transport, "nccl transport: ", what, ": ", nccl_->get_error_string(r), " ", detail);
   }
 }
 
@@ -275,7 +303,7 @@ void NcclTransport::abort(const std::string& why) {
   if (aborted_) return;
   aborted_ = true;
   abort_reason_ = why;
-  if (comm_) ncclCommAbort(comm_);
+  if (comm_) nccl_->comm_abort(comm_);
   comm_ = nullptr;
 }
 

@@ -14,12 +14,16 @@
 // Errors: the communicator's asynchronous error is polled with every test; a
 // wait that times out aborts the communicator (ncclCommAbort) rather than
 // hanging, after which the transport fails every operation.
+//
+// NCCL itself is loaded at run time, not linked (nccl_library.h): the one
+// already in the process (PyTorch's) when there is one.
 #pragma once
 
 #include <weightsync/transport.h>
 
+#include "nccl_library.h"
+
 #include <cuda_runtime_api.h>
-#include <nccl.h>
 
 #include <memory>
 #include <vector>
@@ -72,6 +76,7 @@ class NcclTransport final : public Transport {
   int rank_;
   int world_;
   int device_ = 0;
+  const NcclLibrary* nccl_ = nullptr;  // set once a GPU was found (the constructor)
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   std::vector<std::shared_ptr<NcclOp>> pending_;  // posted, not yet issued

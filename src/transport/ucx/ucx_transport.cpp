@@ -28,8 +28,14 @@ std::string address_key(const std::string& prefix, int rank) {
   return cat(prefix, "/ucx/address/", rank);
 }
 
-// UCX settings from the options; the environment (UCX_*) still applies to
-// everything not set here.
+// The transports UCX may use: params["tls"], else the user's UCX_TLS (UCX
+// reads it itself; it is read here only to know whether tcp is among them).
+std::string selected_tls(const TransportOptions& options) {
+  if (auto it = options.params.find("tls"); it != options.params.end()) return it->second;
+  const char* env = std::getenv("UCX_TLS");
+  return env ? env : "";
+}
+
 bool is_shared_memory(const std::string& tl) {
   static const std::set<std::string> shm{"self",  "posix", "sysv", "cma", "knem",
                                          "xpmem", "shm",   "sm",   "mm"};
@@ -49,8 +55,7 @@ bool want_peer_errors(const TransportOptions& options, bool& forced) {
   if (mode != "auto")
     fail(Errc::invalid_argument, "ucx transport: peer_errors=", mode,
          " (expected on, off or auto)");
-  std::string tls = options.params.count("tls") ? options.params.at("tls") : "";
-  if (tls.empty() && std::getenv("UCX_TLS")) tls = std::getenv("UCX_TLS");
+  const std::string tls = selected_tls(options);
   if (tls.empty() || tls[0] == '^') return true;
   std::stringstream list(tls);
   for (std::string tl; std::getline(list, tl, ',');)
@@ -58,17 +63,38 @@ bool want_peer_errors(const TransportOptions& options, bool& forced) {
   return false;
 }
 
+// Whether the user chose a value for the UCX setting `name` (no prefix), in
+// the params or as a UCX environment variable; theirs then stands.
+bool user_sets(const TransportOptions& options, const std::string& name,
+               const std::string& tl_prefix = "") {
+  for (const std::string& full : {"UCX_" + name, "UCX_" + tl_prefix + name})
+    if (options.params.count(full) || std::getenv(full.c_str())) return true;
+  return false;
+}
+
+// UCX settings of this transport's own context (ucp_config_modify; never the
+// process environment, which other UCX users in the process share). The
+// environment's UCX_* still applies to everything not set here.
 std::map<std::string, std::string> ucx_settings(const TransportOptions& options) {
   std::map<std::string, std::string> s;
   if (auto it = options.params.find("tls"); it != options.params.end()) s["TLS"] = it->second;
   for (const auto& [key, value] : options.params)
     if (key.rfind("UCX_", 0) == 0) s[key.substr(4)] = value;
+  // UCX 1.13 takes tcp's settings only without their TCP_ prefix (tcp_tuning).
+  for (const auto& [name, value] : tcp_tuning())
+    if (auto it = s.find("TCP_" + name); it != s.end()) {
+      s[name] = it->second;
+      s.erase(it);
+    }
   // UCX checks idle peers every 20 s by default; a dead shared-memory peer is
   // only noticed by that check, so look more often unless told otherwise.
   if (auto it = options.params.find("keepalive_interval"); it != options.params.end())
     s["KEEPALIVE_INTERVAL"] = it->second;
-  else if (!std::getenv("UCX_KEEPALIVE_INTERVAL"))
+  else if (!user_sets(options, "KEEPALIVE_INTERVAL"))
     s["KEEPALIVE_INTERVAL"] = "1s";
+  if (selects_tcp(selected_tls(options)))
+    for (const auto& [name, value] : tcp_tuning())
+      if (!user_sets(options, name, "TCP_")) s.emplace(name, value);
   return s;
 }
 

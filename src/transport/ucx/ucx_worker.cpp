@@ -2,9 +2,7 @@
 
 #include <weightsync/error.h>
 
-#include <cstdlib>
 #include <memory>
-#include <mutex>
 
 namespace weightsync::transport::ucx {
 
@@ -18,25 +16,8 @@ struct ConfigDeleter {
   void operator()(ucp_config_t* c) const { ucp_config_release(c); }
 };
 
-// TCP defaults. UCX 1.13's rendezvous by PUT over TCP moves large messages
-// at a fraction of the link; without PUT, rendezvous streams the data as
-// active messages straight into the posted receive buffer. Larger receive
-// segments and more polling per progress call keep many-to-many flows moving
-// when ranks outnumber cores. These are transport-level (UCT) settings, which
-// UCX reads from the environment only (ucp_config_modify does not reach
-// them): set once, before the first context, never over the user's values.
-void set_tcp_defaults() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    ::setenv("UCX_TCP_PUT_ENABLE", "n", 0);
-    ::setenv("UCX_TCP_RX_SEG_SIZE", "256K", 0);
-    ::setenv("UCX_TCP_MAX_POLL", "64", 0);
-  });
-}
-
 std::unique_ptr<ucp_config_t, ConfigDeleter> read_config(
     const std::map<std::string, std::string>& settings) {
-  set_tcp_defaults();
   ucp_config_t* raw = nullptr;
   check(ucp_config_read(nullptr, nullptr, &raw), "UCX: reading the configuration");
   std::unique_ptr<ucp_config_t, ConfigDeleter> config(raw);
@@ -47,6 +28,46 @@ std::unique_ptr<ucp_config_t, ConfigDeleter> read_config(
 }
 
 }  // namespace
+
+// UCX 1.13's rendezvous by PUT over TCP moves large messages at a fraction of
+// the link; without PUT, rendezvous streams the data as active messages
+// straight into the posted receive buffer. Larger receive segments and more
+// polling per progress call keep many-to-many flows moving when ranks
+// outnumber cores.
+//
+// These are transport-level (UCT) settings, yet they go through the context's
+// own configuration, never the process environment: ucp_config_modify keeps a
+// name it does not know as a "cached key" and applies it to every UCT
+// transport the context opens whose configuration has a field of exactly that
+// name. Of the transports UCX 1.13 ships (self, tcp, sysv, posix, cma, rc, dc,
+// ud, rdmacm) only tcp has RX_SEG_SIZE, PUT_ENABLE and MAX_POLL (checked with
+// ucs_config_parser_set_value over UCX's whole configuration table list; the
+// endpoint's protocol thresholds, ucp_ep_print_info, equal those of the
+// UCX_TCP_* environment variables). The prefixed names (TCP_RX_SEG_SIZE) are
+// not recognised by 1.13 and come back as "invalid configurations". UCX warns
+// about a cached key that no opened transport used, so they are given only
+// when tcp can be in use (selects_tcp).
+const std::vector<std::pair<std::string, std::string>>& tcp_tuning() {
+  static const std::vector<std::pair<std::string, std::string>> tuning = {
+      {"PUT_ENABLE", "n"}, {"RX_SEG_SIZE", "256K"}, {"MAX_POLL", "64"}};
+  return tuning;
+}
+
+bool selects_tcp(const std::string& tls) {
+  if (tls.empty()) return true;
+  const bool exclude = tls[0] == '^';
+  bool listed = false;
+  size_t start = exclude ? 1 : 0;
+  while (start <= tls.size()) {
+    size_t end = tls.find(',', start);
+    if (end == std::string::npos) end = tls.size();
+    std::string tl = tls.substr(start, end - start);
+    tl = tl.substr(0, tl.find(':'));  // "tcp:aux" names tcp too
+    listed |= tl == "tcp" || (!exclude && tl == "all");
+    start = end + 1;
+  }
+  return exclude ? !listed : listed;
+}
 
 UcxWorker::UcxWorker(const std::map<std::string, std::string>& settings) {
   auto config = read_config(settings);

@@ -1,5 +1,6 @@
 // RAII owners of the UCX objects one transport uses: a context with the TAG
-// feature and one worker progressed from the caller's thread.
+// feature and one worker progressed from the caller's thread; and the UCX
+// configuration weightsync gives its own context (never the environment).
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -7,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace weightsync::transport::ucx {
@@ -14,10 +16,18 @@ namespace weightsync::transport::ucx {
 // Throws Errc::transport "<what>: <UCX status string>" unless status is UCS_OK.
 void check(ucs_status_t status, const std::string& what);
 
+// weightsync's TCP tuning: (name, value) pairs in the form ucp_config_modify
+// takes them (no UCX_ and no TCP_ prefix; see ucx_worker.cpp for why).
+const std::vector<std::pair<std::string, std::string>>& tcp_tuning();
+
+// Whether a UCX_TLS value (UCX syntax; "" means all) lets UCX open tcp.
+bool selects_tcp(const std::string& tls);
+
 class UcxWorker {
  public:
   // `settings`: UCX configuration entries without the UCX_ prefix (e.g.
-  // {"TLS", "tcp,self"}); applied on top of the environment.
+  // {"TLS", "tcp,self"}), applied with ucp_config_modify to this context's
+  // configuration only, on top of what UCX read from the environment.
   explicit UcxWorker(const std::map<std::string, std::string>& settings);
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;

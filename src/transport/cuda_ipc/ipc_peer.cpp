@@ -1,0 +1,403 @@
+#include "ipc_peer.h"
+
+#include <algorithm>
+
+namespace weightsync::transport::cuda_ipc {
+namespace {
+
+// The exporter's own memory, reached without importing (a send to oneself,
+// or two worlds in one process): CUDA refuses to open its own IPC handles.
+class DirectMapping final : public Mapping {
+ public:
+  explicit DirectMapping(uint64_t base) : base_(reinterpret_cast<void*>(base)) {}
+  void* data() const override { return base_; }
+
+ private:
+  void* base_;
+};
+
+}  // namespace
+
+void IpcOp::finish(std::size_t bytes) {
+  done = true;
+  transferred = bytes;
+  copy.reset();
+  mapping.reset();
+}
+
+void IpcOp::set_error(Errc code, std::string why) {
+  if (done) return;
+  done = true;
+  error.emplace(code, std::move(why));
+}
+
+PeerLink::PeerLink(int peer, IpcMemory& memory, ExportTable& exports, uint64_t process_id,
+                   Sink sink)
+    : peer_(peer),
+      memory_(memory),
+      exports_(exports),
+      process_id_(process_id),
+      sink_(std::move(sink)) {}
+
+PeerLink::~PeerLink() = default;
+
+void PeerLink::send(const Message& m, SharedFds owner, std::vector<int> fds) {
+  if (failed_) return;  // nobody is listening
+  sink_(OutPacket{encode(m), std::move(owner), std::move(fds)});
+}
+
+// The region message, then its descriptors in as many packets as they need.
+void PeerLink::announce(ExportEntry& entry) {
+  if (entry.announced.count(peer_)) return;
+  Export ex = memory_.export_region(entry.where);
+  RegionMsg m;
+  m.region_id = entry.region_id;
+  m.kind = ex.kind;
+  m.bytes = entry.where.bytes;
+  m.exporter = process_id_;
+  m.base = entry.where.base;
+  m.handle_bytes = static_cast<uint32_t>(ex.handle.size());
+  m.fd_count = static_cast<uint32_t>(ex.fds.size());
+  // Closed once the packets carrying them are written (the kernel passes copies).
+  auto fds = std::make_shared<const std::vector<UniqueFd>>(std::move(ex.fds));
+  std::vector<int> all;
+  for (const UniqueFd& fd : *fds) all.push_back(fd.get());
+  // The handle and the descriptors go in slices, the first with the region
+  // message, the rest in region_more packets, until both are out.
+  std::size_t h = 0, f = 0;
+  auto next = [&](std::vector<uint8_t>& handle) {
+    const std::size_t hn = std::min(ex.handle.size() - h, kHandleSlice);
+    const std::size_t fn = std::min(all.size() - f, kMaxPacketFds);
+    handle.assign(ex.handle.begin() + h, ex.handle.begin() + h + hn);
+    std::vector<int> slice(all.begin() + f, all.begin() + f + fn);
+    h += hn;
+    f += fn;
+    return slice;
+  };
+  auto first = next(m.handle);
+  send(m, fds, std::move(first));
+  while (h < ex.handle.size() || f < all.size()) {
+    RegionMore more{entry.region_id, {}};
+    auto slice = next(more.handle);
+    send(more, fds, std::move(slice));
+  }
+  entry.announced.insert(peer_);
+}
+
+void PeerLink::post_recv(const std::shared_ptr<IpcOp>& op, uint64_t region_id) {
+  RecvPosted r;
+  r.recv_id = next_recv_id_++;
+  r.tag = op->tag;
+  r.capacity = op->buffer.bytes;
+  if (op->buffer.bytes > 0) {
+    ExportEntry& entry = exports_.find(op->buffer, region_id, r.offset);
+    announce(entry);
+    r.region_id = entry.region_id;
+  }
+  op->recv_id = r.recv_id;
+  recvs_[r.recv_id] = op;
+  send(r);
+}
+
+void PeerLink::post_send(const std::shared_ptr<IpcOp>& op) {
+  sends_[op->tag].push_back(op);
+  match(op->tag);
+}
+
+void PeerLink::cancel(IpcOp& op) {
+  if (op.done) return;
+  if (op.kind == Request::Kind::recv) {
+    // Only the sender knows whether it took the receive: ask it. Its answer
+    // (cancelled, or the message's completion) settles the operation.
+    if (!op.cancelling && !failed_) send(Cancel{op.recv_id});
+    op.cancelling = true;
+    return;
+  }
+  auto it = sends_.find(op.tag);
+  if (it == sends_.end()) return;  // matched: its copy runs and cannot be withdrawn
+  auto& queue = it->second;
+  auto pos =
+      std::find_if(queue.begin(), queue.end(), [&](const auto& p) { return p.get() == &op; });
+  if (pos == queue.end()) return;
+  queue.erase(pos);
+  if (queue.empty()) sends_.erase(it);
+  op.set_error(Errc::cancelled, "cancelled");
+}
+
+void PeerLink::on_packet(InPacket packet) {
+  Message m = decode(packet.bytes);
+  if (!packet.fds.empty() && !std::holds_alternative<RegionMsg>(m) &&
+      !std::holds_alternative<RegionMore>(m))
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " passed descriptors with a ",
+                     message_name(m), " message");
+  std::visit(
+      [&](auto& msg) {
+        using T = std::decay_t<decltype(msg)>;
+        if constexpr (std::is_same_v<T, RegionMsg>)
+          on_region(std::move(msg), std::move(packet.fds));
+        else if constexpr (std::is_same_v<T, RegionMore>)
+          on_region_more(msg, std::move(packet.fds));
+        else if constexpr (std::is_same_v<T, Release>)
+          on_release(msg);
+        else if constexpr (std::is_same_v<T, Released>)
+          on_released(msg);
+        else if constexpr (std::is_same_v<T, RecvPosted>)
+          on_recv_posted(msg);
+        else if constexpr (std::is_same_v<T, Cancel>)
+          on_cancel(msg);
+        else if constexpr (std::is_same_v<T, Cancelled>)
+          on_cancelled(msg);
+        else if constexpr (std::is_same_v<T, Complete>)
+          on_complete(msg);
+        else
+          weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " sent a second hello");
+      },
+      m);
+}
+
+void PeerLink::on_region(RegionMsg m, std::vector<UniqueFd> fds) {
+  if (m.region_id == 0 || regions_.count(m.region_id))
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " announced region ", m.region_id,
+                     " twice");
+  RemoteRegion& r = regions_[m.region_id];
+  r.msg = std::move(m);
+  r.fds = std::move(fds);
+  if (r.fds.size() > r.msg.fd_count || r.msg.handle.size() > r.msg.handle_bytes)
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " sent more of region ",
+                     r.msg.region_id, " than it announced");
+}
+
+void PeerLink::on_region_more(const RegionMore& m, std::vector<UniqueFd> fds) {
+  auto it = regions_.find(m.region_id);
+  if (it == regions_.end() || it->second.fds.size() + fds.size() > it->second.msg.fd_count ||
+      it->second.msg.handle.size() + m.handle.size() > it->second.msg.handle_bytes)
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " sent more of region ", m.region_id,
+                     " than it announced");
+  RemoteRegion& r = it->second;
+  r.msg.handle.insert(r.msg.handle.end(), m.handle.begin(), m.handle.end());
+  for (auto& fd : fds) r.fds.push_back(std::move(fd));
+}
+
+// A copy still running into the region keeps its own reference, so the
+// region is unmapped when that copy is done; the receiver released the
+// region, so it has no receive into it pending and waits for no such copy.
+void PeerLink::on_release(const Release& m) {
+  regions_.erase(m.region_id);
+  send(Released{m.region_id});
+}
+
+void PeerLink::on_released(const Released& m) {
+  releasing_.erase(m.region_id);
+  slow_ = false;
+}
+
+void PeerLink::on_recv_posted(const RecvPosted& m) {
+  if (m.capacity > 0 && !regions_.count(m.region_id))
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " posted receive ", m.recv_id,
+                     " into region ", m.region_id, ", which it never announced");
+  remote_recvs_[m.tag].push_back(m);
+  remote_index_[m.recv_id] = m.tag;
+  match(m.tag);
+}
+
+void PeerLink::on_cancel(const Cancel& m) {
+  auto idx = remote_index_.find(m.recv_id);
+  if (idx == remote_index_.end()) return;  // already taken: its completion is on the way
+  auto& queue = remote_recvs_[idx->second];
+  auto pos = std::find_if(queue.begin(), queue.end(),
+                          [&](const RecvPosted& r) { return r.recv_id == m.recv_id; });
+  if (pos != queue.end()) queue.erase(pos);
+  if (queue.empty()) remote_recvs_.erase(idx->second);
+  remote_index_.erase(idx);
+  send(Cancelled{m.recv_id});
+}
+
+std::shared_ptr<IpcOp> PeerLink::take_recv(uint64_t recv_id, const char* what) {
+  auto it = recvs_.find(recv_id);
+  if (it == recvs_.end())
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " sent ", what, " for receive ",
+                     recv_id, ", which is not pending");
+  auto op = std::move(it->second);
+  recvs_.erase(it);
+  return op;
+}
+
+void PeerLink::on_cancelled(const Cancelled& m) {
+  take_recv(m.recv_id, "cancelled")->set_error(Errc::cancelled, "cancelled");
+}
+
+void PeerLink::on_complete(const Complete& m) {
+  auto op = take_recv(m.recv_id, "a completion");
+  const std::size_t capacity = op->buffer.bytes;
+  switch (m.status) {
+    case CompleteStatus::ok:
+      if (m.bytes > capacity)
+        weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " reports ", m.bytes,
+                         " bytes written into receive ", m.recv_id, " of ", capacity, " bytes");
+      op->finish(m.bytes);
+      break;
+    case CompleteStatus::too_large:
+      op->set_error(Errc::mismatch, cat("the message of ", m.bytes, " bytes is larger than the ",
+                                        capacity, "-byte receive buffer"));
+      break;
+    case CompleteStatus::sender_failed:
+      op->set_error(Errc::transport,
+                    cat("rank ", peer_, " could not write the message: ", m.error));
+      break;
+  }
+}
+
+// Per tag, the oldest send meets the oldest receive: posting order both ways.
+void PeerLink::match(Tag tag) {
+  auto s = sends_.find(tag);
+  auto r = remote_recvs_.find(tag);
+  if (s == sends_.end() || r == remote_recvs_.end()) return;
+  while (!s->second.empty() && !r->second.empty()) {
+    auto op = std::move(s->second.front());
+    s->second.pop_front();
+    const RecvPosted recv = r->second.front();
+    r->second.pop_front();
+    remote_index_.erase(recv.recv_id);
+    start(op, recv);
+  }
+  if (s->second.empty()) sends_.erase(s);
+  if (r->second.empty()) remote_recvs_.erase(r);
+}
+
+void PeerLink::start(const std::shared_ptr<IpcOp>& op, const RecvPosted& r) {
+  const std::size_t bytes = op->buffer.bytes;
+  if (bytes > r.capacity) {
+    send(Complete{r.recv_id, CompleteStatus::too_large, bytes, {}});
+    op->set_error(Errc::mismatch, cat("the message of ", bytes, " bytes is larger than the ",
+                                      r.capacity, "-byte receive rank ", peer_, " posted"));
+    return;
+  }
+  if (bytes == 0) {
+    send(Complete{r.recv_id, CompleteStatus::ok, 0, {}});
+    op->finish(0);
+    return;
+  }
+  try {
+    op->mapping = mapping(r.region_id, r.offset + bytes);
+    op->copy = memory_.copy(static_cast<char*>(op->mapping->data()) + r.offset, op->buffer);
+  } catch (const Error& e) {
+    sender_failed(*op, r.recv_id, e.code(), e.what());
+    return;
+  }
+  op->target_recv = r.recv_id;
+  copying_.push_back(op);
+}
+
+// The mapping of a region, imported on its first use and kept until the
+// receiver releases it.
+std::shared_ptr<Mapping> PeerLink::mapping(uint64_t region_id, std::size_t end) {
+  auto it = regions_.find(region_id);
+  if (it == regions_.end())
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " released region ", region_id,
+                     " while a receive into it was pending");
+  RemoteRegion& r = it->second;
+  if (!r.error.empty()) weightsync::fail(Errc::transport, r.error);
+  if (end > r.msg.bytes)
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " posted a receive reaching byte ",
+                     end, " of its ", r.msg.bytes, "-byte region ", region_id);
+  if (r.mapping) return r.mapping;
+  if (r.fds.size() != r.msg.fd_count || r.msg.handle.size() != r.msg.handle_bytes)
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " used region ", region_id,
+                     " before sending all of it (", r.fds.size(), " of ", r.msg.fd_count,
+                     " descriptors, ", r.msg.handle.size(), " of ", r.msg.handle_bytes,
+                     " handle bytes)");
+  try {
+    if (r.msg.exporter == process_id_)
+      r.mapping = std::make_shared<DirectMapping>(r.msg.base);
+    else
+      r.mapping = memory_.import(r.msg.kind, r.msg.handle, std::move(r.fds), r.msg.bytes);
+  } catch (const Error& e) {
+    r.error = cat("mapping region ", region_id, " (", r.msg.bytes, " bytes) of rank ", peer_, ": ",
+                  e.what());
+    weightsync::fail(e.code(), r.error);
+  }
+  return r.mapping;
+}
+
+// The sender cannot deliver: both sides learn why, and nothing was written.
+void PeerLink::sender_failed(IpcOp& op, uint64_t recv_id, Errc code, const std::string& why) {
+  send(Complete{recv_id, CompleteStatus::sender_failed, 0, why.substr(0, 1024)});
+  op.set_error(code, why);
+}
+
+bool PeerLink::poll() {
+  bool progressed = false;
+  for (std::size_t i = 0; i < copying_.size();) {
+    IpcOp& op = *copying_[i];
+    bool finished = false;
+    std::optional<Error> failure;
+    try {
+      finished = op.copy->done();
+    } catch (const Error& e) {
+      finished = true;
+      failure = e;
+    }
+    if (!finished) {
+      ++i;
+      continue;
+    }
+    if (op.lost) {
+      op.set_error(Errc::peer_failure, *op.lost);
+    } else if (failure) {
+      // The copy may have written part of the message: the receiver is told
+      // it failed, and never reads it as complete.
+      sender_failed(op, op.target_recv, failure->code(), failure->what());
+    } else {
+      send(Complete{op.target_recv, CompleteStatus::ok, op.buffer.bytes, {}});
+      op.finish(op.buffer.bytes);
+    }
+    op.copy.reset();
+    op.mapping.reset();
+    copying_.erase(copying_.begin() + static_cast<std::ptrdiff_t>(i));
+    progressed = true;
+  }
+  return progressed;
+}
+
+void PeerLink::drain(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int spins = 0;
+  while (!copying_.empty() && std::chrono::steady_clock::now() < deadline) {
+    if (!poll()) poll_pause(spins);
+  }
+  // Still running after the bound: the sends fail now; each op keeps its copy,
+  // whose destructor waits for the device.
+  for (auto& op : copying_) op->set_error(Errc::peer_failure, op->lost.value_or(failure_));
+  copying_.clear();
+}
+
+void PeerLink::release(const ExportEntry& entry) {
+  if (failed_ || !entry.announced.count(peer_)) return;
+  send(Release{entry.region_id});
+  if (entry.where.unmap_before_free) releasing_.insert(entry.region_id);
+}
+
+void PeerLink::lose(const std::string& why) {
+  if (failed_) return;
+  failed_ = true;
+  failure_ = why;
+  const std::string text = cat("peer rank ", peer_, " failed (", why, ")");
+  for (auto& [id, op] : recvs_) op->set_error(Errc::peer_failure, text);
+  recvs_.clear();
+  for (auto& [tag, queue] : sends_)
+    for (auto& op : queue) op->set_error(Errc::peer_failure, text);
+  sends_.clear();
+  for (auto& op : copying_) op->lost = text;  // failed by poll() once the copy is done
+  remote_recvs_.clear();
+  remote_index_.clear();
+  regions_.clear();
+  releasing_.clear();  // its mappings went with it
+}
+
+std::size_t PeerLink::pending() const {
+  std::size_t n = recvs_.size() + copying_.size();
+  for (const auto& [tag, queue] : sends_) n += queue.size();
+  return n;
+}
+
+}  // namespace weightsync::transport::cuda_ipc
