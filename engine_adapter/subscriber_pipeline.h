@@ -1,14 +1,31 @@
 // The engine rank's data path, compiled once from the plan and run every
 // step: receive bucket k+1 while bucket k is verified and applied, in two
-// receive slots, in the same global bucket order the trainers send in. A p2p
-// bucket lands as fragments (wire.h): dense runs go straight into their
-// param (or staging copy), the rest into the slot and is applied from there.
+// receive slots, in the order the trainers send (Plan::buckets_received_by:
+// predicted start, then bucket id). A p2p bucket lands as fragments
+// (wire.h): dense runs go straight into their param (or staging copy), the
+// rest into the slot and is applied from there.
+//
+// Each bucket's apply is a copy program (core/copy_program.h) built here
+// once: loops on the host for host params, one kernel launch per bucket on
+// the pipeline's own stream for CUDA params. A slot is posted again only once
+// the apply that read it completed, and run() returns (the engine acks) only
+// once every apply completed on the device.
+//
+// With staging, the pipeline owns a private copy of every param (in the
+// params' memory), applies into it, and publish_staging() copies it into the
+// params at commit.
 #pragma once
 
 #include <weightsync/plan.h>
 #include <weightsync/subscriber.h>
 #include <weightsync/transport.h>
 #include <weightsync/wire.h>
+
+#include "core/copy_program.h"
+#include "core/cuda/gpu.h"
+#include "pipeline/copier.h"
+#include "pipeline/loop.h"
+#include "pipeline/setup.h"
 
 #include <chrono>
 #include <functional>
@@ -22,27 +39,13 @@ class Tracer;
 
 namespace weightsync::engine {
 
-// One strided copy from a landed bucket into a param (or its staging copy).
-struct ApplyOp {
-  int64_t src_offset = 0;  // first element, bytes into the bucket
-  Shape lengths;           // in the source's (HF) orientation
-  Shape src_strides;       // in elements
-  Shape dst_strides;       // of the destination, permuted when transposed
-  char* dst = nullptr;     // first element in the destination
-  DType dtype = DType::U8;
-  // For non-host destinations (copy_box path).
-  const TensorView* target = nullptr;
-  Shape view_lengths;  // the packed tensor at view_offset
-  int64_t view_offset = 0;
-  Box src_box, dst_box;
-  bool transpose = false;
-};
-
 struct RecvAction {
   int32_t bucket = 0;
   int src = 0;        // transport rank of the sender (trainer rank)
   int64_t bytes = 0;  // payload, without trailer
-  std::vector<ApplyOp> ops;
+  // The bucket's items from the slot into their targets: sources are slot
+  // offsets, destinations param (or staging) addresses.
+  CopyProgram apply;
   std::vector<FragmentRoute> fragments;  // p2p
   int64_t slot_bytes = 0;                // slot bytes used, without trailer
 };
@@ -56,46 +59,71 @@ struct ReceiveReport {
 
 class ReceivePipeline {
  public:
-  // `targets`: where this rank's params are applied (the params themselves or
-  // their staging copies), indexed like EngineRankLayout::params.
-  // `caps` are the transport's: which memory a fragment may land in.
-  ReceivePipeline(const Plan& plan, int global_rank, const std::vector<TensorView>& targets,
-                  const WireOptions& wire, const Capabilities& caps);
+  // `params`: this rank's registered params, indexed like
+  // EngineRankLayout::params, all in `memory`. With `staging`, applies go
+  // into private copies allocated here. `caps` are the transport's: which
+  // memory a fragment may land in.
+  ReceivePipeline(const Plan& plan, int global_rank, const std::vector<TensorView>& params,
+                  bool staging, const pipeline::RankMemory& memory, const WireOptions& wire,
+                  const Capabilities& caps);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
-  void prepare(Transport& transport);
+  // Allocates and registers the two slots (`slots` memory on `slot_device`)
+  // and, for CUDA params, uploads the apply programs (once).
+  void prepare(Transport& transport, SlotMemory slots, int slot_device);
   // Runs one step; `poll` is called about every millisecond and throws to
-  // abandon the step. A bad checksum does not stop the step (the senders must
-  // not stall): the bucket is skipped and reported.
+  // abandon the step. A bad checksum or a short message does not stop the
+  // step (the senders must not stall): the bucket is skipped and reported.
   ReceiveReport run(int64_t step, Transport& transport, const std::function<void()>& poll,
                     std::chrono::steady_clock::time_point deadline, StepPhases& phases,
                     Tracer* tracer);
+  // Staging: copies the private copies into the params (after a commit);
+  // returns when the copy is done.
+  void publish_staging();
+  // Called with k once bucket k (of Plan::buckets_received_by) is applied,
+  // while every earlier bucket is too and no later one failed; before its
+  // slot is posted again (load_weights mode hands the tensors it completed
+  // to the engine). Exceptions from it fail run(), as from `poll`.
+  void on_bucket(std::function<void(size_t k)> fn) { on_bucket_ = std::move(fn); }
   void cancel_all();
 
  private:
-  struct Slot : RegisteredHostBuffer {
-    std::vector<std::unique_ptr<Request>> requests;
+  struct Slot {
+    StagingBuffer buffer;
+    pipeline::Posted posted;
     int64_t posted_us = 0;
     std::string error;  // a message of the bucket came short
   };
+  struct StagingCopy {
+    std::unique_ptr<char[]> host;
+    gpu::Memory device;
+  };
+  std::vector<TensorView> make_staging(const std::vector<TensorView>& params);
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
-  void post(size_t k, Slot& slot, int64_t step, Transport& t);
-  void wait(Slot& slot, const std::function<void()>& poll,
-            std::chrono::steady_clock::time_point deadline);
+  void post(size_t k, int slot, int64_t step, Transport& t);
+  void receive(size_t k, int slot, pipeline::Loop& loop, StepPhases& phases, Tracer* tracer);
+  void settle(size_t k, int slot, int64_t step, pipeline::Loop& loop, ReceiveReport& report,
+              StepPhases& phases, Tracer* tracer);
   // The bucket's checksum as it landed and as sent; equal when not checked.
   std::pair<uint64_t, uint64_t> checksums(const RecvAction& a, const char* data,
                                           int64_t step) const;
-  void apply(const RecvAction& a, size_t first, size_t count, const char* data);
 
   int global_rank_ = 0;
   int trainer_world_ = 1, engine_world_ = 1;
   bool broadcast_ = false;
   WireOptions wire_;
   Capabilities caps_;
+  pipeline::RankMemory memory_;
   std::vector<RecvAction> actions_;
   std::size_t slot_bytes_ = 0;
+  // Before the slots: requests still posted (cancelled at destruction) may
+  // land in the staging copies, so these outlive them.
+  std::vector<StagingCopy> staging_;
   Slot slots_[2];
+  CopyProgram publish_;  // staging -> params
+  pipeline::Copier copier_;
+  std::function<void(size_t)> on_bucket_;
 };
 
 }  // namespace weightsync::engine

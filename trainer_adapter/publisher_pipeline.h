@@ -1,19 +1,31 @@
 // The trainer rank's data path, compiled once from the plan and run every
 // step: pack bucket k+1 while bucket k is on the wire, in two staging slots.
 //
-// A p2p bucket travels as fragments (wire.h): dense runs of the registered
-// tensors go out as they are, the rest is packed into the slot first.
+// Each bucket's pack is a copy program (core/copy_program.h) built here once:
+// loops on the host for host tensors, one kernel launch per bucket on the
+// pipeline's own stream for CUDA tensors, into slots where the data goes
+// (wire.h choose_slot_memory: host, pinned or device memory). A p2p bucket
+// travels as fragments (wire.h): dense runs of the registered tensors go out
+// as they are, the rest is packed into the slot first; a send is posted only
+// once its pack completed.
 //
-// Buckets are handled in one global order shared by every process (the
-// plan's predicted start time, then the bucket id), which with bounded
-// windows on both sides cannot deadlock: the earliest unfinished bucket is
-// always posted by its sender and its receiver.
+// Buckets go in the plan's order (Plan::buckets_sent_by: predicted start,
+// then bucket id), one order shared by every process; with bounded windows
+// on both sides it cannot deadlock: the earliest unfinished bucket is always
+// posted by its sender and its receiver. In broadcast mode the buckets this
+// rank roots and those it contributes gather parts to are merged by id,
+// which is that order there.
 #pragma once
 
 #include <weightsync/plan.h>
 #include <weightsync/publisher.h>
 #include <weightsync/transport.h>
 #include <weightsync/wire.h>
+
+#include "core/copy_program.h"
+#include "pipeline/copier.h"
+#include "pipeline/loop.h"
+#include "pipeline/setup.h"
 
 #include <chrono>
 #include <functional>
@@ -22,42 +34,35 @@
 
 namespace weightsync::trainer {
 
-// One strided copy from a local tensor into a bucket, resolved to pointers.
-struct PackOp {
-  const TensorView* tensor = nullptr;  // the registered local tensor
-  Box src_box;                         // in that tensor
-  Shape lengths;                       // packed row-major at dst_offset
-  int64_t dst_offset = 0;              // in the slot buffer
-  const char* src = nullptr;           // host fast path: first element
-  Shape src_strides, dst_strides;
-};
-
 struct SendAction {
   enum class Kind { p2p, root, holder };
   Kind kind = Kind::p2p;
   int32_t bucket = 0;
-  int dst_engine = -1;      // p2p: global engine rank
-  int root = -1;            // the bucket's sender (broadcast: the root trainer rank)
-  int64_t bytes = 0;        // what goes on the wire, without trailer (holder: its part)
-  int64_t base = 0;         // bucket offset of this rank's packing (holder: part offset)
-  std::vector<PackOp> ops;  // this rank's items (p2p: the packed fragments' items)
-  std::vector<FragmentRoute> fragments;  // p2p
-  int64_t packed_bytes = 0;              // p2p: slot bytes the packed fragments use
-  std::vector<GatherPart> parts;         // root: the other holders' parts to receive
+  int dst_engine = -1;  // p2p: global engine rank
+  int root = -1;        // the bucket's sender (broadcast: the root trainer rank)
+  int64_t bytes = 0;    // what goes on the wire, without trailer (holder: its part)
+  int64_t base = 0;     // bucket offset of this rank's packing (holder: part offset)
+  // This rank's items packed into the slot (p2p: the packed fragments'
+  // items): sources are tensor addresses, destinations slot offsets.
+  CopyProgram pack;
+  // p2p; a packed fragment's first_op/num_ops index pack.runs().
+  std::vector<FragmentRoute> fragments;
+  int64_t packed_bytes = 0;       // p2p: slot bytes the packed fragments use
+  std::vector<GatherPart> parts;  // root: the other holders' parts to receive
 };
 
-struct PipelineConfig {
-  int rank = 0;
-  int trainer_world = 1;
-  int engine_world = 1;
-  std::chrono::steady_clock::time_point deadline;
+// Waits for the user's producer work before a push reads the tensors
+// (PublisherOptions): an event, else a stream, else the whole device.
+struct Producer {
+  void* stream = nullptr;  // cudaStream_t
+  void* event = nullptr;   // cudaEvent_t
 };
 
 class SendPipeline {
  public:
   // Compiles the actions of `rank` from the plan for the registered tensors
-  // (indexed like TrainerLayout::params).
-  // `caps` are the transport's: which memory a fragment may be sent from.
+  // (indexed like TrainerLayout::params). `caps` are the transport's: which
+  // memory a fragment may be sent from.
   SendPipeline(const Plan& plan, int rank, const std::vector<TensorView>& tensors,
                const WireOptions& wire, const Capabilities& caps);
 
@@ -65,8 +70,10 @@ class SendPipeline {
   std::size_t num_actions() const { return actions_.size(); }
   // Bytes the last run() sent straight from the registered tensors.
   uint64_t bytes_direct() const { return bytes_direct_; }
-  // Allocates and registers the two slots (once).
-  void prepare(Transport& transport);
+  // Allocates and registers the two slots (`slots` memory, on `slot_device`)
+  // and, for CUDA tensors, uploads the pack programs to their device (once).
+  void prepare(Transport& transport, SlotMemory slots, int slot_device,
+               const pipeline::RankMemory& memory, Producer producer);
 
   // Runs one step. `poll` is called about every millisecond while waiting; it
   // throws to abandon the step. `dead` marks engine ranks to skip (updated by
@@ -78,20 +85,18 @@ class SendPipeline {
   void cancel_all();
 
  private:
-  struct Slot : RegisteredHostBuffer {
-    std::vector<std::unique_ptr<Request>> requests;
-    std::vector<int> engines;  // engine rank of each request, -1 for trainer peers
-    int32_t bucket = -1;       // on the wire from this slot (for the trace)
+  struct Slot {
+    StagingBuffer buffer;
+    pipeline::Posted posted;  // owners: engine rank, -1 for trainer peers
+    int32_t bucket = -1;      // on the wire from this slot (for the trace)
     int64_t bytes = 0;
     int64_t posted_us = 0;
   };
   void compile_fragments(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
-  void pack(const SendAction& a, size_t first, size_t count, char* buffer);
-  void post_p2p(const SendAction& a, Slot& slot, int64_t step, Transport& t, PushPhases& phases);
-  void post(const SendAction& a, Slot& slot, int64_t step, Transport& t, std::vector<bool>& dead,
-            const std::function<void()>& poll, PushPhases& phases);
-  void drain(Slot& slot, std::vector<bool>& dead, const std::function<void()>& poll,
-             PushPhases& phases);
+  void pack(size_t index, int slot, size_t first = 0, size_t count = static_cast<size_t>(-1));
+  void post_p2p(size_t index, int slot, int64_t step, PushPhases& phases);
+  void post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
+  void drain(Slot& slot, std::vector<bool>& dead);
 
   int rank_ = 0, trainer_world_ = 1, engine_world_ = 1;
   bool native_broadcast_ = false;
@@ -101,7 +106,10 @@ class SendPipeline {
   std::size_t slot_bytes_ = 0;
   uint64_t bytes_direct_ = 0;
   Slot slots_[2];
-  std::chrono::steady_clock::time_point deadline_;
+  pipeline::Copier copier_;
+  Producer producer_;
+  // Set for the duration of run().
+  pipeline::Loop* loop_ = nullptr;
   Tracer* tracer_ = nullptr;
 };
 

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace weightsync {
@@ -92,6 +93,16 @@ std::vector<FragmentRoute> route_fragments(
     const Plan& plan, int32_t bucket, int64_t direct_min_bytes,
     const std::function<FragmentRoute(const Copy&)>& direct,
     const std::function<void(const Copy&, int64_t shift)>& add_op, int64_t& slot_bytes);
+
+// Where a rank's staging slots live, from where its tensors are and what the
+// transport reaches (DESIGN.md "GPU data path"): host tensors use host slots;
+// CUDA tensors use device slots when the transport reaches device memory,
+// else pinned host slots when it reaches host memory. Checksums are computed
+// on the host, so with them on CUDA tensors take pinned slots. `who` ("trainer
+// rank 2") and `transport` name the parties of the Errc::unsupported thrown
+// when no slot fits (e.g. host tensors over NCCL).
+SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, const WireOptions& wire,
+                              const std::string& who, const std::string& transport);
 
 // The seed of fragment `index` of a bucket of `step` for checksum64.
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {

@@ -101,6 +101,22 @@ std::vector<FragmentRoute> route_fragments(
   return out;
 }
 
+SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, const WireOptions& wire,
+                              const std::string& who, const std::string& transport) {
+  if (tensors == MemoryKind::host) {
+    if (caps.host_memory) return SlotMemory::host;
+    fail(Errc::unsupported, who, ": its tensors are in host memory, but transport '", transport,
+         "' reaches CUDA device memory only (register CUDA tensors, or use a host transport such "
+         "as ucx)");
+  }
+  if (caps.cuda_memory && !wire.checksums) return SlotMemory::device;
+  if (caps.host_memory) return SlotMemory::pinned;
+  fail(Errc::unsupported, who, ": its tensors are in CUDA memory and transport '", transport, "' ",
+       caps.cuda_memory ? "reaches device memory only, but checksums are computed on the host "
+                          "(turn checksums off, or use a transport that reaches host memory)"
+                        : "reaches neither host nor device memory");
+}
+
 std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box) {
   if (strides.size() != box.rank()) return std::nullopt;
   int64_t expected = 1;  // the stride a dense row-major run needs at this dim

@@ -59,6 +59,40 @@ TEST(Wire, DirectRouteNeedsADenseRunTheTransportReaches) {
   EXPECT_EQ(direct_route(cuda, box({1, 0}, {2, 6}), caps, wire).direct, nullptr);
 }
 
+TEST(Wire, SlotsLiveWhereTheDataGoes) {
+  Capabilities ucx, nccl, both;
+  ucx.host_memory = true;
+  nccl.cuda_memory = true;
+  both.host_memory = both.cuda_memory = true;
+  WireOptions plain, checked;
+  checked.checksums = true;
+  auto slots = [](MemoryKind m, const Capabilities& c, const WireOptions& w) {
+    return choose_slot_memory(m, c, w, "trainer rank 1", "x");
+  };
+  EXPECT_EQ(slots(MemoryKind::host, ucx, plain), SlotMemory::host);
+  EXPECT_EQ(slots(MemoryKind::host, both, plain), SlotMemory::host);
+  EXPECT_EQ(slots(MemoryKind::cuda, ucx, plain), SlotMemory::pinned) << "never pageable";
+  EXPECT_EQ(slots(MemoryKind::cuda, nccl, plain), SlotMemory::device);
+  EXPECT_EQ(slots(MemoryKind::cuda, both, plain), SlotMemory::device);
+  EXPECT_EQ(slots(MemoryKind::cuda, both, checked), SlotMemory::pinned) << "host checksums";
+  auto refused = [&](MemoryKind m, const Capabilities& c, const WireOptions& w,
+                     const std::string& part) {
+    try {
+      choose_slot_memory(m, c, w, "trainer rank 1", "nccl");
+      ADD_FAILURE() << "accepted: " << part;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::unsupported);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("trainer rank 1"), std::string::npos) << what;
+      EXPECT_NE(what.find("'nccl'"), std::string::npos) << what;
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+    }
+  };
+  refused(MemoryKind::host, nccl, plain, "host memory");
+  refused(MemoryKind::cuda, nccl, checked, "checksums");
+  EXPECT_STREQ(slot_memory_name(SlotMemory::pinned), "pinned");
+}
+
 TEST(Wire, OptionsJson) {
   WireOptions w;
   w.checksums = true;

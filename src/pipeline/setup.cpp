@@ -1,0 +1,147 @@
+#include "pipeline/setup.h"
+
+#include <weightsync/error.h>
+#include <weightsync/topology.h>
+
+#include "core/cuda/gpu.h"
+
+#include <nlohmann/json.hpp>
+
+#include <limits>
+
+namespace weightsync::pipeline {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+Millis left_until(Clock::time_point deadline) {
+  return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
+}
+
+// The JSON under `key` of the job's store, Errc::format naming the key when
+// it is no JSON.
+nlohmann::json fetch_json(control::Client& client, const SetupSpec& spec, const std::string& key,
+                          Clock::time_point deadline) {
+  const auto blob = client.get(spec.job + "/" + key, left_until(deadline));
+  auto j = nlohmann::json::parse(blob.begin(), blob.end(), nullptr, false);
+  if (j.is_discarded())
+    fail(Errc::format, spec.who, ": the store's '", spec.job, "/", key, "' is not JSON");
+  return j;
+}
+
+PlanOptions plan_options_of(const nlohmann::json& po, const SetupSpec& spec) {
+  if (!po.is_object() || !po.contains("mode") || !po["mode"].is_string() ||
+      !po.contains("bucket_bytes") || !po["bucket_bytes"].is_number_integer())
+    fail(Errc::format, spec.who, ": the store's '", spec.job,
+         "/plan_options' lacks a string \"mode\" and an integer \"bucket_bytes\": ", po.dump());
+  PlanOptions options;
+  options.mode = parse_plan_mode(po["mode"].get<std::string>());
+  options.bucket_bytes = po["bucket_bytes"].get<int64_t>();
+  return options;
+}
+
+std::unique_ptr<Transport> open_transport(control::Client& client, const SetupSpec& spec,
+                                          DataPath& dp, Clock::time_point deadline) {
+  const int trainers = static_cast<int>(dp.trainer.mesh.world());
+  TransportOptions t;
+  t.name = spec.transport;
+  t.store = &client;
+  t.prefix = spec.job + "/transport";
+  t.rank = spec.trainer_side ? spec.rank : trainers + spec.rank;
+  t.world = trainers + dp.engine.world();
+  // GPU backends work on the tensors' device (NCCL binds its communicator to it).
+  t.device = spec.memory.memory == MemoryKind::cuda ? spec.memory.device : -1;
+  t.bootstrap_timeout = left_until(deadline);
+  dp.transport_rank = t.rank;
+  return make_transport(t);
+}
+
+DataPath open(control::Client& client, const SetupSpec& spec) {
+  const auto deadline = Clock::now() + spec.connect_timeout;
+  DataPath dp;
+  dp.memory = spec.memory;
+  dp.trainer = spec.trainer
+                   ? *spec.trainer
+                   : TrainerLayout::from_json(fetch_json(client, spec, "layout/trainer", deadline));
+  dp.engine = spec.engine
+                  ? *spec.engine
+                  : spec.engine_from_json(fetch_json(client, spec, "layout/engine", deadline));
+  const nlohmann::json po = fetch_json(client, spec, "plan_options", deadline);
+  dp.wire = WireOptions::from_json(po.is_object() ? po.value("wire", nlohmann::json::object())
+                                                  : nlohmann::json::object());
+  const PlanOptions options = spec.plan ? *spec.plan : plan_options_of(po, spec);
+  client.wait_members(static_cast<int>(dp.trainer.mesh.world()), dp.engine.world(),
+                      left_until(deadline));
+  use_device(spec.memory);
+  dp.transport = open_transport(client, spec, dp, deadline);
+  dp.plan = make_plan(dp.trainer, dp.engine, Topology{}, options);
+  // Up front: slots the transport cannot reach would fail deep inside a step.
+  const Capabilities caps = dp.transport->capabilities();
+  if (spec.memory.any)
+    dp.slots = choose_slot_memory(spec.memory.memory, caps, dp.wire, spec.who, spec.transport);
+  else
+    dp.slots = caps.host_memory ? SlotMemory::host : SlotMemory::device;
+  dp.slot_device = dp.slots == SlotMemory::device ? spec.memory.device : -1;
+  return dp;
+}
+
+}  // namespace
+
+std::string memory_str(MemoryKind memory, int device) {
+  return memory == MemoryKind::host ? std::string("host memory") : cat("CUDA device ", device);
+}
+
+RankMemory rank_memory(const std::vector<TensorView>& tensors,
+                       const std::function<std::string(std::size_t)>& name,
+                       const std::string& who) {
+  RankMemory out;
+  std::size_t first = std::numeric_limits<std::size_t>::max();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& t = tensors[i];
+    if (t.numel() == 0) continue;
+    int device = -1;
+    if (t.memory == MemoryKind::cuda) {
+      gpu::require_device(cat(who, ": param '", name(i), "' in CUDA memory"));
+      const int known = gpu::pointer_device(t.data);
+      device = t.device >= 0 ? t.device : known;
+      if (known < 0 || known != device)
+        fail(Errc::invalid_argument, who, ": param '", name(i), "' is registered as ",
+             memory_str(MemoryKind::cuda, device), " but CUDA ",
+             known < 0 ? std::string("does not know its address as device memory")
+                       : cat("places it on device ", known));
+    }
+    if (first == std::numeric_limits<std::size_t>::max()) {
+      first = i;
+      out = RankMemory{t.memory, device, true};
+      continue;
+    }
+    if (t.memory != out.memory || device != out.device)
+      fail(Errc::invalid_argument, who, ": params '", name(first), "' (",
+           memory_str(out.memory, out.device), ") and '", name(i), "' (",
+           memory_str(t.memory, device),
+           ") are in different places; a rank's tensors must all be in host memory or all on "
+           "one CUDA device");
+  }
+  return out;
+}
+
+DataPath open_data_path(control::Client& client, const SetupSpec& spec) {
+  try {
+    return open(client, spec);
+  } catch (const nlohmann::json::exception& e) {
+    // Never a foreign exception out of setup: callers clean up on Error.
+    fail(Errc::format, spec.who, ": setting up the data path: ", e.what());
+  }
+}
+
+void connect_peers(Transport& transport) {
+  for (int peer = 0; peer < transport.world(); ++peer)
+    if (peer != transport.rank()) transport.connect(peer);
+}
+
+void use_device(const RankMemory& memory) {
+  if (memory.memory == MemoryKind::cuda) gpu::set_device(memory.device);
+}
+
+}  // namespace weightsync::pipeline

@@ -1,0 +1,81 @@
+// The setup both ends of the data path share (Publisher and Subscriber
+// ensure_ready): the layouts and plan options from the store when not given,
+// the members, the rank's memory and CUDA device, the transport (its device
+// set from the tensors), the plan, and the staging slots' memory checked
+// against what the transport reaches, up front.
+#pragma once
+
+#include <weightsync/control.h>
+#include <weightsync/engine_layout.h>
+#include <weightsync/load_spec.h>
+#include <weightsync/plan.h>
+#include <weightsync/transport.h>
+#include <weightsync/wire.h>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace weightsync::pipeline {
+
+// Where a rank's tensors live: all in host memory, or all on one CUDA device.
+struct RankMemory {
+  MemoryKind memory = MemoryKind::host;
+  int device = -1;   // CUDA ordinal when memory == cuda
+  bool any = false;  // false: the rank holds no bytes (every tensor empty)
+};
+
+// "host memory", "CUDA device 1".
+std::string memory_str(MemoryKind memory, int device);
+
+// The memory of `tensors` (name(i) names tensor i in messages). A CUDA tensor
+// registered without a device takes the device CUDA reports for its pointer.
+// Errc::invalid_argument naming two params and where each lives when they
+// are not all in one place; Errc::unsupported for CUDA tensors without CUDA.
+RankMemory rank_memory(const std::vector<TensorView>& tensors,
+                       const std::function<std::string(std::size_t)>& name, const std::string& who);
+
+struct SetupSpec {
+  std::string who;  // "trainer rank 2", "engine rank 5"
+  bool trainer_side = true;
+  int rank = 0;  // trainer rank, or global engine rank
+  std::string job;
+  std::string transport;
+  std::optional<TrainerLayout> trainer;  // else trainer rank 0's from the store
+  std::optional<EngineLayout> engine;    // else from engine rank 0's config in the store,
+  // through `engine_from_json` (EngineConfig::from_json and make_engine_layout
+  // live in engine_adapter, above this library)
+  std::function<EngineLayout(const nlohmann::json& config)> engine_from_json;
+  std::optional<PlanOptions> plan;  // else trainer rank 0's from the store
+  RankMemory memory;
+  std::chrono::milliseconds connect_timeout{60000};
+};
+
+struct DataPath {
+  TrainerLayout trainer;
+  EngineLayout engine;
+  std::optional<Plan> plan;
+  WireOptions wire;  // trainer rank 0's: every rank follows them
+  std::unique_ptr<Transport> transport;
+  int transport_rank = 0;
+  RankMemory memory;
+  SlotMemory slots = SlotMemory::host;
+  int slot_device = -1;  // device slots' GPU
+};
+
+// Sets up this rank's end of the data path. Every failure is a
+// weightsync::Error naming `who` (malformed JSON in the store included).
+DataPath open_data_path(control::Client& client, const SetupSpec& spec);
+
+// Eager endpoints to every other rank, so that the first step times only the sync.
+void connect_peers(Transport& transport);
+
+// Where later GPU work of this thread goes: the rank's device (no-op for host memory).
+void use_device(const RankMemory& memory);
+
+}  // namespace weightsync::pipeline
