@@ -1,0 +1,89 @@
+// End to end into FP8 engines: BF16 trainer ranks sync into engine configs
+// with "quantization" over UCX (the real `weightsync demo`, one process per
+// rank); the engine ranks quantize what lands. Every engine checks each
+// committed version (a different XOR pattern of the checkpoint each step)
+// against that version quantized, FP8 bytes and scales; the last version's
+// dumps must equal `weightsync materialize` of the checkpoint bit for bit.
+#include "e2e/e2e_helpers.h"
+
+#include <weightsync/transport.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+namespace weightsync::e2e {
+namespace {
+
+// make_model's engine config with FP8 quantization added.
+Model fp8_model(const std::string& name, const std::string& mesh, int tp, int replicas, bool ep,
+                const std::string& scale) {
+  Model m = make_model(name, mesh, tp, replicas, ep);
+  nlohmann::json engine = read_json(m.engine);
+  engine["quantization"] = {{"method", "fp8"}, {"weight_block_size", {128, 128}}, {"scale", scale}};
+  std::ofstream(m.engine, std::ios::trunc) << engine.dump();
+  return m;
+}
+
+void sync_and_compare(const Model& m, int engines, int steps, std::vector<std::string> extra) {
+  const std::string dump = m.dir + "/dump";
+  const std::string summary = m.dir + "/summary.json";
+  std::vector<std::string> args{"demo",
+                                "--checkpoint",
+                                m.checkpoint,
+                                "--trainer",
+                                m.trainer,
+                                "--engine",
+                                m.engine,
+                                "--summary",
+                                summary,
+                                "--timeout",
+                                "60",
+                                "--work-dir",
+                                m.dir + "/work",
+                                "--dump",
+                                dump,
+                                "--steps",
+                                std::to_string(steps)};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const CliRun run = run_cli(args);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const nlohmann::json s = read_json(summary);
+  ASSERT_TRUE(s.is_object()) << run.output;
+  EXPECT_TRUE(s["ok"].get<bool>()) << run.output;
+  ASSERT_EQ(s["steps"].size(), static_cast<size_t>(steps)) << run.output;
+  for (const auto& row : s["steps"]) {
+    EXPECT_EQ(row["committed"].size(), static_cast<size_t>(engines)) << "step " << row["step"];
+    EXPECT_EQ(row["verified"].size(), static_cast<size_t>(engines)) << "step " << row["step"];
+  }
+  const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
+  int fp8_params = 0;
+  for (const auto& p : layout.ranks[0].params) fp8_params += p.dtype == DType::F8_E4M3;
+  ASSERT_GT(fp8_params, 0) << "the engine config holds no FP8 param";
+  for (int g = 0; g < engines; ++g) {
+    const std::string file = dump_file(dump, layout, g);
+    EXPECT_EQ(compare_with_materialize(m, file, g), "") << file;
+  }
+}
+
+TEST(E2EFp8, LlamaTp2P2pSmallBuckets) {
+  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX";
+  // Buckets of 64 KiB split the weights (a 512 x 320 BF16 qkv is 320 KiB).
+  const Model m = fp8_model("tiny-fp8-llama", "fsdp=2", 2, 1, false, "fp32");
+  sync_and_compare(m, 2, 3, {"--bucket-bytes", "65536"});
+}
+
+TEST(E2EFp8, Qwen3MoeExpertParallelBroadcastStagingUe8m0) {
+  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX";
+  const Model m = fp8_model("tiny-fp8-qwen3-moe", "ep=2,fsdp=1", 2, 1, true, "ue8m0");
+  sync_and_compare(m, 2, 3, {"--mode", "broadcast", "--staging", "--bucket-bytes", "131072"});
+}
+
+TEST(E2EFp8, DeepseekV3Tp2TwoReplicas) {
+  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX";
+  const Model m = fp8_model("tiny-fp8-deepseek-v3", "fsdp=2", 2, 2, false, "fp32");
+  sync_and_compare(m, 4, 2, {"--bucket-bytes", "262144"});
+}
+
+}  // namespace
+}  // namespace weightsync::e2e
