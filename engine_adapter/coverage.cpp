@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <span>
 
 namespace weightsync {
 namespace {
@@ -135,10 +136,10 @@ void subtract(const Box& a, const Box& b, std::vector<Box>& out) {
 }
 
 // Every HF tensor some rank reads must be read whole by the replica.
-void check_hf_cover(const EngineLayout& layout,
+void check_hf_cover(std::span<const EngineRankLayout> ranks,
                     const std::map<std::string, Shape, std::less<>>& hf) {
   std::map<std::string, std::vector<Box>, std::less<>> reads;
-  for (const auto& rank : layout.ranks)
+  for (const auto& rank : ranks)
     for (const auto& p : rank.params)
       for (const auto& s : p.segments) reads[s.hf_key].push_back(s.hf_box);
   for (auto& [key, boxes] : reads) {
@@ -162,19 +163,26 @@ void check_hf_cover(const EngineLayout& layout,
 }  // namespace
 
 void check_coverage(const EngineLayout& layout) {
-  std::map<std::string, Shape, std::less<>> hf;
-  for (const auto& t : hf_tensors(layout.config.hf)) hf.emplace(t.key, t.shape);
-  if (layout.ranks.size() != static_cast<size_t>(layout.config.tp))
-    fail(Errc::invalid_layout, "engine layout: ", layout.ranks.size(),
-         " rank layouts for tp=", layout.config.tp);
-  for (const auto& rank : layout.ranks) {
-    try {
-      for (const auto& p : rank.params) check_param(p, hf);
-    } catch (const Error& e) {
-      throw Error(e.code(), cat("rank ", rank.rank, ": ", e.what()));
+  size_t templates = 0;
+  for (const EngineGroup& g : layout.groups) templates += static_cast<size_t>(g.config.tp);
+  if (layout.groups.empty() || layout.ranks.size() != templates)
+    fail(Errc::invalid_layout, "engine layout: ", layout.ranks.size(), " rank layouts for ",
+         layout.groups.size(), " groups of ", templates, " ranks in all");
+  // Each group's replica covers its HF tensors whole, on its own.
+  for (const EngineGroup& g : layout.groups) {
+    std::map<std::string, Shape, std::less<>> hf;
+    for (const auto& t : hf_tensors(g.config.hf)) hf.emplace(t.key, t.shape);
+    const std::span<const EngineRankLayout> ranks(layout.ranks.data() + g.first_template,
+                                                  static_cast<size_t>(g.config.tp));
+    for (const auto& rank : ranks) {
+      try {
+        for (const auto& p : rank.params) check_param(p, hf);
+      } catch (const Error& e) {
+        throw Error(e.code(), cat("rank ", rank.rank, ": ", e.what()));
+      }
     }
+    check_hf_cover(ranks, hf);
   }
-  check_hf_cover(layout, hf);
 }
 
 }  // namespace weightsync

@@ -55,15 +55,57 @@ HfModelConfig load_hf_config(const std::string& path, const std::string& base_di
   return HfModelConfig::load(p.string());
 }
 
+// "quantization": {"method": "fp8", "weight_block_size": [128, 128],
+// "scale": "fp32" | "ue8m0"}; null or absent: none.
+std::optional<BlockQuant> get_quantization(const json& j) {
+  const json* q = field(j, "quantization");
+  if (!q) return std::nullopt;
+  if (!q->is_object())
+    fail(Errc::format, "engine config: field 'quantization' must be an object, got ", q->dump());
+  for (const auto& [k, v] : q->items())
+    if (k != "method" && k != "weight_block_size" && k != "scale")
+      fail(Errc::format, "engine config: unknown field 'quantization.", k,
+           "' (expected method, weight_block_size, scale)");
+  const std::string method = get_string(*q, "method", "");
+  if (method != "fp8")
+    fail(Errc::invalid_layout, "engine config: quantization method '", method,
+         "' is not supported (expected \"fp8\")");
+  BlockQuant out;
+  if (const json* b = field(*q, "weight_block_size")) {
+    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number_integer() ||
+        !(*b)[1].is_number_integer())
+      fail(Errc::format, "engine config: 'quantization.weight_block_size' must be two integers, ",
+           "got ", b->dump());
+    out.block_rows = (*b)[0].get<int64_t>();
+    out.block_cols = (*b)[1].get<int64_t>();
+    // Every FP8 checkpoint these engines load (DeepSeek-V3, Kimi-K2, Qwen3-FP8)
+    // and DeepGEMM's kernels use 128 x 128 blocks; the kernels here do too.
+    if (out.block_rows != 128 || out.block_cols != 128)
+      fail(Errc::invalid_layout, "engine config: quantization.weight_block_size ", b->dump(),
+           " is not supported (only [128, 128])");
+  }
+  const std::string scale = get_string(*q, "scale", "fp32");
+  if (scale == "ue8m0")
+    out.scale = ScaleFormat::ue8m0;
+  else if (scale != "fp32")
+    fail(Errc::invalid_layout, "engine config: quantization.scale '", scale,
+         "' is not supported (expected \"fp32\" or \"ue8m0\")");
+  return out;
+}
+
 }  // namespace
+
+std::string_view scale_format_name(ScaleFormat format) noexcept {
+  return format == ScaleFormat::ue8m0 ? "ue8m0" : "fp32";
+}
 
 EngineConfig EngineConfig::from_json(const json& j, const std::string& base_dir) {
   if (!j.is_object()) fail(Errc::format, "engine config: expected a JSON object");
   EngineConfig c;
   c.framework = get_string(j, "framework", "");
-  if (c.framework != "vllm" && c.framework != "sglang")
+  if (c.framework != "vllm" && c.framework != "sglang" && c.framework != "hf")
     fail(Errc::invalid_layout, "engine config: framework '", c.framework,
-         "' is not supported (expected \"vllm\" or \"sglang\")");
+         "' is not supported (expected \"vllm\", \"sglang\" or \"hf\")");
   const json* hf = field(j, "hf_config");
   if (!hf) fail(Errc::format, "engine config: missing field 'hf_config' (a path or an object)");
   if (hf->is_string())
@@ -89,19 +131,55 @@ EngineConfig EngineConfig::from_json(const json& j, const std::string& base_dir)
   if (c.moe_order == "w31" && c.framework != "sglang")
     fail(Errc::invalid_layout, "engine config: moe_order \"w31\" is an SGLang option; ",
          c.framework, " stores w13 (gate first)");
+  c.quantization = get_quantization(j);
   return c;
 }
 
-EngineConfig EngineConfig::load(const std::string& path) {
+namespace {
+
+// Parses the file at `path` with `parse(json, base_dir)`, naming the file in errors.
+template <class T, class Parse>
+T load_file(const std::string& path, Parse parse) {
   std::ifstream in(path);
   if (!in) fail(Errc::io, "engine config: cannot open '", path, "'");
   json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) fail(Errc::format, "engine config '", path, "': not valid JSON");
   try {
-    return from_json(j, std::filesystem::path(path).parent_path().string());
+    return parse(j, std::filesystem::path(path).parent_path().string());
   } catch (const Error& e) {
     throw Error(e.code(), cat(path, ": ", e.what()));
   }
+}
+
+}  // namespace
+
+EngineConfig EngineConfig::load(const std::string& path) {
+  return load_file<EngineConfig>(path, &EngineConfig::from_json);
+}
+
+EngineSpec EngineSpec::from_json(const json& j, const std::string& base_dir) {
+  if (!j.is_array()) return EngineSpec(EngineConfig::from_json(j, base_dir));
+  if (j.empty()) fail(Errc::format, "engine config: an empty array (expected engine configs)");
+  EngineSpec spec;
+  for (size_t i = 0; i < j.size(); ++i) {
+    try {
+      spec.groups.push_back(EngineConfig::from_json(j[i], base_dir));
+    } catch (const Error& e) {
+      throw Error(e.code(), cat("engine group ", i, ": ", e.what()));
+    }
+  }
+  return spec;
+}
+
+EngineSpec EngineSpec::load(const std::string& path) {
+  return load_file<EngineSpec>(path, &EngineSpec::from_json);
+}
+
+json EngineSpec::to_json() const {
+  if (groups.size() == 1) return groups[0].to_json();
+  json out = json::array();
+  for (const EngineConfig& g : groups) out.push_back(g.to_json());
+  return out;
 }
 
 json EngineConfig::to_json() const {
@@ -113,6 +191,11 @@ json EngineConfig::to_json() const {
             {"replicas", replicas},
             {"dtype", std::string(dtype_name(dtype))}};
   if (moe_order != "w13") j["moe_order"] = moe_order;
+  if (quantization)
+    j["quantization"] = {
+        {"method", "fp8"},
+        {"weight_block_size", {quantization->block_rows, quantization->block_cols}},
+        {"scale", std::string(scale_format_name(quantization->scale))}};
   return j;
 }
 

@@ -203,8 +203,9 @@ void validate(const EngineConfig& c) {
   if (tp < 1 || c.replicas < 1)
     fail(Errc::invalid_layout, "engine config: tp (", tp, ") and replicas (", c.replicas,
          ") must be positive");
-  if (c.framework != "vllm" && c.framework != "sglang")
+  if (c.framework != "vllm" && c.framework != "sglang" && c.framework != "hf")
     fail(Errc::invalid_layout, "engine config: unknown framework '", c.framework, "'");
+  if (c.framework == "hf") return;  // whole tensors: tp divides nothing
   if (c.expert_placement != "linear" && c.expert_placement != "round_robin")
     fail(Errc::invalid_layout, "engine config: unknown expert_placement '", c.expert_placement,
          "'");
@@ -235,12 +236,48 @@ void validate(const EngineConfig& c) {
          "a multiple of 64 (", hf.vocab_size, " -> ", padded_vocab(hf.vocab_size), ")");
 }
 
+// Appends the param of `rule` for rank `r`, and with FP8 its scale param.
+void add_param(EngineRankLayout& rank, const Rule& rule, const EngineConfig& c,
+               const HfShapes& shapes, int r) {
+  rank.params.push_back(build_param(rule, c, shapes, r));
+  if (!rule.quantized) return;
+  const auto index = static_cast<int32_t>(rank.params.size() - 1);
+  EngineParam scale = make_quantized(rank.params.back(), *c.quantization, shapes, r, c.tp, index);
+  rank.params.push_back(std::move(scale));
+}
+
+// Framework "hf": every HF tensor whole, under its own name, on every rank;
+// with FP8, the linear weights as an FP8 checkpoint stores them (the weight
+// and its "<key>_scale_inv").
+EngineRankLayout hf_rank(const EngineConfig& c, const std::vector<HfTensorSpec>& tensors, int r) {
+  EngineRankLayout rank;
+  rank.rank = r;
+  rank.params.reserve(tensors.size());
+  for (const HfTensorSpec& t : tensors) {
+    const Box whole = Box::full(t.shape);
+    rank.params.push_back({t.key, c.dtype, t.shape, {{t.key, whole, whole, false}}});
+    if (!c.quantization || t.shape.size() != 2 || !fp8_linear_key(t.key)) continue;
+    const auto index = static_cast<int32_t>(rank.params.size() - 1);
+    const HfShapes one{{t.key, t.shape}};
+    EngineParam scale = make_quantized(rank.params.back(), *c.quantization, one, r, c.tp, index);
+    rank.params.push_back(std::move(scale));
+  }
+  return rank;
+}
+
 }  // namespace
 }  // namespace engine
 
 EngineLayout make_engine_layout(const EngineConfig& config) {
   engine::validate(config);
   const auto tensors = hf_tensors(config.hf);
+  if (config.framework == "hf") {
+    EngineLayout layout;
+    layout.config = config;
+    for (int r = 0; r < config.tp; ++r) layout.ranks.push_back(engine::hf_rank(config, tensors, r));
+    layout.groups = {{config, 0, 0, 0}};
+    return layout;
+  }
   engine::HfShapes shapes;
   for (const auto& t : tensors) shapes.emplace(t.key, t.shape);
   const auto rules = engine::rules_for(config, shapes, tensors);
@@ -251,10 +288,67 @@ EngineLayout make_engine_layout(const EngineConfig& config) {
     auto& rank = layout.ranks[static_cast<size_t>(r)];
     rank.rank = r;
     rank.params.reserve(rules.size());
-    for (const auto& rule : rules)
-      rank.params.push_back(engine::build_param(rule, config, shapes, r));
+    for (const auto& rule : rules) engine::add_param(rank, rule, config, shapes, r);
   }
+  layout.groups = {{config, 0, 0, 0}};
   return layout;
+}
+
+EngineLayout make_engine_layout(const EngineSpec& spec) {
+  if (spec.groups.empty()) fail(Errc::invalid_layout, "engine config: no engine group");
+  EngineLayout out;
+  for (size_t i = 0; i < spec.groups.size(); ++i) {
+    EngineLayout one;
+    try {
+      one = make_engine_layout(spec.groups[i]);
+    } catch (const Error& e) {
+      throw Error(e.code(), spec.groups.size() > 1 ? cat("engine group ", i, ": ", e.what())
+                                                   : std::string(e.what()));
+    }
+    EngineGroup g{one.config, out.world(), out.num_replicas(), static_cast<int>(out.ranks.size())};
+    if (i == 0) out.config = one.config;
+    out.ranks.insert(out.ranks.end(), std::make_move_iterator(one.ranks.begin()),
+                     std::make_move_iterator(one.ranks.end()));
+    out.groups.push_back(std::move(g));
+  }
+  return out;
+}
+
+int EngineLayout::world() const noexcept {
+  if (groups.empty()) return 0;
+  const EngineGroup& last = groups.back();
+  return last.first_rank + last.config.tp * last.config.replicas;
+}
+
+int EngineLayout::num_replicas() const noexcept {
+  return groups.empty() ? 0 : groups.back().first_replica + groups.back().config.replicas;
+}
+
+const EngineGroup& EngineLayout::group_of(int global_rank) const {
+  if (global_rank < 0 || global_rank >= world())
+    fail(Errc::invalid_argument, "engine rank ", global_rank, " outside the engines' ", world(),
+         " ranks");
+  size_t i = groups.size() - 1;
+  while (groups[i].first_rank > global_rank) --i;
+  return groups[i];
+}
+
+int EngineLayout::template_of(int global_rank) const {
+  const EngineGroup& g = group_of(global_rank);
+  return g.first_template + (global_rank - g.first_rank) % g.config.tp;
+}
+
+int EngineLayout::global_rank(int replica, int rank) const {
+  if (replica < 0 || replica >= num_replicas())
+    fail(Errc::invalid_argument, "replica ", replica, " outside the engines' ", num_replicas(),
+         " replicas");
+  size_t i = groups.size() - 1;
+  while (groups[i].first_replica > replica) --i;
+  const EngineGroup& g = groups[i];
+  if (rank < 0 || rank >= g.config.tp)
+    fail(Errc::invalid_argument, "rank ", rank, " outside tp=", g.config.tp, " of replica ",
+         replica);
+  return g.first_rank + (replica - g.first_replica) * g.config.tp + rank;
 }
 
 }  // namespace weightsync

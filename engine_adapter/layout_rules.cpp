@@ -21,6 +21,7 @@
 
 #include <weightsync/error.h>
 
+#include <algorithm>
 #include <array>
 #include <set>
 
@@ -118,7 +119,26 @@ std::optional<Split> single_split(std::string_view suffix) {
   return std::nullopt;
 }
 
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
 }  // namespace
+
+bool fp8_linear_key(std::string_view key) {
+  if (ends_with(key, "_proj.weight")) return true;
+  // DeepSeek's MLA: kv_a_proj_with_mqa (fused with q_a_proj in vLLM's
+  // fused_qkv_a_proj) is FP8 in DeepSeek-V3's and Kimi-K2's checkpoints.
+  if (ends_with(key, ".kv_a_proj_with_mqa.weight")) return true;
+  // Mixtral's experts: block_sparse_moe.experts.{e}.w1/w2/w3.weight.
+  return key.find(".experts.") != std::string_view::npos &&
+         (ends_with(key, ".w1.weight") || ends_with(key, ".w2.weight") ||
+          ends_with(key, ".w3.weight"));
+}
+
+std::string scale_param_name(const std::string& weight) {
+  return weight + "_scale_inv";
+}
 
 std::string_view split_name(Split split) {
   switch (split) {
@@ -211,6 +231,11 @@ std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
       fail(Errc::invalid_layout, "engine layout (", config.framework, ", ", config.hf.family,
            "): no rule places HF tensor '", t.key, "'");
   }
+  if (config.quantization)
+    for (Rule& r : rules)
+      r.quantized = r.split != Split::vocab &&
+                    std::all_of(r.keys.begin(), r.keys.end(),
+                                [](const std::string& k) { return fp8_linear_key(k); });
   return rules;
 }
 

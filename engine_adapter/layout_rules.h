@@ -28,7 +28,19 @@ struct Rule {
   std::string param;  // the engine's parameter name
   Split split;
   std::vector<std::string> keys;  // HF keys, in stacking order
+  bool quantized = false;         // FP8 engines: an F8_E4M3 weight with a scale param
 };
+
+// A linear weight that FP8 checkpoints store in FP8 (DESIGN.md "FP8
+// engines"): the *_proj weights (DeepSeek's kv_a_proj_with_mqa among them)
+// and Mixtral's experts' w1/w2/w3; not embeddings, lm_head, norms, routers,
+// biases or Qwen2-MoE's shared_expert_gate (a plain torch Linear in vLLM).
+bool fp8_linear_key(std::string_view key);
+
+// The name of a quantized weight's scale param: vLLM's and the FP8
+// checkpoints' "<weight>_scale_inv" ("...qkv_proj.weight_scale_inv",
+// "...experts.w13_weight_scale_inv").
+std::string scale_param_name(const std::string& weight);
 
 // Shapes of the HF tensors by key.
 using HfShapes = std::map<std::string, Shape, std::less<>>;
@@ -43,5 +55,13 @@ std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
 // divide what the rule splits.
 EngineParam build_param(const Rule& rule, const EngineConfig& config, const HfShapes& shapes,
                         int rank);
+
+// FP8 engines: turns `weight` (built for a quantized rule, at index `index`
+// of its rank's params) into an F8_E4M3 weight and returns its scale param.
+// Errc::invalid_layout, naming the param, key, rank and boxes, where a part
+// does not start on a block boundary on both sides or ends inside a block
+// that is not the last of its dim (vLLM refuses those layouts too).
+EngineParam make_quantized(EngineParam& weight, const BlockQuant& quant, const HfShapes& shapes,
+                           int rank, int tp, int32_t index);
 
 }  // namespace weightsync::engine

@@ -4,6 +4,8 @@
 #include <weightsync/error.h>
 #include <weightsync/safetensors.h>
 
+#include "core/fp8.h"
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -39,7 +41,10 @@ void check_segment_source(const Checkpoint& ckpt, const EngineParam& p, const Se
     fail(Errc::not_found, "checkpoint '", ckpt.path(), "' has no tensor '", s.hf_key,
          "' (needed by engine param '", p.name, "')");
   const TensorInfo& info = ckpt.info(s.hf_key);
-  if (info.dtype != p.dtype)
+  if (p.quant && !fp8::quantizable_source(info.dtype))
+    fail(Errc::mismatch, "checkpoint tensor '", s.hf_key, "' is ", dtype_name(info.dtype),
+         "; FP8 engine param '", p.name, "' quantizes BF16, F16 or F32 weights");
+  if (!p.quant && info.dtype != p.dtype)
     fail(Errc::mismatch, "checkpoint tensor '", s.hf_key, "' is ", dtype_name(info.dtype),
          ", engine param '", p.name, "' is ", dtype_name(p.dtype), " (no dtype conversion)");
   if (!s.hf_box.fits(info.shape))
@@ -48,10 +53,12 @@ void check_segment_source(const Checkpoint& ckpt, const EngineParam& p, const Se
 }
 
 // Copies the part of every segment inside `window` (a box of the parameter)
-// into `dst`, a contiguous tensor of window.lengths; zero-fills first unless
-// the segments write the whole window.
-void fill_window(const Checkpoint& ckpt, const EngineParam& p, const Box& window, void* dst) {
-  const TensorView out = host_view(dst, p.dtype, window.lengths);
+// into `dst`, a contiguous tensor of window.lengths in `dtype` (the param's;
+// the checkpoint's for a quantized weight); zero-fills first unless the
+// segments write the whole window.
+void fill_window(const Checkpoint& ckpt, const EngineParam& p, const Box& window, DType dtype,
+                 void* dst) {
+  const TensorView out = host_view(dst, dtype, window.lengths);
   std::vector<std::pair<const Segment*, Box>> parts;
   int64_t written = 0;
   for (const auto& s : p.segments) {
@@ -110,11 +117,63 @@ bool direct_runs(const Checkpoint& ckpt, const EngineParam& p, std::vector<Run>&
 
 constexpr size_t kBufferBytes = 16u << 20;
 
+// The dtype a quantized weight's segments hold in the checkpoint (one for
+// all of them: the quantizer reads one source dtype per block).
+DType source_dtype(const Checkpoint& ckpt, const EngineParam& w) {
+  if (w.segments.empty()) return DType::BF16;
+  const DType d = ckpt.info(w.segments.front().hf_key).dtype;
+  for (const auto& s : w.segments)
+    if (ckpt.info(s.hf_key).dtype != d)
+      fail(Errc::mismatch, "FP8 engine param '", w.name, "': checkpoint tensors '",
+           w.segments.front().hf_key, "' and '", s.hf_key, "' differ in dtype");
+  return d;
+}
+
+// A quantized weight, band by band in row-major order: each band is one
+// block row (up to 128 rows) of one 2-D slice (leading dims fixed), filled
+// from the checkpoint and quantized; `sink(q, q_bytes, scales, n_scales)`
+// gets its FP8 bytes and its block scales, which follow one another in the
+// weight's and the scale param's row-major orders.
+template <class Sink>
+void quantize_bands(const Checkpoint& ckpt, const EngineParam& w, Sink sink) {
+  const size_t n = w.shape.size();
+  const int64_t rows = w.shape[n - 2], cols = w.shape[n - 1];
+  const int64_t slices = rows * cols > 0 ? numel(w.shape) / (rows * cols) : 0;
+  const DType src = source_dtype(ckpt, w);
+  const int64_t nb = (cols + fp8::kBlock - 1) / fp8::kBlock;
+  std::vector<char> band(static_cast<size_t>(fp8::kBlock * cols) * itemsize(src));
+  std::vector<uint8_t> q(static_cast<size_t>(fp8::kBlock * cols));
+  std::vector<float> scales(static_cast<size_t>(nb));
+  for (int64_t i = 0; i < slices; ++i) {
+    Box window = Box::full(w.shape);
+    for (size_t d = n - 2, rest = static_cast<size_t>(i); d-- > 0; rest /= w.shape[d]) {
+      window.offsets[d] = static_cast<int64_t>(rest) % w.shape[d];
+      window.lengths[d] = 1;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += fp8::kBlock) {
+      window.offsets[n - 2] = r0;
+      window.lengths[n - 2] = std::min(fp8::kBlock, rows - r0);
+      fill_window(ckpt, w, window, src, band.data());
+      fp8::quantize_tensor(band.data(), src, window.lengths[n - 2], cols, w.quant->scale, q.data(),
+                           scales.data());
+      sink(q.data(), window.lengths[n - 2] * cols, scales.data(), nb);
+    }
+  }
+}
+
 class RankWriter {
  public:
   RankWriter(const Checkpoint& ckpt, SafetensorsWriter& out) : ckpt_(ckpt), out_(out) {}
 
+  // Params in layout order: a quantized weight's scales are kept for its
+  // scale param, which follows it.
   void write_param(const EngineParam& p) {
+    if (p.quant) return write_quantized(p);
+    if (p.scale_of >= 0) {
+      out_.write(scales_.data(), scales_.size() * sizeof(float));
+      scales_.clear();
+      return;
+    }
     const int64_t item = static_cast<int64_t>(itemsize(p.dtype));
     if (direct_runs(ckpt_, p, runs_)) {
       int64_t at = 0;
@@ -139,12 +198,20 @@ class RankWriter {
         window.offsets[0] = r0;
         window.lengths[0] = std::min(per, rows - r0);
       }
-      fill_window(ckpt_, p, window, buffer_.data());
+      fill_window(ckpt_, p, window, p.dtype, buffer_.data());
       out_.write(buffer_.data(), static_cast<size_t>(window.numel() * item));
     }
   }
 
  private:
+  void write_quantized(const EngineParam& w) {
+    scales_.clear();
+    quantize_bands(ckpt_, w, [&](const uint8_t* q, int64_t bytes, const float* s, int64_t n) {
+      out_.write(q, static_cast<size_t>(bytes));
+      scales_.insert(scales_.end(), s, s + n);
+    });
+  }
+
   void zeros(int64_t count, int64_t item) {
     if (count <= 0) return;
     if (zero_.empty()) zero_.assign(kBufferBytes, 0);
@@ -159,13 +226,15 @@ class RankWriter {
   SafetensorsWriter& out_;
   std::vector<Run> runs_;
   std::vector<char> buffer_, zero_;
+  std::vector<float> scales_;
 };
 
 }  // namespace
 
 void check_checkpoint(const Checkpoint& ckpt, const EngineLayout& layout, int rank) {
   std::map<std::string, Shape, std::less<>> expected;
-  for (const auto& t : hf_tensors(layout.config.hf)) expected.emplace(t.key, t.shape);
+  for (const auto& t : hf_tensors(layout.group_of(rank).config.hf))
+    expected.emplace(t.key, t.shape);
   std::set<std::string_view> seen;
   for (const auto& p : layout.rank_layout(rank).params) {
     for (const auto& s : p.segments) {
@@ -181,17 +250,38 @@ void check_checkpoint(const Checkpoint& ckpt, const EngineLayout& layout, int ra
 }
 
 void fill_param(const Checkpoint& ckpt, const EngineParam& p, void* dst) {
+  if (p.quant || p.scale_of >= 0)
+    fail(Errc::invalid_argument, "fill_param: FP8 param '", p.name,
+         "' needs its rank layout (fill_param(checkpoint, rank, index, dst))");
   for (const auto& s : p.segments) check_segment_source(ckpt, p, s);
-  fill_window(ckpt, p, Box::full(p.shape), dst);
+  fill_window(ckpt, p, Box::full(p.shape), p.dtype, dst);
+}
+
+void fill_param(const Checkpoint& ckpt, const EngineRankLayout& rank, size_t index, void* dst) {
+  const EngineParam& p = rank.params.at(index);
+  if (!p.quant && p.scale_of < 0) return fill_param(ckpt, p, dst);
+  const EngineParam& w = p.quant ? p : rank.params.at(static_cast<size_t>(p.scale_of));
+  for (const auto& s : w.segments) check_segment_source(ckpt, w, s);
+  auto* q_out = static_cast<uint8_t*>(dst);
+  auto* s_out = static_cast<float*>(dst);
+  quantize_bands(ckpt, w, [&](const uint8_t* q, int64_t bytes, const float* s, int64_t n) {
+    if (p.quant) {
+      std::memcpy(q_out, q, static_cast<size_t>(bytes));
+      q_out += bytes;
+    } else {
+      std::memcpy(s_out, s, static_cast<size_t>(n) * sizeof(float));
+      s_out += n;
+    }
+  });
 }
 
 uint64_t materialize(const Checkpoint& ckpt, const EngineLayout& layout, int rank,
                      const std::string& out_path) {
   if (rank < 0 || rank >= layout.world())
     fail(Errc::invalid_argument, "materialize: rank ", rank, " is outside the engine's ",
-         layout.world(), " ranks (tp=", layout.config.tp, " x replicas=", layout.config.replicas,
-         ")");
+         layout.world(), " ranks (", layout.num_replicas(), " replicas)");
   check_checkpoint(ckpt, layout, rank);
+  const EngineConfig& config = layout.group_of(rank).config;
   const EngineRankLayout& ranks = layout.rank_layout(rank);
   std::vector<SafetensorsWriter::Entry> entries;
   uint64_t bytes = 0;
@@ -201,9 +291,9 @@ uint64_t materialize(const Checkpoint& ckpt, const EngineLayout& layout, int ran
   }
   SafetensorsWriter out(out_path, std::move(entries),
                         {{"format", "pt"},
-                         {"weightsync_framework", layout.config.framework},
+                         {"weightsync_framework", config.framework},
                          {"weightsync_rank", std::to_string(ranks.rank)},
-                         {"weightsync_tp", std::to_string(layout.config.tp)}});
+                         {"weightsync_tp", std::to_string(config.tp)}});
   RankWriter writer(ckpt, out);
   for (const auto& p : ranks.params) writer.write_param(p);
   out.finish();

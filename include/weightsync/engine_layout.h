@@ -7,10 +7,27 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace weightsync {
+
+// FP8 engines (DESIGN.md "FP8 engines"): linear weights held as F8_E4M3 with
+// one F32 scale per block, quantized from the trainer's BF16/F16/F32 data as
+// DeepGEMM's per_block_cast_to_fp8 (which vLLM uses) does.
+enum class ScaleFormat : uint8_t {
+  fp32,   // s = max(amax, 1e-4) / 448
+  ue8m0,  // that s rounded up to a power of two (stored as F32 all the same)
+};
+std::string_view scale_format_name(ScaleFormat format) noexcept;
+
+struct BlockQuant {
+  int64_t block_rows = 128;  // weight_block_size[0], over the weight's rows (dim -2)
+  int64_t block_cols = 128;  // weight_block_size[1], over its columns (dim -1)
+  ScaleFormat scale = ScaleFormat::fp32;
+  bool operator==(const BlockQuant&) const = default;
+};
 
 // `hf_box` of the HF tensor `hf_key` lands in `param_box` of the parameter.
 // With `transpose`, the last two dims are swapped: param_box.lengths is
@@ -27,11 +44,22 @@ struct Segment {
 
 // One engine parameter of one engine rank. Elements covered by no segment are
 // padding (zero), e.g. vocab rows past vocab_size.
+//
+// FP8 engines: a quantized weight (dtype F8_E4M3) has `quant` set; its
+// segments name HF tensors of a float dtype (BF16, F16, F32) whose blocks it
+// holds quantized (every segment starts on a block boundary on both sides and
+// ends on one or at the end of its dim). `scale_param` is the index, in its
+// rank's params, of its scale param: F32, the weight's shape with the last two
+// dims divided by the block size (rounded up), no segments (its values come
+// from quantizing the weight), `scale_of` pointing back.
 struct EngineParam {
   std::string name;
   DType dtype = DType::BF16;
   Shape shape;
   std::vector<Segment> segments;
+  std::optional<BlockQuant> quant = std::nullopt;
+  int32_t scale_param = -1;
+  int32_t scale_of = -1;
 };
 
 struct EngineRankLayout {
@@ -39,9 +67,12 @@ struct EngineRankLayout {
   std::vector<EngineParam> params;
 };
 
-// The engine config JSON of DESIGN.md's contract.
+// The engine config JSON of DESIGN.md's contract: one group of identical
+// replicas. Framework "hf": every rank holds every HF tensor whole under its
+// HF name (an engine that loads weights through its own load_weights, or a
+// checkpoint writer); tp then only counts the ranks of a replica.
 struct EngineConfig {
-  std::string framework = "vllm";  // "vllm" | "sglang"
+  std::string framework = "vllm";  // "vllm" | "sglang" | "hf"
   HfModelConfig hf;                // resolved from "hf_config" (path or inline)
   int tp = 1;
   bool expert_parallel = false;
@@ -49,6 +80,11 @@ struct EngineConfig {
   int replicas = 1;
   DType dtype = DType::BF16;
   std::string moe_order = "w13";  // "w13" (gate first) or "w31" (SGLang: up first)
+  // "quantization": {"method": "fp8", "weight_block_size": [128, 128],
+  // "scale": "fp32" | "ue8m0"}: the linear weights that FP8 checkpoints store
+  // in FP8 become F8_E4M3 params with scale params beside them (EngineParam);
+  // every other param keeps `dtype`.
+  std::optional<BlockQuant> quantization;
 
   // `base_dir` resolves a relative hf_config path.
   static EngineConfig from_json(const nlohmann::json& j, const std::string& base_dir);
@@ -56,21 +92,56 @@ struct EngineConfig {
   nlohmann::json to_json() const;
 };
 
-// The layouts of one replica (all replicas are identical). Global engine rank
-// g = replica * tp + rank.
-struct EngineLayout {
-  EngineConfig config;
-  std::vector<EngineRankLayout> ranks;  // size tp
+// Every engine of a job: groups of replicas, each group with its own config
+// (e.g. vLLM replicas synced in place beside replicas that take HF tensors
+// through load_weights, framework "hf"). JSON: one engine config (one group)
+// or an array of them. Global engine ranks number the groups in order,
+// replica-major inside each; so do global replica indices.
+struct EngineSpec {
+  std::vector<EngineConfig> groups;
 
-  int world() const noexcept { return config.tp * config.replicas; }
+  EngineSpec() = default;
+  EngineSpec(EngineConfig one) : groups{std::move(one)} {}  // NOLINT: one group
+
+  // Errc::format / invalid_layout naming the group (see EngineConfig).
+  static EngineSpec from_json(const nlohmann::json& j, const std::string& base_dir);
+  static EngineSpec load(const std::string& path);
+  nlohmann::json to_json() const;  // an object for one group, else an array
+};
+
+// A group's place among all engine ranks.
+struct EngineGroup {
+  EngineConfig config;
+  int first_rank = 0;      // global engine rank of its replica 0, rank 0
+  int first_replica = 0;   // global replica index of its replica 0
+  int first_template = 0;  // EngineLayout::ranks index of its rank 0
+};
+
+// The rank layouts of every group (the replicas of a group are identical).
+// With one group: global engine rank g = replica * tp + rank.
+struct EngineLayout {
+  EngineConfig config;                  // the first group's config
+  std::vector<EngineRankLayout> ranks;  // each group's tp rank layouts, in group order
+  std::vector<EngineGroup> groups;      // in order (make_engine_layout fills it)
+
+  int world() const noexcept;
+  int num_replicas() const noexcept;
+  // The group holding global engine rank `global_rank` (Errc::invalid_argument
+  // when out of range), and the index in `ranks` of its layout.
+  const EngineGroup& group_of(int global_rank) const;
+  int template_of(int global_rank) const;
   const EngineRankLayout& rank_layout(int global_rank) const {
-    return ranks.at(static_cast<size_t>(global_rank % config.tp));
+    return ranks.at(static_cast<size_t>(template_of(global_rank)));
   }
+  // Global engine rank of rank `rank` of global replica `replica`;
+  // Errc::invalid_argument naming the range when either is out of it.
+  int global_rank(int replica, int rank) const;
 };
 
 // Derives every rank's parameters from the config (engine_adapter/). Throws
 // Errc::invalid_layout when tp does not divide what the engine requires.
 EngineLayout make_engine_layout(const EngineConfig& config);
+EngineLayout make_engine_layout(const EngineSpec& spec);
 
 // Checks that the segments of every parameter write each element at most once,
 // stay inside the parameter and the HF tensor shapes, and that every element
@@ -96,19 +167,26 @@ class Checkpoint;
 
 // Checks that `checkpoint` holds every HF tensor that replica rank `rank`
 // reads, with the shape the model config implies and the engine's dtype (no
-// conversion): Errc::not_found naming a missing key; Errc::mismatch naming
-// the key and both shapes or both dtypes.
+// conversion; an FP8 weight reads BF16, F16 or F32 tensors): Errc::not_found
+// naming a missing key; Errc::mismatch naming the key and both shapes or
+// both dtypes.
 void check_checkpoint(const Checkpoint& checkpoint, const EngineLayout& layout, int rank);
 
 // Fills `param` (contiguous row-major, param.shape, param.dtype) into `dst`
 // straight from the checkpoint; padding elements become zero. Checks each
 // key's dtype and that its boxes fit (Errc::not_found / Errc::mismatch).
+// Errc::invalid_argument for an FP8 weight or scale param (use the next).
 void fill_param(const Checkpoint& checkpoint, const EngineParam& param, void* dst);
+// Param `index` of `rank`, any param: an FP8 weight's bytes or a scale
+// param's scales are the weight's blocks, from the checkpoint's BF16, F16 or
+// F32 tensors, quantized (DESIGN.md "FP8 engines").
+void fill_param(const Checkpoint& checkpoint, const EngineRankLayout& rank, size_t index,
+                void* dst);
 
 // Writes engine rank `rank`'s parameters (under the engine's names, in layout
 // order) to the .safetensors file `out_path`, after check_checkpoint.
-// `rank` may be any global rank 0..world()-1: replicas are identical, so it
-// is reduced modulo tp; anything else is Errc::invalid_argument. Streams:
+// `rank` may be any global rank 0..world()-1 (the replicas of a group are
+// identical); anything else is Errc::invalid_argument. Streams:
 // contiguous runs go from the checkpoint's mapping straight to the file, the
 // rest through one reusable buffer. Returns the bytes of the data section.
 uint64_t materialize(const Checkpoint& checkpoint, const EngineLayout& layout, int rank,

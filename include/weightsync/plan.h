@@ -71,8 +71,8 @@ struct PlanItem {
   uint8_t split_dim = 0;
 };
 
-// Broadcast mode: engine rank (inside a replica) `tp_rank` copies the part of
-// gather item `item` that its segment `segment` needs.
+// Broadcast mode: the engine ranks of a template (engine_template) copy the
+// part of gather item `item` that their segment `segment` needs.
 struct ApplyItem {
   int32_t item = -1;
   int32_t segment = -1;
@@ -102,10 +102,7 @@ struct Bucket {
   int64_t bytes = 0;
   uint32_t first_item = 0;  // items()[first_item, first_item + num_items)
   uint32_t num_items = 0;
-  int32_t send_seq = 0;  // position in the sender's order
-  int32_t recv_seq = 0;  // position in the receiver's order (p2p)
-  uint8_t slot = 0;      // double buffer slot on the sender: send_seq % 2
-  double start_s = 0;    // predicted start and end on the wire
+  double start_s = 0;  // predicted start and end on the wire
   double end_s = 0;
 };
 
@@ -138,21 +135,29 @@ class Plan {
   std::string plan_id_hex() const;  // 16 lowercase hex digits
   int trainer_world() const noexcept { return trainer_world_; }
   int engine_world() const noexcept { return engine_world_; }
-  int engine_tp() const noexcept { return engine_tp_; }
+  // Engine ranks of a group's replicas share a rank layout, a "template"
+  // (EngineLayout::ranks): the number of templates (tp with one group), the
+  // template of a global engine rank, and the first global rank using one.
+  int engine_templates() const noexcept { return engine_templates_; }
+  int engine_template(int global_engine_rank) const;
+  int template_rank(int engine_template) const;
 
   const std::vector<PlanKey>& keys() const noexcept { return keys_; }
   const std::vector<Bucket>& buckets() const noexcept { return buckets_; }
   const std::vector<PlanItem>& items() const noexcept { return items_; }
   std::span<const PlanItem> items(int32_t bucket) const;
   Copy resolve(const PlanItem& item) const;
-  // Broadcast: what engine rank `tp_rank` (of every replica) extracts from a bucket.
-  std::span<const ApplyItem> apply_items(int32_t bucket, int tp_rank) const;
+  // Broadcast: what the engine ranks of template `engine_template` (every
+  // replica of its group) extract from a bucket.
+  std::span<const ApplyItem> apply_items(int32_t bucket, int engine_template) const;
   Copy resolve(const ApplyItem& item, int global_engine_rank) const;
   // Broadcast: the holders' contiguous ranges of a bucket, by src_rank.
   std::vector<GatherPart> gather_parts(int32_t bucket) const;
 
-  // Bucket ids in schedule order. p2p: sent by trainer rank t / received by
-  // global engine rank g. Broadcast: buckets rooted at t / every bucket.
+  // Bucket ids in schedule order: by predicted start, then id, which is one
+  // order for every process (the pipelines follow it as is; in broadcast mode
+  // it is the id order). p2p: sent by trainer rank t / received by global
+  // engine rank g. Broadcast: buckets rooted at t / every bucket.
   const std::vector<int32_t>& buckets_sent_by(int trainer_rank) const;
   const std::vector<int32_t>& buckets_received_by(int global_engine_rank) const;
   // Broadcast: buckets trainer rank t contributes gather parts to (in order).
@@ -170,7 +175,7 @@ class Plan {
     Box hf_box, local_box;
   };
   struct SegmentRef {
-    int32_t tp_rank = 0, param = 0, key = 0;
+    int32_t tp_rank = 0, param = 0, key = 0;  // tp_rank: the engine template
     bool transpose = false;
     Box hf_box, param_box;
   };
@@ -181,14 +186,16 @@ class Plan {
   friend class PlanBuilder;
   PlanOptions options_;
   uint64_t plan_id_ = 0;
-  int trainer_world_ = 0, engine_world_ = 0, engine_tp_ = 1;
+  int trainer_world_ = 0, engine_world_ = 0, engine_templates_ = 1;
+  std::vector<int32_t> template_of_;    // by global engine rank
+  std::vector<int32_t> template_rank_;  // first global engine rank of each template
   std::vector<PlanKey> keys_;
   std::vector<PieceRef> pieces_;
   std::vector<SegmentRef> segments_;
   std::vector<PlanItem> items_;  // sorted by bucket
   std::vector<Bucket> buckets_;
-  std::vector<ApplyItem> apply_;               // broadcast, sorted by (bucket, tp rank)
-  std::vector<uint32_t> apply_index_;          // (bucket * tp + tp_rank) -> first apply item
+  std::vector<ApplyItem> apply_;       // broadcast, sorted by (bucket, tp rank)
+  std::vector<uint32_t> apply_index_;  // (bucket * templates + template) -> first apply item
   std::vector<std::vector<int32_t>> sent_by_;  // by trainer rank
   std::vector<std::vector<int32_t>> recv_by_;  // by global engine rank
   PlanStats stats_;

@@ -76,8 +76,7 @@ Copy Plan::resolve(const PlanItem& item) const {
   c.src_param = piece.param;
   c.key = piece.key;
   c.hf_box = item_hf_box(*this, item);
-  c.src_box = c.hf_box.relative_to(piece.hf_box);
-  for (size_t d = 0; d < c.src_box.rank(); ++d) c.src_box.offsets[d] += piece.local_box.offsets[d];
+  c.src_box = local_sub_box(piece.hf_box, piece.local_box, c.hf_box);
   c.dst_rank = item.dst_rank;
   if (item.segment >= 0) {
     const SegmentRef& seg = segments_[static_cast<size_t>(item.segment)];
@@ -92,14 +91,28 @@ Copy Plan::resolve(const PlanItem& item) const {
   return c;
 }
 
-std::span<const ApplyItem> Plan::apply_items(int32_t bucket, int tp_rank) const {
+int Plan::engine_template(int global_engine_rank) const {
+  if (global_engine_rank < 0 || global_engine_rank >= engine_world_)
+    fail(Errc::invalid_argument, "plan: engine rank ", global_engine_rank, " outside its ",
+         engine_world_, " engine ranks");
+  return template_of_[static_cast<size_t>(global_engine_rank)];
+}
+
+int Plan::template_rank(int engine_template) const {
+  if (engine_template < 0 || engine_template >= engine_templates_)
+    fail(Errc::invalid_argument, "plan: engine template ", engine_template, " outside its ",
+         engine_templates_);
+  return template_rank_[static_cast<size_t>(engine_template)];
+}
+
+std::span<const ApplyItem> Plan::apply_items(int32_t bucket, int engine_template) const {
   if (mode() != PlanMode::broadcast) return {};
-  if (bucket < 0 || static_cast<size_t>(bucket) >= buckets_.size() || tp_rank < 0 ||
-      tp_rank >= engine_tp_)
-    fail(Errc::invalid_argument, "apply_items: bucket ", bucket, " / rank ", tp_rank,
-         " out of range");
-  const size_t i =
-      static_cast<size_t>(bucket) * static_cast<size_t>(engine_tp_) + static_cast<size_t>(tp_rank);
+  if (bucket < 0 || static_cast<size_t>(bucket) >= buckets_.size() || engine_template < 0 ||
+      engine_template >= engine_templates_)
+    fail(Errc::invalid_argument, "apply_items: bucket ", bucket, " / engine template ",
+         engine_template, " out of range");
+  const size_t i = static_cast<size_t>(bucket) * static_cast<size_t>(engine_templates_) +
+                   static_cast<size_t>(engine_template);
   return {apply_.data() + apply_index_[i], apply_index_[i + 1] - apply_index_[i]};
 }
 
@@ -219,9 +232,11 @@ void Plan::write_items_jsonl(std::ostream& out) const {
     for (const PlanItem& item : items(b.id))
       emit(resolve(item), mode() == PlanMode::p2p ? "copy" : "gather", b.id);
     if (mode() != PlanMode::broadcast) continue;
-    // Apply items are the same for every replica: print them for replica 0.
-    for (int r = 0; r < engine_tp_; ++r)
-      for (const ApplyItem& a : apply_items(b.id, r)) emit(resolve(a, r), "apply", b.id);
+    // Apply items are the same for every replica of a group: print them for
+    // its first replica.
+    for (int t = 0; t < engine_templates_; ++t)
+      for (const ApplyItem& a : apply_items(b.id, t))
+        emit(resolve(a, template_rank(t)), "apply", b.id);
   }
 }
 

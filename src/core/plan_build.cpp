@@ -3,6 +3,8 @@
 // buckets per link. See docs/planner.md.
 #include "plan_builder.h"
 
+#include "core/fp8.h"
+
 #include <weightsync/error.h>
 
 #include <algorithm>
@@ -46,24 +48,60 @@ PlanBuilder::PlanBuilder(const TrainerLayout& trainer, const EngineLayout& engin
   if (options.bucket_bytes < 1024 || options.bucket_bytes > int64_t{0xFFFFFFFF})
     fail(Errc::invalid_argument, "bucket_bytes must be in [1 KiB, 4 GiB), got ",
          options.bucket_bytes);
-  if (engine.config.tp < 1 || static_cast<int>(engine.ranks.size()) != engine.config.tp ||
-      engine.config.replicas < 1)
-    fail(Errc::invalid_layout, "engine layout: ", engine.ranks.size(), " rank layouts for tp ",
-         engine.config.tp, " and ", engine.config.replicas, " replicas");
   topology.validate();
   plan_.options_ = options;
   plan_.trainer_world_ = static_cast<int>(trainer.mesh.world());
-  plan_.engine_tp_ = engine.config.tp;
+  plan_.engine_templates_ = static_cast<int>(engine.ranks.size());
   plan_.engine_world_ = engine.world();
+  index_engine_groups();
+}
+
+// Which template each global engine rank uses, and the reverse, from the
+// groups (each: tp templates, `replicas` replicas of them).
+void PlanBuilder::index_engine_groups() {
+  const size_t templates = engine_.ranks.size();
+  int expect_template = 0, expect_rank = 0;
+  for (const EngineGroup& g : engine_.groups) {
+    if (g.config.tp < 1 || g.config.replicas < 1 || g.first_template != expect_template ||
+        g.first_rank != expect_rank)
+      fail(Errc::invalid_layout, "engine layout: group of tp ", g.config.tp, " and ",
+           g.config.replicas, " replicas at template ", g.first_template, " and rank ",
+           g.first_rank, " (expected ", expect_template, " and ", expect_rank, ")");
+    expect_template += g.config.tp;
+    expect_rank += g.config.tp * g.config.replicas;
+  }
+  if (engine_.groups.empty() || static_cast<size_t>(expect_template) != templates)
+    fail(Errc::invalid_layout, "engine layout: ", templates, " rank layouts for groups of ",
+         expect_template, " ranks in all");
+  template_replicas_.resize(templates);
+  template_base_.resize(templates);
+  template_tp_.resize(templates);
+  plan_.template_rank_.resize(templates);
+  plan_.template_of_.resize(static_cast<size_t>(plan_.engine_world_));
+  for (const EngineGroup& g : engine_.groups) {
+    max_replicas_ = std::max(max_replicas_, g.config.replicas);
+    for (int r = 0; r < g.config.tp; ++r) {
+      const auto t = static_cast<size_t>(g.first_template + r);
+      template_replicas_[t] = g.config.replicas;
+      template_base_[t] = g.first_rank + r;
+      template_tp_[t] = g.config.tp;
+      plan_.template_rank_[t] = g.first_rank + r;
+      for (int rep = 0; rep < g.config.replicas; ++rep)
+        plan_.template_of_[static_cast<size_t>(g.first_rank + rep * g.config.tp + r)] =
+            static_cast<int32_t>(t);
+    }
+  }
 }
 
 void PlanBuilder::intern_keys() {
   for (const LoadSpec& spec : trainer_.params) {
-    const Shape shape = spec.hf_key_shape();
-    for (int64_t v : shape)
-      if (v > kMaxCoord)
-        fail(Errc::unsupported, "param '", spec.name, "': dim of ", v, " exceeds 2^31-1");
-    for (const std::string& k : spec.hf_keys) plan_.keys_.push_back({k, shape, spec.dtype});
+    std::vector<Shape> shapes = spec.key_shapes();
+    for (size_t k = 0; k < shapes.size(); ++k) {
+      for (int64_t v : shapes[k])
+        if (v > kMaxCoord)
+          fail(Errc::unsupported, "param '", spec.name, "': dim of ", v, " exceeds 2^31-1");
+      plan_.keys_.push_back({spec.hf_keys[k], std::move(shapes[k]), spec.dtype});
+    }
   }
 }
 
@@ -97,8 +135,10 @@ void PlanBuilder::collect_segments() {
       fail(Errc::invalid_layout, "trainer layout: HF key '", plan_.keys_[k].name,
            "' appears in two parameters");
   key_segments_.assign(plan_.keys_.size(), {});
-  for (int r = 0; r < engine_.config.tp; ++r) {
-    const EngineRankLayout& rank = engine_.ranks[static_cast<size_t>(r)];
+  // Each template once (error messages name the first engine rank using it).
+  for (int t = 0; t < plan_.engine_templates_; ++t) {
+    const EngineRankLayout& rank = engine_.ranks[static_cast<size_t>(t)];
+    const int r = plan_.template_rank_[static_cast<size_t>(t)];
     for (size_t q = 0; q < rank.params.size(); ++q) {
       const EngineParam& param = rank.params[q];
       for (const Segment& s : param.segments) {
@@ -111,16 +151,31 @@ void PlanBuilder::collect_segments() {
           fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name, "': box ",
                box_str(s.hf_box), " of '", s.hf_key, "' outside its trainer shape ",
                shape_str(key.shape));
-        if (param.dtype != key.dtype)
+        // FP8 engines: a quantized weight receives its trainer's BF16, F16 or
+        // F32 bytes, quantized on the engine rank (DESIGN.md "FP8 engines").
+        if (param.quant) {
+          if (!fp8::quantizable_source(key.dtype))
+            fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name,
+                 "' is FP8, quantized from the trainer's data, but the trainer holds '", s.hf_key,
+                 "' as ", dtype_name(key.dtype), " (the quantizer takes BF16, F16 or F32)");
+          const PlanKey& first =
+              plan_.keys_[static_cast<size_t>(key_ids.at(param.segments.front().hf_key))];
+          if (first.dtype != key.dtype)
+            fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name,
+                 "' is FP8, quantized from one source dtype, but the trainer holds '", first.name,
+                 "' as ", dtype_name(first.dtype), " and '", s.hf_key, "' as ",
+                 dtype_name(key.dtype));
+        } else if (param.dtype != key.dtype) {
           fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name, "' is ",
                dtype_name(param.dtype), " but the trainer holds '", s.hf_key, "' as ",
                dtype_name(key.dtype));
+        }
         check_segment_shape(s, param, r);
         if (s.hf_box.empty()) continue;
         key_segments_[static_cast<size_t>(it->second)].push_back(
             static_cast<int32_t>(plan_.segments_.size()));
         plan_.segments_.push_back(
-            {r, static_cast<int32_t>(q), it->second, s.transpose, s.hf_box, s.param_box});
+            {t, static_cast<int32_t>(q), it->second, s.transpose, s.hf_box, s.param_box});
       }
     }
   }
@@ -195,7 +250,8 @@ std::vector<Overlap> PlanBuilder::overlaps_of_key(int32_t key,
     }
     if (covered != seg.hf_box.numel()) {
       const auto& rank = engine_.ranks[static_cast<size_t>(seg.tp_rank)];
-      fail(Errc::invalid_layout, "engine rank ", seg.tp_rank, " param '",
+      fail(Errc::invalid_layout, "engine rank ",
+           plan_.template_rank_[static_cast<size_t>(seg.tp_rank)], " param '",
            rank.params[static_cast<size_t>(seg.param)].name, "' needs ", box_str(seg.hf_box),
            " of '", plan_.keys_[static_cast<size_t>(key)].name, "': ",
            covered < seg.hf_box.numel() ? "the trainer ranks hold only "
@@ -261,28 +317,27 @@ void PlanBuilder::init_loads() {
 void PlanBuilder::build_p2p() {
   P2pChoices c;
   c.overlaps = all_overlaps();
-  const size_t n = c.overlaps.size(), reps = static_cast<size_t>(engine_.config.replicas);
-  const size_t tp = static_cast<size_t>(engine_.config.tp);
+  const size_t n = c.overlaps.size();
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
-  if (n * reps > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
   c.seg_rank.resize(n);
-  for (size_t o = 0; o < n; ++o)
+  size_t items = 0;
+  for (size_t o = 0; o < n; ++o) {
     c.seg_rank[o] =
         static_cast<uint32_t>(plan_.segments_[static_cast<size_t>(c.overlaps[o].segment)].tp_rank);
+    items += static_cast<size_t>(template_replicas_[c.seg_rank[o]]);
+  }
+  if (items > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
   // Replica-major so that each replica spreads over the holders the previous
   // ones left least loaded. Only the chosen holder is kept, and the items per
   // link are counted: pack_p2p_links builds the items once, in link order.
-  c.holders.resize(n * reps);
+  c.holders.resize(items);
   c.link_first.assign(static_cast<size_t>(plan_.trainer_world_) * engines + 1, 0);
-  for (size_t rep = 0, k = 0; rep < reps; ++rep) {
-    for (size_t o = 0; o < n; ++o, ++k) {
-      const Overlap& ov = c.overlaps[o];
-      const uint32_t pos = choose_holder(groups_[static_cast<size_t>(ov.group)], ov.bytes);
-      c.holders[k] = pos;
-      ++c.link_first[static_cast<size_t>(sorted_rank_[pos]) * engines + rep * tp + c.seg_rank[o] +
-                     1];
-    }
-  }
+  for_each_p2p_item(c, [&](size_t k, size_t o, int dst) {
+    const Overlap& ov = c.overlaps[o];
+    const uint32_t pos = choose_holder(groups_[static_cast<size_t>(ov.group)], ov.bytes);
+    c.holders[k] = pos;
+    ++c.link_first[static_cast<size_t>(sorted_rank_[pos]) * engines + static_cast<size_t>(dst) + 1];
+  });
   for (size_t l = 1; l < c.link_first.size(); ++l) c.link_first[l] += c.link_first[l - 1];
   pack_p2p_links(c);
 }
@@ -303,7 +358,11 @@ uint64_t PlanBuilder::hash_inputs() const {
   };
   mix(static_cast<uint64_t>(plan_.options_.mode));
   mix(static_cast<uint64_t>(plan_.options_.bucket_bytes));
-  mix(plan_.trainer_world_), mix(plan_.engine_world_), mix(plan_.engine_tp_);
+  mix(plan_.trainer_world_), mix(plan_.engine_world_), mix(plan_.engine_templates_);
+  // Several groups: which template each engine rank uses (one group's is
+  // implied by the counts above, and its plan ids stay as they were).
+  if (engine_.groups.size() > 1)
+    for (int32_t t : plan_.template_of_) mix(static_cast<uint64_t>(t));
   for (const PlanKey& k : plan_.keys_) {
     for (char c : k.name) mix(static_cast<uint8_t>(c));
     mix(static_cast<uint64_t>(k.dtype));

@@ -35,6 +35,7 @@ class PlanBuilder {
   static void schedule_broadcast(Plan& plan, const Topology& topology);
 
  private:
+  void index_engine_groups();
   void intern_keys();
   void collect_pieces();
   void collect_segments();
@@ -45,6 +46,11 @@ class PlanBuilder {
   uint32_t choose_holder(const PieceGroup& group, int64_t bytes);
   void build_p2p();
   struct P2pChoices;
+  // Calls f(k, overlap, dst engine rank) for every p2p item k in the order
+  // build_p2p chooses holders: replica-major, each replica index over the
+  // overlaps of the groups that have it.
+  template <class F>
+  void for_each_p2p_item(const P2pChoices& c, F f) const;
   void pack_p2p_links(const P2pChoices& choices);
   void build_broadcast();
   void build_apply_items();
@@ -64,17 +70,33 @@ class PlanBuilder {
   std::vector<int64_t> rank_load_;                  // bytes sent per trainer rank so far
   std::vector<int64_t> nic_load_;                   // bytes sent per trainer NIC so far
   std::vector<int32_t> rank_nic_;                   // trainer rank -> NIC id
+  // Engine groups, per template: its group's replicas and global rank of
+  // replica 0 (replica `rep` of template t is template_base_[t] + rep * tp).
+  std::vector<int32_t> template_replicas_, template_base_, template_tp_;
+  int32_t max_replicas_ = 1;
 };
 
-// p2p: item k of replica rep is overlaps[k % n] moved from sorted_pieces_
-// position holders[k] to engine rank rep * tp + seg_rank[k % n]; link_first
-// (size links + 1) starts each link (trainer rank * engine world + engine rank).
+// p2p: item k (for_each_p2p_item's order) moves its overlap from
+// sorted_pieces_ position holders[k]; seg_rank[o] is overlap o's engine
+// template; link_first (size links + 1) starts each link (trainer rank *
+// engine world + engine rank).
 struct PlanBuilder::P2pChoices {
   std::vector<Overlap> overlaps;
   std::vector<uint32_t> seg_rank;
   std::vector<uint32_t> holders;
   std::vector<uint32_t> link_first;
 };
+
+template <class F>
+void PlanBuilder::for_each_p2p_item(const P2pChoices& c, F f) const {
+  size_t k = 0;
+  for (int32_t rep = 0; rep < max_replicas_; ++rep)
+    for (size_t o = 0; o < c.overlaps.size(); ++o) {
+      const auto t = static_cast<size_t>(c.seg_rank[o]);
+      if (rep >= template_replicas_[t]) continue;
+      f(k++, o, template_base_[t] + rep * template_tp_[t]);
+    }
+}
 
 // Pieces of groups sorted by offset on dim 0 whose extent on dim 0 meets [lo, hi).
 // `max_len0` is the longest such extent, which bounds how far back to look.

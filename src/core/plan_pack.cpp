@@ -89,7 +89,6 @@ void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
   // nothing larger than the items themselves is materialized.
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
   const size_t links = c.link_first.size() - 1;
-  const size_t n = c.overlaps.size(), tp = static_cast<size_t>(plan_.engine_tp_);
   struct Entry {
     int32_t piece;
     uint32_t overlap;
@@ -97,13 +96,13 @@ void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
   std::vector<Entry> sorted(c.holders.size());
   {
     std::vector<uint32_t> next(c.link_first.begin(), c.link_first.end() - 1);
-    for (size_t rep = 0, k = 0; rep < c.holders.size() / std::max<size_t>(n, 1); ++rep)
-      for (size_t o = 0; o < n; ++o, ++k) {
-        const uint32_t pos = c.holders[k];
-        const size_t l =
-            static_cast<size_t>(sorted_rank_[pos]) * engines + rep * tp + c.seg_rank[o];
-        sorted[next[l]++] = {static_cast<int32_t>(sorted_pieces_[pos]), static_cast<uint32_t>(o)};
-      }
+    // The same walk as build_p2p's: replica-major, each replica over its
+    // group's overlaps.
+    for_each_p2p_item(c, [&](size_t k, size_t o, int dst) {
+      const uint32_t pos = c.holders[k];
+      const size_t l = static_cast<size_t>(sorted_rank_[pos]) * engines + static_cast<size_t>(dst);
+      sorted[next[l]++] = {static_cast<int32_t>(sorted_pieces_[pos]), static_cast<uint32_t>(o)};
+    });
   }
   std::vector<PlanItem>& out = plan_.items_;
   out.reserve(sorted.size() + sorted.size() / 64);  // room for split items
@@ -205,7 +204,7 @@ void PlanBuilder::build_broadcast() {
 }
 
 void PlanBuilder::build_apply_items() {
-  const size_t tp = static_cast<size_t>(plan_.engine_tp_);
+  const size_t tp = static_cast<size_t>(plan_.engine_templates_);
   std::vector<std::vector<ApplyItem>> per_rank(tp);
   plan_.apply_index_.assign(plan_.buckets_.size() * tp + 1, 0);
   for (const Bucket& b : plan_.buckets_) {

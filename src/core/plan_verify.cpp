@@ -34,9 +34,7 @@ class Verifier {
     const std::string& key = plan_.keys().at(static_cast<size_t>(c.key)).name;
     for (const Piece& p : pieces) {
       if (spec.hf_keys[static_cast<size_t>(p.key)] != key || !p.hf_box.contains(c.hf_box)) continue;
-      Box local = c.hf_box.relative_to(p.hf_box);
-      for (size_t d = 0; d < local.rank(); ++d) local.offsets[d] += p.local_box.offsets[d];
-      if (local == c.src_box) return;
+      if (local_sub_box(p.hf_box, p.local_box, c.hf_box) == c.src_box) return;
     }
     fail(Errc::internal, "plan: trainer rank ", c.src_rank, " param '", spec.name,
          "' holds no piece with ", box_str(c.hf_box), " of '", key, "' at local ",
@@ -113,11 +111,14 @@ class Verifier {
       fail(Errc::internal, "plan: bucket ", b.id, " says ", b.bytes, " bytes, items hold ", sum);
   }
 
+  // In the trainer's dtypes (an FP8 param receives its source bytes).
   int64_t rank_param_bytes(int g) const {
+    std::map<std::string_view, DType> dtypes;
+    for (const PlanKey& k : plan_.keys()) dtypes.emplace(k.name, k.dtype);
     int64_t bytes = 0;
     for (const EngineParam& p : engine_.rank_layout(g).params)
       for (const Segment& s : p.segments)
-        bytes += s.hf_box.numel() * static_cast<int64_t>(itemsize(p.dtype));
+        bytes += s.hf_box.numel() * static_cast<int64_t>(itemsize(dtypes.at(s.hf_key)));
     return bytes;
   }
 
@@ -163,20 +164,21 @@ void verify_broadcast(const Plan& plan, Verifier& v, const EngineLayout& engine)
       v.check_source(c);
       gathered[c.key].push_back(c.hf_box);
     }
-    const int tp = engine.config.tp;
-    for (int r = 0; r < tp; ++r)
-      for (const ApplyItem& a : plan.apply_items(b.id, r)) {
-        const Copy c = plan.resolve(a, r);
+    // Every replica of a group applies alike: check each template's first rank.
+    for (int t = 0; t < plan.engine_templates(); ++t)
+      for (const ApplyItem& a : plan.apply_items(b.id, t)) {
+        const Copy c = plan.resolve(a, plan.template_rank(t));
         if (!c.view_box.contains(c.hf_box) || plan.items()[a.item].bucket != b.id)
           fail(Errc::internal, "plan: apply item of bucket ", b.id, " reads outside its view");
-        v.check_destination(c, r);
+        v.check_destination(c, c.dst_rank);
       }
     model += b.bytes;
   }
   for (auto& [key, boxes] : gathered)
     Verifier::check_disjoint_sum(boxes, numel(plan.keys()[static_cast<size_t>(key)].shape),
                                  cat("HF key '", plan.keys()[static_cast<size_t>(key)].name, "'"));
-  v.check_cover(0, engine.config.tp);
+  for (int t = 0; t < plan.engine_templates(); ++t)
+    v.check_cover(plan.template_rank(t), plan.template_rank(t) + 1);
   for (int64_t got : plan.stats().bytes_per_engine_rank)
     if (got != model)
       fail(Errc::internal, "plan: an engine rank receives ", got, " bytes, the model is ", model);

@@ -357,14 +357,6 @@ void PlanBuilder::schedule_p2p(Plan& plan, const Topology& topology) {
     st.bytes_total += b.bytes;
   }
   order_by_start(start, scheduler.started(), plan.buckets_, plan.sent_by_, plan.recv_by_);
-  for (const auto& l : plan.sent_by_)
-    for (size_t k = 0; k < l.size(); ++k) {
-      plan.buckets_[static_cast<size_t>(l[k])].send_seq = static_cast<int32_t>(k);
-      plan.buckets_[static_cast<size_t>(l[k])].slot = static_cast<uint8_t>(k % 2);
-    }
-  for (const auto& l : plan.recv_by_)
-    for (size_t k = 0; k < l.size(); ++k)
-      plan.buckets_[static_cast<size_t>(l[k])].recv_seq = static_cast<int32_t>(k);
   st.lower_bound_s = lower_bound(fabric, tx_bytes, rx_bytes);
 }
 
@@ -411,12 +403,6 @@ void PlanBuilder::schedule_broadcast(Plan& plan, const Topology& topology) {
   st.bytes_per_engine_rank.assign(static_cast<size_t>(plan.engine_world_), model_bytes);
   st.bytes_total = model_bytes * plan.engine_world_;
   plan.recv_by_.assign(static_cast<size_t>(plan.engine_world_), all);
-  for (const auto& l : plan.sent_by_)
-    for (size_t k = 0; k < l.size(); ++k) {
-      plan.buckets_[static_cast<size_t>(l[k])].send_seq = static_cast<int32_t>(k);
-      plan.buckets_[static_cast<size_t>(l[k])].slot = static_cast<uint8_t>(k % 2);
-    }
-  for (Bucket& b : plan.buckets_) b.recv_seq = b.id;
   // The last bucket still has to reach the far end of the tree.
   const double hops = std::ceil(std::log2(static_cast<double>(plan.engine_world_) + 1));
   st.predicted_s = (plan.buckets_.empty() ? 0 : plan.buckets_.back().end_s) +

@@ -1,6 +1,8 @@
 // The engine config JSON: paths, inline configs, typed fields, round trip.
 #include "engine/engine_test_util.h"
 
+#include <weightsync/hf_model.h>
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -133,6 +135,66 @@ TEST(EngineLayoutCli, JsonMatchesTheLibrary) {
     EXPECT_EQ(s["param_box"]["offsets"].get<Shape>(), want[i].segments.back().param_box.offsets);
   }
   std::remove(out.c_str());
+}
+
+// Framework "hf": every HF tensor whole under its own name on every rank.
+TEST(EngineConfig, HfFrameworkHoldsEveryTensorWhole) {
+  json j = base();
+  j["framework"] = "hf";
+  j["tp"] = 3;  // divides nothing of the model: whole tensors need no divisibility
+  const EngineLayout layout = make_engine_layout(EngineConfig::from_json(j, ""));
+  ASSERT_EQ(layout.ranks.size(), 3u);
+  const auto tensors = hf_tensors(layout.config.hf);
+  for (const auto& rank : layout.ranks) {
+    ASSERT_EQ(rank.params.size(), tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const EngineParam& p = rank.params[i];
+      EXPECT_EQ(p.name, tensors[i].key);
+      EXPECT_EQ(p.shape, tensors[i].shape);
+      ASSERT_EQ(p.segments.size(), 1u);
+      EXPECT_EQ(p.segments[0].hf_box, Box::full(tensors[i].shape));
+    }
+  }
+  EXPECT_NO_THROW(check_coverage(layout));
+}
+
+// Groups: an array of engine configs; ranks and replicas numbered group by group.
+TEST(EngineSpec, GroupsNumberRanksAndReplicasInOrder) {
+  json vllm = base(), hf = base();
+  vllm["replicas"] = 2;  // tp 2: engine ranks 0..3, replicas 0..1
+  hf["framework"] = "hf";
+  hf["tp"] = 3;
+  hf["replicas"] = 1;  // engine ranks 4..6, replica 2
+  const EngineSpec spec = EngineSpec::from_json(json::array({vllm, hf}), "");
+  ASSERT_EQ(spec.groups.size(), 2u);
+  EXPECT_EQ(EngineSpec::from_json(spec.to_json(), "").to_json(), spec.to_json());
+  EXPECT_TRUE(EngineSpec::from_json(vllm, "").to_json().is_object());
+  const EngineLayout layout = make_engine_layout(spec);
+  EXPECT_EQ(layout.world(), 7);
+  EXPECT_EQ(layout.num_replicas(), 3);
+  EXPECT_EQ(layout.ranks.size(), 5u);
+  EXPECT_EQ(layout.global_rank(1, 1), 3);
+  EXPECT_EQ(layout.global_rank(2, 2), 6);
+  EXPECT_EQ(layout.template_of(3), 1);
+  EXPECT_EQ(layout.template_of(6), 4);
+  EXPECT_EQ(layout.group_of(5).config.framework, "hf");
+  EXPECT_EQ(&layout.rank_layout(5), &layout.ranks[3]);
+  EXPECT_TRUE(throws_errc([&] { layout.global_rank(3, 0); }, Errc::invalid_argument, "replica 3"));
+  EXPECT_TRUE(throws_errc([&] { layout.global_rank(0, 2); }, Errc::invalid_argument, "tp=2"));
+  EXPECT_TRUE(throws_errc([&] { layout.group_of(7); }, Errc::invalid_argument, "engine rank 7"));
+  EXPECT_NO_THROW(check_coverage(layout));
+}
+
+TEST(EngineSpec, BadGroupsAreNamed) {
+  EXPECT_TRUE(
+      throws_errc([] { EngineSpec::from_json(json::array(), ""); }, Errc::format, "empty array"));
+  json bad = base();
+  bad["framework"] = "trtllm";
+  EXPECT_TRUE(throws_errc(
+      [&] {
+        EngineSpec::from_json(json::array({base(), bad}), "");
+      },
+      Errc::invalid_layout, "engine group 1: engine config: framework"));
 }
 
 }  // namespace

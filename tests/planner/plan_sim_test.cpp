@@ -28,6 +28,15 @@ void for_each_element(const Box& box, F f) {
   }
 }
 
+// The local coords of HF coords `h` of a piece (hf_box -> local_box, which
+// may lead with a stack dim the HF box lacks).
+Shape to_local(const Box& hf_box, const Box& local_box, const Shape& h) {
+  const size_t lead = local_box.rank() - hf_box.rank();
+  Shape l = local_box.offsets;
+  for (size_t d = 0; d < h.size(); ++d) l[lead + d] += h[d] - hf_box.offsets[d];
+  return l;
+}
+
 int64_t flat(const Shape& shape, const Shape& c) {
   int64_t idx = 0;
   for (size_t d = 0; d < shape.size(); ++d) idx = idx * shape[d] + c[d];
@@ -77,9 +86,7 @@ class Simulator {
     for (const Piece& piece : local_pieces(spec, trainer_.mesh, r)) {
       const int key = key_ids_.at(spec.hf_keys[static_cast<size_t>(piece.key)]);
       for_each_element(piece.hf_box, [&](int64_t i, const Shape& h) {
-        Shape l = h;
-        for (size_t d = 0; d < l.size(); ++d)
-          l[d] += piece.local_box.offsets[d] - piece.hf_box.offsets[d];
+        const Shape l = to_local(piece.hf_box, piece.local_box, h);
         t[static_cast<size_t>(flat(shape, l))] = element_id(key, flat(key_shape, h));
       });
     }
@@ -112,8 +119,7 @@ class Simulator {
     const Shape& key_shape = plan_.keys()[static_cast<size_t>(c.key)].shape;
     const int64_t item = static_cast<int64_t>(itemsize(c.dtype));
     for_each_element(c.hf_box, [&](int64_t i, const Shape& h) {
-      Shape l = h;
-      for (size_t d = 0; d < l.size(); ++d) l[d] += c.src_box.offsets[d] - c.hf_box.offsets[d];
+      const Shape l = to_local(c.hf_box, c.src_box, h);
       const uint64_t v = src.at(static_cast<size_t>(flat(shape, l)));
       EXPECT_EQ(v, element_id(c.key, flat(key_shape, h)))
           << "trainer rank " << c.src_rank << " does not hold that element of "
@@ -181,7 +187,7 @@ EngineConfig random_engine_config(const std::string& model, std::mt19937_64& rng
   EngineConfig c;
   c.hf = HfModelConfig::load(model_config_path(model));
   c.dtype = c.hf.dtype;
-  c.framework = rng() % 2 ? "vllm" : "sglang";
+  c.framework = rng() % 5 == 0 ? "hf" : rng() % 2 ? "vllm" : "sglang";
   c.replicas = 1 + static_cast<int>(rng() % 2);
   c.expert_parallel = c.hf.is_moe() && rng() % 2;
   c.expert_placement = rng() % 2 ? "linear" : "round_robin";
@@ -228,12 +234,15 @@ TrainerLayout random_trainer_layout(const std::string& model, std::mt19937_64& r
   const int64_t ep = config.is_moe() ? 1 + static_cast<int64_t>(rng() % 2) : 1;
   mesh.axes = {"ep", "fsdp", "dp"};
   mesh.shape = {ep, 1 + static_cast<int64_t>(rng() % 4), 1 + static_cast<int64_t>(rng() % 2)};
+  TrainerLayoutOptions options;
+  // Half the MoE cases hold experts stacked, as transformers >= 5 does.
+  if (config.is_moe() && rng() % 2) options.style = TrainerLayoutStyle::transformers;
   TrainerLayout layout;
   try {
-    layout = make_trainer_layout(config, mesh);
+    layout = make_trainer_layout(config, mesh, options);
   } catch (const Error&) {
     mesh.shape[0] = 1;
-    layout = make_trainer_layout(config, mesh);
+    layout = make_trainer_layout(config, mesh, options);
   }
   for (LoadSpec& spec : layout.params) {
     if (rng() % 2) continue;
@@ -265,7 +274,8 @@ SimResult simulate(const Plan& plan, const TrainerLayout& trainer, const EngineL
     }
     for (int g = 0; g < engine.world(); ++g) {
       out.bytes_in[static_cast<size_t>(g)] += b.bytes;
-      for (const ApplyItem& a : plan.apply_items(b.id, g % engine.config.tp))
+      // The simulation's own mapping of ranks to templates, not the plan's.
+      for (const ApplyItem& a : plan.apply_items(b.id, engine.template_of(g)))
         sim.apply(plan.resolve(a, g), buf, engines[static_cast<size_t>(g)], g);
     }
   }

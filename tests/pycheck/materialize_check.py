@@ -148,8 +148,10 @@ def expert_ids(E, ep, r, placement):
     return list(range(start, start + base + (1 if r < rem else 0)))
 
 
-def vllm_rank(m, hf, tp, r, ep_on, placement, order):
-    """Engine rank r's params as vLLM's loaders build them."""
+def vllm_rank(m, hf, tp, r, ep_on, placement, order, unit=1):
+    """Engine rank r's params as vLLM's loaders build them. With unit=128 the
+    HF arrays are FP8 scale tensors (one entry per 128 x 128 block) and the
+    params come out in block space, as the loaders compose scales."""
     out = {}
 
     def vocab(name):
@@ -183,7 +185,7 @@ def vllm_rank(m, hf, tp, r, ep_on, placement, order):
                     k, v = (rows(hf[a + f"{n}_proj." + suffix], r, tp) for n in "kv")
                 else:
                     h = r // (tp // m.nkv)
-                    k, v = (hf[a + f"{n}_proj." + suffix][h * m.D : (h + 1) * m.D] for n in "kv")
+                    k, v = (hf[a + f"{n}_proj." + suffix][h * m.D // unit : (h + 1) * m.D // unit] for n in "kv")
                 out[a + "qkv_proj." + suffix] = np.concatenate([q, k, v])
             out[a + "o_proj.weight"] = cols(hf[a + "o_proj.weight"], r, tp)
             for n in ("q_norm.weight", "k_norm.weight"):
