@@ -1,0 +1,366 @@
+#include "export_job.h"
+
+#include "demo_job.h"
+#include "demo_procs.h"
+#include "demo_run.h"
+
+#include <weightsync/control.h>
+#include <weightsync/error.h>
+#include <weightsync/hf_checkpoint.h>
+#include <weightsync/load_spec.h>
+#include <weightsync/publisher.h>
+#include <weightsync/safetensors.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <random>
+
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+namespace weightsync::exporter {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+nlohmann::json read_json_or_null(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return nullptr;
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  return j.is_discarded() ? nlohmann::json(nullptr) : j;
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) {
+  std::ofstream out(path, std::ios::trunc);
+  out << j.dump(2);
+  if (!out) fail(Errc::io, "cannot write ", path);
+}
+
+// The rank's shards, filled from the checkpoint as `weightsync shard` cuts them:
+// those of layout.rank_params(rank) (a pipeline stage holds its own).
+struct Shards {
+  std::vector<std::unique_ptr<char[]>> storage;
+  std::vector<TensorView> views;
+  std::vector<size_t> params;  // layout.params index of each view
+};
+
+Shards load_shards(const Checkpoint& ckpt, const TrainerLayout& layout, int rank) {
+  Shards s;
+  s.params = layout.rank_params(rank);
+  for (size_t p : s.params) {
+    const LoadSpec& spec = layout.params[p];
+    const Shape shape = local_shape(spec, layout.mesh, rank);
+    const size_t bytes = static_cast<size_t>(numel(shape)) * itemsize(spec.dtype);
+    s.storage.emplace_back(new char[std::max<size_t>(bytes, 1)]);
+    s.views.push_back(host_view(s.storage.back().get(), spec.dtype, shape));
+    fill_local_tensor(ckpt, spec, layout.mesh, rank, s.views.back());
+  }
+  return s;
+}
+
+// fsync, as save_hf does with SaveHfOptions::sync.
+void flush_to_device(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
+  if (fd < 0 || ::fsync(fd) != 0) fail(Errc::io, "cannot flush ", path);
+  ::close(fd);
+}
+
+// The bench's ceiling: this rank's files, the same keys from the same
+// writer, written from memory that already holds their bytes (gathered from
+// the checkpoint before the clock starts, each key at its own place, as
+// cold in the caches as a save's), nothing moving between ranks.
+class PlainWrite {
+ public:
+  PlainWrite(const Checkpoint& ckpt, const TrainerLayout& layout, const ExportJob& job, int rank)
+      : files_(make_hf_file_layout(layout, job.max_file_bytes)),
+        rank_(rank),
+        dir_(job.plain_dir),
+        sync_(job.sync) {
+    int64_t total = 0;
+    for (int f : files_.files_of(rank)) total += files_.files[static_cast<size_t>(f)].bytes;
+    bytes_.resize(static_cast<size_t>(std::max<int64_t>(total, 1)));
+    char* at = bytes_.data();
+    for (int f : files_.files_of(rank)) {
+      const HfFile& file = files_.files[static_cast<size_t>(f)];
+      for (int k = file.first_key; k < file.first_key + file.num_keys; ++k) {
+        const HfKey& key = files_.keys[static_cast<size_t>(k)];
+        std::memcpy(at, ckpt.view(key.name).data, static_cast<size_t>(key.bytes));
+        at += key.bytes;
+      }
+    }
+  }
+
+  // This rank's files of both phases (rank 0: the index too).
+  void remove_outputs(const std::string& saved) const {
+    std::error_code ec;
+    for (int f : files_.files_of(rank_)) {
+      std::filesystem::remove(dir_ + "/" + files_.files[static_cast<size_t>(f)].name, ec);
+      std::filesystem::remove(saved + "/" + files_.files[static_cast<size_t>(f)].name, ec);
+    }
+    if (rank_ == 0) std::filesystem::remove(saved + "/" + std::string(kHfIndexName), ec);
+  }
+
+  double run() const {
+    const auto start = Clock::now();
+    const char* at = bytes_.data();
+    for (int f : files_.files_of(rank_)) {
+      const HfFile& file = files_.files[static_cast<size_t>(f)];
+      std::vector<SafetensorsWriter::Entry> entries;
+      for (int k = file.first_key; k < file.first_key + file.num_keys; ++k) {
+        const HfKey& key = files_.keys[static_cast<size_t>(k)];
+        entries.push_back({key.name, key.dtype, key.shape});
+      }
+      SafetensorsWriter writer(dir_ + "/" + file.name, entries);
+      for (const auto& e : entries) {
+        const auto bytes = static_cast<size_t>(numel(e.shape)) * itemsize(e.dtype);
+        writer.write_tensor(e.name, at, bytes);
+        at += bytes;
+      }
+      writer.finish();
+      if (sync_) flush_to_device(dir_ + "/" + file.name, false);
+    }
+    if (sync_) flush_to_device(dir_, true);
+    return seconds_since(start);
+  }
+
+ private:
+  HfFileLayout files_;
+  int rank_;
+  std::string dir_;
+  bool sync_;
+  std::vector<char> bytes_;
+};
+
+std::string worker_transport(const ExportJob& job, int rank) {
+  if (rank != job.kill_rank) return job.transport;
+  const char sep = job.transport.find('?') == std::string::npos ? '?' : '&';
+  return cat("kill:", job.transport, sep, "op=send&after=", job.kill_after);
+}
+
+nlohmann::json save_json(const SaveHfResult& r) {
+  return {{"seconds", r.seconds},
+          {"files", r.files},
+          {"total_bytes", r.total_bytes},
+          {"files_written", r.files_written},
+          {"bytes_written", r.bytes_written},
+          {"bytes_local", r.bytes_local},
+          {"bytes_sent", r.bytes_sent},
+          {"bytes_received", r.bytes_received},
+          {"arena_bytes", r.arena_bytes},
+          {"staging_bytes", r.staging_bytes},
+          {"disk_wait_s", r.disk_wait_s},
+          {"disk_s", r.disk_s},
+          {"setup_s", r.setup_s},
+          {"data_s", r.data_s},
+          {"finish_s", r.finish_s}};
+}
+
+// CPU time of this process (every thread, user and system).
+double cpu_seconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  auto sec = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec * 1e-6; };
+  return sec(u.ru_utime) + sec(u.ru_stime);
+}
+
+std::string random_token() {
+  std::random_device rd;
+  return cat(std::hex, rd(), rd());
+}
+
+}  // namespace
+
+nlohmann::json ExportJob::to_json() const {
+  return {{"checkpoint", checkpoint},
+          {"trainer", trainer},
+          {"out", out},
+          {"hf_config", hf_config},
+          {"max_file_bytes", max_file_bytes},
+          {"bucket_bytes", bucket_bytes},
+          {"transport", transport},
+          {"timeout_ms", timeout_ms},
+          {"kill_rank", kill_rank},
+          {"kill_after", kill_after},
+          {"rounds", rounds},
+          {"plain_dir", plain_dir},
+          {"work_dir", work_dir},
+          {"coordinator", coordinator},
+          {"token", token},
+          {"sync", sync}};
+}
+
+ExportJob ExportJob::from_json(const nlohmann::json& j) {
+  ExportJob e;
+  try {
+    j.at("checkpoint").get_to(e.checkpoint);
+    j.at("trainer").get_to(e.trainer);
+    j.at("out").get_to(e.out);
+    j.at("hf_config").get_to(e.hf_config);
+    j.at("max_file_bytes").get_to(e.max_file_bytes);
+    j.at("bucket_bytes").get_to(e.bucket_bytes);
+    j.at("transport").get_to(e.transport);
+    j.at("timeout_ms").get_to(e.timeout_ms);
+    j.at("kill_rank").get_to(e.kill_rank);
+    j.at("kill_after").get_to(e.kill_after);
+    j.at("rounds").get_to(e.rounds);
+    j.at("plain_dir").get_to(e.plain_dir);
+    j.at("work_dir").get_to(e.work_dir);
+    j.at("coordinator").get_to(e.coordinator);
+    j.at("token").get_to(e.token);
+    j.at("sync").get_to(e.sync);
+  } catch (const nlohmann::json::exception& x) {
+    fail(Errc::format, "export job file: ", x.what());
+  }
+  return e;
+}
+
+std::string ExportJob::stats_path(int rank) const {
+  return cat(work_dir, "/export-rank", rank, ".json");
+}
+
+namespace {
+
+// The rounds of one worker: each a plain write (bench) and a save, every
+// phase started together from a barrier.
+nlohmann::json run_rounds(const ExportJob& job, int rank, const Checkpoint& ckpt,
+                          const TrainerLayout& layout, Publisher& pub) {
+  const Millis timeout(job.timeout_ms);
+  control::ClientOptions c;
+  c.address = job.coordinator;
+  c.token = job.token;
+  c.connect_timeout = timeout;
+  control::Client observer(c);
+  const int ranks = static_cast<int>(layout.mesh.world());
+  SaveHfOptions save;
+  save.max_file_bytes = job.max_file_bytes;
+  save.config = job.hf_config;
+  save.bucket_bytes = job.bucket_bytes;
+  save.sync = job.sync;
+  std::optional<PlainWrite> plain;
+  if (!job.plain_dir.empty()) plain.emplace(ckpt, layout, job, rank);
+  nlohmann::json rounds = nlohmann::json::array();
+  for (int r = 0; r < job.rounds; ++r) {
+    nlohmann::json row;
+    if (plain) {
+      // Each timed phase starts alike: its files gone (no page cache to
+      // reclaim, no rename over a file), no dirty pages of the other (the
+      // kernel's writeback would throttle whichever runs second).
+      plain->remove_outputs(job.out);
+      ::sync();
+      observer.barrier(cat("export plain ", r), ranks, timeout);
+      const double cpu = cpu_seconds();
+      row["plain_seconds"] = plain->run();
+      row["plain_cpu_s"] = cpu_seconds() - cpu;
+      ::sync();
+    }
+    observer.barrier(cat("export save ", r), ranks, timeout);
+    const double cpu = cpu_seconds();
+    row["save"] = save_json(pub.save_hf(job.out, save));
+    row["save"]["cpu_s"] = cpu_seconds() - cpu;
+    rounds.push_back(row);
+  }
+  return rounds;
+}
+
+}  // namespace
+
+int run_export_worker(const ExportJob& job, int rank) {
+  demo::register_kill_transport();
+  nlohmann::json stats = {{"rank", rank}, {"ok", false}};
+  try {
+    const Millis timeout(job.timeout_ms);
+    const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
+    const TrainerLayout layout = TrainerLayout::load(job.trainer);
+    check_checkpoint(ckpt, layout);
+    Shards shards = load_shards(ckpt, layout, rank);
+    PublisherOptions opt;
+    opt.coordinator = job.coordinator;
+    opt.token = job.token;
+    opt.rank = rank;
+    opt.layout = layout;
+    opt.transport = worker_transport(job, rank);
+    opt.connect_timeout = timeout;
+    opt.step_timeout = timeout;
+    Publisher pub(opt);
+    for (size_t i = 0; i < shards.views.size(); ++i)
+      pub.register_tensor(layout.params[shards.params[i]].name, shards.views[i]);
+    stats["rounds"] = run_rounds(job, rank, ckpt, layout, pub);
+    stats["ok"] = true;
+  } catch (const Error& e) {
+    std::cerr << "export rank " << rank << ": error [" << errc_name(e.code()) << "]: " << e.what()
+              << "\n";
+    stats["error"] = cat("[", errc_name(e.code()), "] ", e.what());
+  }
+  stats["peak_rss_mb"] = demo::peak_rss_mb();
+  write_json(job.stats_path(rank), stats);
+  return stats["ok"].get<bool>() ? 0 : 1;
+}
+
+nlohmann::json run_export(ExportJob job) {
+  const TrainerLayout layout = TrainerLayout::load(job.trainer);
+  const int ranks = static_cast<int>(layout.mesh.world());
+  control::CoordinatorOptions co;
+  co.token = random_token();
+  co.step_timeout = Millis(job.timeout_ms);
+  co.expect_trainers = ranks;
+  control::Coordinator coordinator(co);
+  job.coordinator = coordinator.address();
+  job.token = co.token;
+  const std::string job_path = job.work_dir + "/export-job.json";
+  write_json(job_path, job.to_json());
+  demo::ProcessGroup group(job.work_dir);
+  // A rank killed before it writes its stats must not leave an older run's.
+  for (int r = 0; r < ranks; ++r) std::filesystem::remove(job.stats_path(r));
+  for (int r = 0; r < ranks; ++r)
+    group.spawn(cat("export ", r), {"export", "--job", job_path, "--rank", std::to_string(r)},
+                r == job.kill_rank);
+  // Loading the shards, each round's phases and the teardown: a timeout each.
+  const auto children = group.wait_all(Millis(job.timeout_ms) * (2 * job.rounds + 3));
+  nlohmann::json out = {{"ranks", ranks}, {"transport", job.transport}, {"dir", job.out}};
+  bool ok = !group.timed_out();
+  nlohmann::json per_rank = nlohmann::json::array();
+  std::vector<nlohmann::json> stats;
+  for (int r = 0; r < ranks; ++r) {
+    const auto& child = children[static_cast<size_t>(r)];
+    stats.push_back(read_json_or_null(job.stats_path(r)));
+    ok = ok && child.ok() && stats.back().is_object() && stats.back().value("ok", false);
+    nlohmann::json row = {{"rank", r}, {"status", child.status()}, {"log", child.log_path}};
+    if (stats.back().is_object()) row["stats"] = stats.back();
+    per_rank.push_back(row);
+  }
+  out["ok"] = ok;
+  out["per_rank"] = per_rank;
+  nlohmann::json rounds = nlohmann::json::array();
+  for (int i = 0; ok && i < job.rounds; ++i) {
+    double save_s = 0, plain_s = 0;
+    nlohmann::json first;
+    for (const auto& s : stats) {
+      const auto& row = s["rounds"][static_cast<size_t>(i)];
+      save_s = std::max(save_s, row["save"]["seconds"].get<double>());
+      if (row.contains("plain_seconds"))
+        plain_s = std::max(plain_s, row["plain_seconds"].get<double>());
+      first = row["save"];
+    }
+    const double bytes = first["total_bytes"].get<double>();
+    nlohmann::json r = {{"seconds", save_s},
+                        {"bytes", first["total_bytes"]},
+                        {"files", first["files"]},
+                        {"gbps", bytes / save_s / 1e9}};
+    if (plain_s > 0) r["plain_seconds"] = plain_s, r["plain_gbps"] = bytes / plain_s / 1e9;
+    rounds.push_back(r);
+  }
+  out["rounds"] = rounds;
+  return out;
+}
+
+}  // namespace weightsync::exporter
