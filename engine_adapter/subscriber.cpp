@@ -4,7 +4,10 @@
 #include <weightsync/topology.h>
 #include <weightsync/trace.h>
 
+#include "core/cuda/gpu.h"
+#include "subscriber_fp8.h"
 #include "subscriber_pipeline.h"
+#include "weights_delivery.h"
 
 #include <nlohmann/json.hpp>
 
@@ -25,10 +28,6 @@ Millis left_until(Clock::time_point deadline) {
   return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
 }
 
-nlohmann::json json_of(const std::vector<uint8_t>& blob) {
-  return nlohmann::json::parse(blob.begin(), blob.end());
-}
-
 }  // namespace
 
 struct Subscriber::Impl {
@@ -39,13 +38,20 @@ struct Subscriber::Impl {
   std::map<std::string, size_t, std::less<>> index;
   std::vector<TensorView> params;
   std::vector<bool> registered;
-  std::vector<std::unique_ptr<char[]>> staging_memory;
-  std::vector<TensorView> staging;
   std::optional<TrainerLayout> trainer;
   std::unique_ptr<Transport> transport;
   std::optional<Plan> plan;
   std::unique_ptr<engine::ReceivePipeline> pipeline;
-  std::function<void(int64_t)> on_begin, on_end;
+  // FP8 engines: the quantized weights' staging in the trainer's dtype.
+  std::unique_ptr<engine::Fp8Staging> fp8;
+  std::function<void(int64_t)> on_begin, on_end, on_loaded;
+  // load_weights mode (on_weights set): the rank's HF tensors live in an
+  // arena (weights_delivery.h) and go to the engine as buckets complete them.
+  Subscriber::WeightsHook on_weights;
+  engine::DeliveryPlan delivery;
+  std::unique_ptr<char[]> arena_host;
+  gpu::Memory arena_device;
+  std::string weights_error;  // the step's first failure of on_weights
   std::atomic<int64_t> version{-1};
   std::atomic<bool> stopping{false};
   int64_t current_step = -1;
@@ -54,51 +60,109 @@ struct Subscriber::Impl {
   const EngineRankLayout& rank_layout() const { return engine.rank_layout(global); }
   std::string key(const std::string& what) const { return opt.job + "/" + what; }
   void ensure_ready();
+  pipeline::RankMemory weights_memory() const;
+  void open_arena(const Plan& plan);
+  void deliver(size_t k);
   void poll();
   StepOutcome run_one(const control::StepBegin& begin);
+  // Runs a hook; "" when it returned, else the failure (naming the hook).
+  std::string run_hook(const std::function<void(int64_t)>& hook, const char* name, int64_t step);
+  void end_hook(StepOutcome& out);
   bool wait_decision(int64_t step, Clock::time_point deadline, std::string& reason);
   void publish_staging();
+  std::string quantize(StepOutcome& out);
 };
 
 void Subscriber::Impl::ensure_ready() {
   if (plan) return;
   const auto& ps = rank_layout().params;
-  for (size_t i = 0; i < ps.size(); ++i)
-    if (!registered[i])
-      fail(Errc::invalid_argument, "engine rank ", global, ": param '", ps[i].name,
+  const std::string who = cat("engine rank ", global);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (on_weights && registered[i])
+      fail(Errc::invalid_argument, who, ": param '", ps[i].name, "' was registered, but in ",
+           "load_weights mode (on_weights) the rank registers no params");
+    if (!on_weights && !registered[i])
+      fail(Errc::invalid_argument, who, ": param '", ps[i].name,
            "' was not registered before the first step");
-  const auto deadline = Clock::now() + opt.connect_timeout;
-  trainer = opt.trainer ? *opt.trainer
-                        : TrainerLayout::from_json(
-                              json_of(client->get(key("layout/trainer"), left_until(deadline))));
-  const auto po = json_of(client->get(key("plan_options"), left_until(deadline)));
-  PlanOptions options;
-  options.mode = parse_plan_mode(po.at("mode").get<std::string>());
-  options.bucket_bytes = po.at("bucket_bytes").get<int64_t>();
-  const WireOptions wire = WireOptions::from_json(po.value("wire", nlohmann::json::object()));
-  const int trainers = static_cast<int>(trainer->mesh.world());
-  client->wait_members(trainers, engine.world(), left_until(deadline));
-  TransportOptions t;
-  t.name = opt.transport;
-  t.store = client.get();
-  t.prefix = key("transport");
-  t.rank = trainers + global;
-  t.world = trainers + engine.world();
-  t.bootstrap_timeout = left_until(deadline);
-  transport = make_transport(t);
-  plan = make_plan(*trainer, engine, Topology{}, options);
-  if (opt.staging) {
-    for (const TensorView& p : params) {
-      const size_t bytes = p.nbytes();
-      staging_memory.emplace_back(new char[std::max<size_t>(bytes, 1)]());
-      staging.push_back(host_view(staging_memory.back().get(), p.dtype, p.shape));
-    }
   }
-  pipeline = std::make_unique<engine::ReceivePipeline>(
-      *plan, global, opt.staging ? staging : params, wire, transport->capabilities());
-  pipeline->prepare(*transport);
-  for (int peer = 0; peer < t.world; ++peer)
-    if (peer != t.rank) transport->connect(peer);
+  if (on_weights && engine::has_fp8(rank_layout()))
+    fail(Errc::unsupported, who, ": load_weights mode (on_weights) with an FP8 engine config: ",
+         "the HF tensors go to the engine's loader unquantized; drop \"quantization\" or ",
+         "register the params");
+  if (on_weights && opt.staging)
+    fail(Errc::invalid_argument, who, ": load_weights mode (on_weights) takes no staging copy: ",
+         "the engine's own loader writes its params");
+  pipeline::SetupSpec spec;
+  spec.who = who;
+  spec.trainer_side = false;
+  spec.rank = global;
+  spec.job = opt.job;
+  spec.transport = opt.transport;
+  spec.trainer = opt.trainer;
+  spec.engine = engine;
+  spec.memory = on_weights ? weights_memory()
+                           : pipeline::rank_memory(
+                                 params, [&](size_t i) { return ps[i].name; }, spec.who);
+  spec.connect_timeout = opt.connect_timeout;
+  pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
+  if (on_weights) open_arena(*dp.plan);
+  std::unique_ptr<engine::Fp8Staging> quant;
+  if (engine::has_fp8(rank_layout()))
+    quant = std::make_unique<engine::Fp8Staging>(*dp.plan, rank_layout(), params, who);
+  auto receiver = std::make_unique<engine::ReceivePipeline>(
+      *dp.plan, global, quant ? quant->targets() : params, opt.staging, dp.memory, dp.wire,
+      dp.transport->capabilities());
+  receiver->prepare(*dp.transport, dp.slots, dp.slot_device);
+  if (on_weights) receiver->on_bucket([this](size_t k) { deliver(k); });
+  pipeline::connect_peers(*dp.transport);
+  trainer = std::move(dp.trainer);
+  transport = std::move(dp.transport);
+  pipeline = std::move(receiver);
+  fp8 = std::move(quant);
+  plan = std::move(dp.plan);  // last: a plan means the rank is ready
+}
+
+pipeline::RankMemory Subscriber::Impl::weights_memory() const {
+  if (opt.weights_device < 0) return {MemoryKind::host, -1, true};
+  return {MemoryKind::cuda, opt.weights_device, true};
+}
+
+// The arena and, in it, each HF key of the rank as the param it applies into.
+void Subscriber::Impl::open_arena(const Plan& p) {
+  delivery = engine::plan_delivery(p, global, rank_layout());
+  const auto bytes = static_cast<size_t>(std::max<int64_t>(delivery.arena_bytes, 1));
+  const pipeline::RankMemory memory = weights_memory();
+  char* base = nullptr;
+  if (memory.memory == MemoryKind::cuda) {
+    arena_device = gpu::Memory(bytes, gpu::MemoryPlace::device, memory.device);
+    base = arena_device.data();
+  } else {
+    // 4 KiB-aligned inside the allocation, like the transports' slots.
+    arena_host.reset(new char[bytes + 4096]);
+    base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(arena_host.get()) + 4095) &
+                                   ~uintptr_t{4095});
+  }
+  const auto& ps = rank_layout().params;
+  for (size_t i = 0; i < ps.size(); ++i)
+    params[i] = tensor_view(base + delivery.offset[i], ps[i].dtype, ps[i].shape, memory.memory,
+                            memory.device);
+}
+
+// Hands the tensors bucket k completed to the engine. A failure is kept for
+// the ack; later buckets still land (the senders must not stall) but go to
+// the engine no more.
+void Subscriber::Impl::deliver(size_t k) {
+  if (!weights_error.empty()) return;
+  std::vector<std::pair<std::string, TensorView>> batch;
+  for (uint32_t p : delivery.complete_after.at(k))
+    batch.emplace_back(rank_layout().params[p].name, params[p]);
+  if (batch.empty()) return;
+  try {
+    on_weights(current_step, batch);
+  } catch (const std::exception& e) {
+    weights_error = cat("engine rank ", global, ": the on_weights hook of step ", current_step,
+                        " failed: ", e.what());
+  }
 }
 
 void Subscriber::Impl::poll() {
@@ -124,13 +188,23 @@ bool Subscriber::Impl::wait_decision(int64_t step, Clock::time_point deadline,
 }
 
 void Subscriber::Impl::publish_staging() {
-  for (size_t i = 0; i < params.size(); ++i) {
-    const TensorView& p = params[i];
-    if (p.memory == MemoryKind::host && p.is_contiguous())
-      std::memcpy(p.data, staging[i].data, p.nbytes());
-    else
-      copy_box(staging[i], Box::full(p.shape), p, Box::full(p.shape));
+  pipeline->publish_staging();
+}
+
+// FP8 engines: the step's weights, landed in their staging tensors, into the
+// FP8 params and scales. "" or the failure.
+std::string Subscriber::Impl::quantize(StepOutcome& out) {
+  if (!fp8) return {};
+  TraceSpan span(opt.tracer, "quantize fp8", "apply");
+  const auto start = Clock::now();
+  try {
+    fp8->quantize();
+  } catch (const std::exception& e) {
+    return cat("engine rank ", global, ": quantizing the FP8 params of step ", out.step,
+               " failed: ", e.what());
   }
+  out.phases.apply += seconds_since(start);
+  return {};
 }
 
 StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
@@ -141,7 +215,11 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   out.step = begin.step;
   current_step = begin.step;
   abort_reason.clear();
-  if (on_begin) on_begin(begin.step);
+  // A hook that throws fails this step on this rank, never the process: the
+  // step's data is still received (the senders must not stall) and the ack
+  // says why.
+  const std::string begin_error = run_hook(on_begin, "on_begin", begin.step);
+  weights_error.clear();
   engine::ReceiveReport report;
   if (begin.plan_id != plan->plan_id_hex()) {
     report.error = cat("engine rank ", global, ": step ", begin.step, " uses plan ", begin.plan_id,
@@ -156,11 +234,24 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
       if (!abort_reason.empty()) {
         out.reason = abort_reason;
         out.seconds = seconds_since(start);
-        if (on_end) on_end(begin.step);
+        end_hook(out);
         return out;
       }
       report.error = e.what();
     }
+  }
+  if (report.error.empty()) report.error = begin_error;
+  if (report.error.empty()) report.error = weights_error;
+  // Without staging the params take the step now, before the ack; with it,
+  // at commit (below), after the staging copy is published.
+  if (report.error.empty() && !opt.staging) report.error = quantize(out);
+  // load_weights mode: every tensor went to the engine; its post-load step
+  // (process_weights_after_loading) belongs to the step, before the ack.
+  if (report.error.empty() && on_weights) {
+    report.error = run_hook(on_loaded, "on_loaded", begin.step);
+    // The engine's copies out of a CUDA arena (load_weights' param.copy_)
+    // may still be queued on its streams: the next step rewrites the arena.
+    if (weights_memory().memory == MemoryKind::cuda) gpu::synchronize_device(opt.weights_device);
   }
   control::StepAck ack;
   ack.step = begin.step;
@@ -174,31 +265,55 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   const auto commit_start = Clock::now();
   {
     TraceSpan span(opt.tracer, "ack+decision", "control");
-    client->ack(ack);
+    // At most what is left of the step (and a second): a coordinator that
+    // cannot be reached must not hold the engine past the step's deadline.
+    client->ack(ack, std::max(Millis(1000), left_until(deadline)));
     out.committed = wait_decision(begin.step, deadline, out.reason);
   }
   if (out.committed) {
     TraceSpan span(opt.tracer, "publish", "apply");
     if (opt.staging) publish_staging();
+    if (opt.staging) {
+      const std::string error = quantize(out);
+      if (!error.empty()) out.reason = error;
+    }
     version = begin.step;
   }
   out.phases.commit = seconds_since(commit_start);
   out.seconds = seconds_since(start);
-  if (on_end) on_end(begin.step);
+  end_hook(out);
   return out;
+}
+
+std::string Subscriber::Impl::run_hook(const std::function<void(int64_t)>& hook, const char* name,
+                                       int64_t step) {
+  if (!hook) return {};
+  try {
+    hook(step);
+    return {};
+  } catch (const std::exception& e) {
+    return cat("engine rank ", global, ": the ", name, " hook of step ", step,
+               " failed: ", e.what());
+  }
+}
+
+// on_end runs after the decision: a failure cannot undo a commit, so it is
+// reported in the outcome's reason (committed stays as decided).
+void Subscriber::Impl::end_hook(StepOutcome& out) {
+  const std::string error = run_hook(on_end, "on_end", out.step);
+  if (error.empty()) return;
+  out.reason = out.reason.empty() ? error : out.reason + "; " + error;
 }
 
 Subscriber::Subscriber(SubscriberOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.opt = std::move(options);
   m.engine = make_engine_layout(m.opt.engine);
-  const int tp = m.opt.engine.tp;
-  if (m.opt.rank < 0 || m.opt.rank >= tp)
-    fail(Errc::invalid_argument, "subscriber: rank ", m.opt.rank, " outside tp=", tp);
-  if (m.opt.replica < 0 || m.opt.replica >= m.opt.engine.replicas)
-    fail(Errc::invalid_argument, "subscriber: replica ", m.opt.replica, " outside the ",
-         m.opt.engine.replicas, " replicas of the engine config");
-  m.global = m.opt.replica * tp + m.opt.rank;
+  try {
+    m.global = m.engine.global_rank(m.opt.replica, m.opt.rank);
+  } catch (const Error& e) {
+    fail(e.code(), "subscriber: ", e.what());
+  }
   const auto& ps = m.rank_layout().params;
   for (size_t i = 0; i < ps.size(); ++i) m.index.emplace(ps[i].name, i);
   m.params.resize(ps.size());
@@ -247,6 +362,11 @@ void Subscriber::register_param(const std::string& name, const TensorView& param
   if (!param.data && param.numel() > 0)
     fail(Errc::invalid_argument, "engine rank ", m.global, ": param '", name,
          "' registered with a null pointer");
+  if (!param.is_non_overlapping())
+    fail(Errc::invalid_argument, "engine rank ", m.global, ": param '", name, "' has strides ",
+         shape_str(param.effective_strides()), " for shape ", shape_str(param.shape),
+         ": its elements overlap in memory, so writes into it would collide (an expanded or ",
+         "broadcast view?); register the tensor that owns the memory");
   m.params[it->second] = param;
   m.registered[it->second] = true;
 }
@@ -265,6 +385,17 @@ void Subscriber::on_begin(std::function<void(int64_t)> hook) {
 }
 void Subscriber::on_end(std::function<void(int64_t)> hook) {
   impl_->on_end = std::move(hook);
+}
+
+void Subscriber::on_weights(WeightsHook hook) {
+  if (impl_->plan)
+    fail(Errc::invalid_argument, "engine rank ", impl_->global,
+         ": on_weights must be set before the first step");
+  impl_->on_weights = std::move(hook);
+}
+
+void Subscriber::on_loaded(std::function<void(int64_t)> hook) {
+  impl_->on_loaded = std::move(hook);
 }
 
 std::optional<StepOutcome> Subscriber::run_step(std::chrono::milliseconds wait) {

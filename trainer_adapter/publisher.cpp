@@ -4,12 +4,9 @@
 #include <weightsync/topology.h>
 #include <weightsync/trace.h>
 
-#include "publisher_pipeline.h"
+#include "publisher_impl.h"
 
 #include <nlohmann/json.hpp>
-
-#include <map>
-#include <mutex>
 
 namespace weightsync {
 namespace {
@@ -25,81 +22,57 @@ Millis left_until(Clock::time_point deadline) {
   return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
 }
 
+// How long a control request of a step may wait for the coordinator: what is
+// left of the step, and at least a second (a reply may be on its way).
+Millis wait_until(Clock::time_point deadline) {
+  return std::max(Millis(1000), left_until(deadline));
+}
+
 std::vector<uint8_t> bytes_of(const std::string& s) {
   return {s.begin(), s.end()};
 }
 
-nlohmann::json json_of(const std::vector<uint8_t>& blob) {
-  return nlohmann::json::parse(blob.begin(), blob.end());
-}
-
 }  // namespace
 
-struct Publisher::Impl {
-  PublisherOptions opt;
-  std::unique_ptr<control::Client> client;
-  std::map<std::string, size_t, std::less<>> index;  // param name -> layout index
-  std::vector<TensorView> tensors;
-  std::vector<bool> registered;
-  std::optional<EngineLayout> engine;
-  std::unique_ptr<Transport> transport;
-  std::optional<Plan> plan;
-  std::unique_ptr<trainer::SendPipeline> pipeline;
-  std::vector<bool> dead;               // engine ranks dropped (died or failed)
-  std::vector<uint64_t> engine_member;  // member id of each engine rank's process (0: none yet)
-  std::optional<control::StepResult> early_result;
-  int64_t current_step = -1;
-  std::mutex push_mutex;
-
-  int trainer_world() const { return static_cast<int>(opt.layout.mesh.world()); }
-  std::string key(const std::string& what) const { return opt.job + "/" + what; }
-
-  void ensure_ready();
-  void poll();
-  void admit(const std::vector<control::Member>& step_engines);
-  PushResult push(int64_t step);
-  control::StepResult decide(int64_t step, Clock::time_point deadline);
-};
-
-void Publisher::Impl::ensure_ready() {
-  if (plan) return;
+void Publisher::Impl::require_registered(const char* what) const {
   for (size_t i = 0; i < registered.size(); ++i)
     if (!registered[i])
       fail(Errc::invalid_argument, "trainer rank ", opt.rank, ": param '",
-           opt.layout.params[i].name, "' was not registered before the first push");
-  const auto deadline = Clock::now() + opt.connect_timeout;
-  EngineConfig config;
-  if (opt.engine) {
-    config = *opt.engine;
-  } else {
-    const auto blob = client->get(key("layout/engine"), left_until(deadline));
-    config = EngineConfig::from_json(nlohmann::json::parse(blob.begin(), blob.end()), ".");
-  }
-  engine = make_engine_layout(config);
-  const int engines = engine->world();
-  client->wait_members(trainer_world(), engines, left_until(deadline));
-  TransportOptions t;
-  t.name = opt.transport;
-  t.store = client.get();
-  t.prefix = key("transport");
-  t.rank = opt.rank;
-  t.world = trainer_world() + engines;
-  t.bootstrap_timeout = left_until(deadline);
-  transport = make_transport(t);
-  PlanOptions po;
-  po.mode = opt.mode;
-  po.bucket_bytes = opt.bucket_bytes;
-  plan = make_plan(opt.layout, *engine, Topology{}, po);
-  const auto po_json = json_of(client->get(key("plan_options"), left_until(deadline)));
-  const WireOptions wire = WireOptions::from_json(po_json.value("wire", nlohmann::json::object()));
-  pipeline = std::make_unique<trainer::SendPipeline>(*plan, opt.rank, tensors, wire,
-                                                     transport->capabilities());
-  pipeline->prepare(*transport);
+           opt.layout.params[i].name, "' was not registered before ", what);
+}
+
+void Publisher::Impl::ensure_ready() {
+  if (plan) return;
+  require_registered("the first push");
+  pipeline::SetupSpec spec;
+  spec.who = cat("trainer rank ", opt.rank);
+  spec.trainer_side = true;
+  spec.rank = opt.rank;
+  spec.job = opt.job;
+  spec.transport = opt.transport;
+  spec.trainer = opt.layout;
+  if (opt.engine) spec.engine = make_engine_layout(*opt.engine);
+  spec.engine_from_json = [](const nlohmann::json& j) {
+    return make_engine_layout(EngineSpec::from_json(j, "."));
+  };
+  spec.plan = PlanOptions{opt.mode, opt.bucket_bytes};
+  spec.memory = pipeline::rank_memory(
+      tensors, [&](size_t i) { return opt.layout.params[i].name; }, spec.who);
+  spec.connect_timeout = opt.connect_timeout;
+  pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
+  auto sender = std::make_unique<trainer::SendPipeline>(*dp.plan, opt.rank, tensors, dp.wire,
+                                                        dp.transport->capabilities());
+  sender->prepare(*dp.transport, dp.slots, dp.slot_device, dp.memory,
+                  trainer::Producer{opt.producer_stream, opt.producer_event});
   // Endpoints now rather than inside the first step's timing.
-  for (int peer = 0; peer < t.world; ++peer)
-    if (peer != opt.rank) transport->connect(peer);
-  dead.assign(static_cast<size_t>(engines), false);
-  engine_member.assign(static_cast<size_t>(engines), 0);
+  pipeline::connect_peers(*dp.transport);
+  const auto engines = static_cast<size_t>(dp.engine.world());
+  engine = std::move(dp.engine);
+  transport = std::move(dp.transport);
+  pipeline = std::move(sender);
+  plan = std::move(dp.plan);  // last: a plan means the rank is ready
+  dead.assign(engines, false);
+  engine_member.assign(engines, 0);
 }
 
 // The step's engines, as the coordinator saw them when it began: ranks not
@@ -164,19 +137,21 @@ PushResult Publisher::Impl::push(int64_t step) {
   {
     TraceSpan span(opt.tracer, "begin", "control");
     const auto t = Clock::now();
-    admit(client->begin_step(step, plan->plan_id_hex()));
+    admit(client->begin_step(step, plan->plan_id_hex(), wait_until(deadline)));
     out.phases.begin = seconds_since(t);
   }
   try {
     out.bytes_sent = pipeline->run(
         step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
     out.bytes_direct = pipeline->bytes_direct();
-    client->sent(step, true);
+    client->sent(step, true, {}, wait_until(deadline));
   } catch (const Error& e) {
     pipeline->cancel_all();
     if (!early_result) {
       try {
-        client->sent(step, false, e.what());
+        // Tell the coordinator, briefly: the step has failed already (a
+        // coordinator that cannot be reached aborts it on its own).
+        client->sent(step, false, e.what(), std::min(wait_until(deadline), Millis(5000)));
         decide(step, std::min(deadline, Clock::now() + Millis(5000)));
       } catch (const Error&) {
         // The original failure is the one worth reporting.
@@ -211,10 +186,20 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (m.opt.bucket_bytes < 1024)
     fail(Errc::invalid_argument, "publisher: bucket_bytes ", m.opt.bucket_bytes,
          " is below the minimum of 1024");
-  for (size_t i = 0; i < m.opt.layout.params.size(); ++i)
-    m.index.emplace(m.opt.layout.params[i].name, i);
   m.tensors.resize(m.opt.layout.params.size());
   m.registered.assign(m.opt.layout.params.size(), false);
+  // Names are unique per rank, not per layout (pipeline stages name their
+  // layers by local index): index the params this rank holds. Those of other
+  // stages need no tensor; they hold no element here.
+  for (size_t i = 0; i < m.opt.layout.params.size(); ++i) {
+    const LoadSpec& spec = m.opt.layout.params[i];
+    if (holds(spec, m.opt.layout.mesh, m.opt.rank)) {
+      m.index.emplace(spec.name, i);
+    } else {
+      m.tensors[i] = TensorView{nullptr, spec.dtype, Shape{0}};
+      m.registered[i] = true;
+    }
+  }
   control::ClientOptions c;
   c.address = m.opt.coordinator;
   c.token = m.opt.token;
@@ -250,9 +235,14 @@ void Publisher::register_tensor(const std::string& name, const TensorView& tenso
     fail(Errc::invalid_argument, "trainer rank ", m.opt.rank, ": register_tensor('", name,
          "') after the first push");
   auto it = m.index.find(name);
-  if (it == m.index.end())
+  if (it == m.index.end()) {
+    for (const LoadSpec& spec : m.opt.layout.params)
+      if (spec.name == name && spec.stage)
+        fail(Errc::not_found, "trainer rank ", m.opt.rank, ": param '", name, "' lives on stage ",
+             spec.stage->index, " of axis '", spec.stage->axis, "', not on this rank's");
     fail(Errc::not_found, "trainer rank ", m.opt.rank, ": param '", name,
-         "' is not in the trainer layout (", m.index.size(), " params)");
+         "' is not in the trainer layout (", m.index.size(), " params on this rank)");
+  }
   const LoadSpec& spec = m.opt.layout.params[it->second];
   const Shape expected = local_shape(spec, m.opt.layout.mesh, m.opt.rank);
   if (tensor.dtype != spec.dtype)

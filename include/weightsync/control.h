@@ -137,6 +137,11 @@ struct ClientOptions {
   Millis connect_timeout{10000};  // retries refused connections until then
   Millis request_timeout{30000};  // for replies that need no waiting
   Millis heartbeat_interval{1000};
+  // The connection counts as lost once what this client sent (heartbeats
+  // included) has gone unacknowledged by the coordinator's host this long
+  // (TCP_USER_TIMEOUT): a cut link or a vanished host ends waits at once
+  // instead of after TCP's retransmissions (many minutes). 0: TCP's default.
+  Millis link_timeout{10000};
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
 };
 
@@ -179,12 +184,15 @@ class Client final : public Store {
   // `step` is not above the last decided one. Returns the step's engines (the
   // engine members live when it began), each with its member id: a new id for
   // a rank means a new process took that rank.
-  std::vector<Member> begin_step(int64_t step, const std::string& plan_id);
-  void sent(int64_t step, bool ok, const std::string& error = {});
+  // `wait` bounds how long they wait for the coordinator's reply (a step's
+  // deadline); zero: ClientOptions::request_timeout.
+  std::vector<Member> begin_step(int64_t step, const std::string& plan_id, Millis wait = Millis(0));
+  void sent(int64_t step, bool ok, const std::string& error = {}, Millis wait = Millis(0));
   StepResult wait_step_result(int64_t step, Millis timeout);
 
   // Engines.
-  void ack(const StepAck& ack);
+  // `wait` as for sent (the step's deadline); zero: request_timeout.
+  void ack(const StepAck& ack, Millis wait = Millis(0));
 
   // Next queued event, in arrival order. A StepResult already taken by
   // wait_step_result is not returned again (and vice versa). Errc::timeout if none arrives in time;
@@ -193,7 +201,9 @@ class Client final : public Store {
   std::optional<Event> poll_event();
 
   int64_t committed_version(int engine_rank);  // -1 if none
-  void leave();                                // idempotent
+  // Idempotent; waits at most 5 s (or request_timeout, if shorter) for the
+  // coordinator's reply: it notices a closed connection anyway.
+  void leave();
   bool connected() const;
 
  private:

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <weightsync/engine_layout.h>
+#include <weightsync/hf_checkpoint.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/tensor.h>
@@ -49,8 +50,9 @@ struct PublisherOptions {
   std::string token;
   int rank = 0;          // trainer rank; the world is layout.mesh.world()
   TrainerLayout layout;  // every rank's layout (the same on every rank)
-  // The engines' config; when absent, the one engine rank 0 put in the store.
-  std::optional<EngineConfig> engine;
+  // The engines' config (one, or groups of replicas); when absent, the one
+  // engine rank 0 put in the store.
+  std::optional<EngineSpec> engine;
   // "ucx", "nccl", or a wrapper such as "fault:ucx?corrupt_send=1&count=1".
   std::string transport = "ucx";
   PlanMode mode = PlanMode::p2p;
@@ -62,6 +64,15 @@ struct PublisherOptions {
   std::chrono::milliseconds connect_timeout{60000};  // coordinator, members, transport
   std::chrono::milliseconds step_timeout{120000};    // one push, end to end
   Tracer* tracer = nullptr;                          // phases to a Chrome trace (not owned)
+
+  // ---- GPU data path: CUDA tensors (docs/usage.md) ----
+  // Before a push reads CUDA tensors it waits for the work that produced them:
+  // the work before `producer_event` (a cudaEvent_t recorded after the
+  // optimizer step) when set, else all work queued on `producer_stream` (a
+  // cudaStream_t) when set, else, by default, the whole device
+  // (cudaDeviceSynchronize at the start of every push). Not owned.
+  void* producer_stream = nullptr;
+  void* producer_event = nullptr;
 };
 
 // Where a push spent its time (seconds, this rank).
@@ -81,6 +92,51 @@ struct PushResult {
   uint64_t bytes_direct = 0;  // of those, sent straight from the registered tensors (zero copy)
   double seconds = 0;         // push(), call to return
   PushPhases phases;
+};
+
+// Publisher::save_hf (docs/checkpoints.md). Every rank passes the same
+// max_file_bytes and bucket_bytes (checked against rank 0's).
+struct SaveHfOptions {
+  int64_t max_file_bytes = kDefaultMaxFileBytes;  // files of at most this (a bigger key alone)
+  std::string config;  // a config.json to copy beside the weights; "": none
+  // Buckets of the save: a writer's keys are cut into windows of this size,
+  // and no bucket spans two; its disk starts once its first window arrived.
+  // 0: about 1/32 of a writer's share of the model, within [1 MiB, the
+  // publisher's bucket_bytes / 4]. Beyond its shards a rank holds four
+  // slots and the keys being assembled: a few windows and the largest tensor.
+  int64_t bucket_bytes = 0;
+  std::string transport;                 // "": the publisher's
+  std::chrono::milliseconds timeout{0};  // the whole save; 0: the publisher's step_timeout
+  // Flush every file to the device (fsync) before the index is written, and
+  // the index after: then not even a machine crash leaves a directory that
+  // looks complete. false: the files may sit in the page cache when save_hf
+  // returns (as save_pretrained leaves them); a crashed process still never
+  // leaves an index.
+  bool sync = true;
+};
+
+// The bucket_bytes of a save whose SaveHfOptions::bucket_bytes is 0, for a
+// publisher of `publisher_bucket` bytes.
+int64_t default_save_bucket_bytes(const TrainerLayout& layout, int64_t publisher_bucket);
+
+struct SaveHfResult {
+  std::string dir;
+  int files = 0;             // files of the checkpoint
+  uint64_t total_bytes = 0;  // its payload (metadata.total_size)
+  // This rank:
+  std::vector<std::string> files_written;  // full paths
+  uint64_t bytes_written = 0;              // payload of its files
+  uint64_t bytes_local = 0;                // of those, from its own shards (nothing moved)
+  uint64_t bytes_sent = 0;                 // to the other writers
+  uint64_t bytes_received = 0;             // from the other ranks
+  std::size_t arena_bytes = 0;             // where its keys were assembled
+  std::size_t staging_bytes = 0;           // its four bucket slots
+  double disk_wait_s = 0;                  // transfers waiting for its disk writes
+  double disk_s = 0;                       // its disk thread writing (and flushing)
+  double seconds = 0;                      // the call, end to end:
+  double setup_s = 0;   // options agreed, writer layout, plan, transport connected
+  double data_s = 0;    // its transfers and its files written
+  double finish_s = 0;  // the other ranks' files, the index (rank 0)
 };
 
 class Publisher {
@@ -109,6 +165,23 @@ class Publisher {
   // The same on a background thread; one push at a time.
   std::future<PushResult> push_async(int64_t step);
 
+  // Writes the registered shards as a Hugging Face checkpoint directory
+  // `dir`: a collective of every trainer rank (DESIGN.md "HF checkpoints").
+  // The keys are cut into files (make_hf_file_layout); each file's writer
+  // rank receives the pieces it lacks from their holders over the transport,
+  // in buckets (a plan from the trainer layout to the writers), and streams
+  // its files (tmp + rename); rank 0 writes model.safetensors.index.json
+  // last, once every rank wrote its files, and every rank returns after
+  // that. On failure no index is written (an older one in `dir` is removed
+  // first): Errc::peer_failure naming the rank that died or failed,
+  // Errc::timeout, Errc::io; the registered tensors are only read. Needs no
+  // engine. Not concurrent with push.
+  SaveHfResult save_hf(const std::string& dir, const SaveHfOptions& options = {});
+  // Fills the registered shards from the checkpoint `dir` (an HF directory
+  // or one .safetensors file), this rank alone: load_local_tensors
+  // (hf_checkpoint.h). Errors name the key, the rank and the file.
+  LoadReport load_hf(const std::string& dir);
+
   // The plan (computed on the first push; Errc::invalid_argument before).
   const Plan& plan() const;
   int rank() const;
@@ -117,6 +190,7 @@ class Publisher {
 
  private:
   struct Impl;
+  struct SaveRun;  // one save_hf call (publisher_checkpoint.cpp)
   std::unique_ptr<Impl> impl_;
 };
 

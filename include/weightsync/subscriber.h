@@ -22,7 +22,10 @@
 // params may hold part of the failed step: use staging where a failed step
 // must leave the served weights intact). on_end runs after either. A bucket
 // that fails its checksum fails the step for this rank: acked as failed, the
-// coordinator aborts it here.
+// coordinator aborts it here. A hook that throws never ends the process:
+// on_begin failing fails the step on this rank (its data is still received so
+// that no sender stalls; the ack names the hook and its error); on_end runs
+// after the decision, so its failure is reported in StepOutcome::reason.
 #pragma once
 
 #include <weightsync/engine_layout.h>
@@ -37,6 +40,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace weightsync {
 
@@ -45,9 +50,10 @@ class Tracer;
 struct SubscriberOptions {
   std::string coordinator;  // "HOST:PORT"
   std::string token;
-  EngineConfig engine;  // the engine's config (every replica alike)
-  int replica = 0;      // which replica this rank belongs to
-  int rank = 0;         // rank inside the replica, 0..tp-1
+  // Every engine of the job: one config, or groups of replicas (engine_layout.h).
+  EngineSpec engine;
+  int replica = 0;  // which replica this rank belongs to, over every group
+  int rank = 0;     // rank inside the replica, 0..tp-1 of its group
   // The trainer's layout; when absent, the one trainer rank 0 put in the store.
   std::optional<TrainerLayout> trainer;
   std::string transport = "ucx";  // must match the trainers' (wrappers may differ)
@@ -55,6 +61,9 @@ struct SubscriberOptions {
   // or corrupted step leaves the params as they were. Costs one copy of the
   // rank's params.
   bool staging = false;
+  // load_weights mode (on_weights set): where the HF tensors handed to the
+  // engine are assembled; -1: host memory, else this CUDA device.
+  int weights_device = -1;
   std::string job = "weightsync";
   std::chrono::milliseconds connect_timeout{60000};
   std::chrono::milliseconds step_timeout{120000};  // from a step's begin to its decision
@@ -71,7 +80,7 @@ struct StepPhases {
 struct StepOutcome {
   int64_t step = 0;
   bool committed = false;
-  std::string reason;         // why not, when !committed
+  std::string reason;         // why not, when !committed; or why the on_end hook failed
   uint64_t bytes = 0;         // payload bytes received
   uint64_t bytes_direct = 0;  // of those, landed straight in the params (or staging), zero copy
   uint64_t checksum = 0;
@@ -96,6 +105,19 @@ class Subscriber {
   void on_begin(std::function<void(int64_t step)> hook);
   void on_end(std::function<void(int64_t step)> hook);
 
+  // load_weights mode, for ranks of a framework-"hf" group (every HF tensor
+  // whole): no params are registered; as buckets land, each HF tensor is
+  // handed whole to `hook`, in batches (the tensors that one bucket
+  // completed), as vLLM's and SGLang's model.load_weights take them. The
+  // views are valid during the call only (their memory is reused: the engine
+  // copies them, as load_weights does). Then `loaded` runs (e.g.
+  // process_weights_after_loading), before the ack: if either throws, the
+  // step fails on this rank. Set before the first step.
+  using WeightsHook = std::function<void(
+      int64_t step, const std::vector<std::pair<std::string, TensorView>>& tensors)>;
+  void on_weights(WeightsHook hook);
+  void on_loaded(std::function<void(int64_t step)> hook);
+
   // Connects the transport, computes the plan and allocates staging now (the
   // first run_step does it otherwise). Every param must be registered; waits
   // for the trainers to register (connect_timeout).
@@ -110,7 +132,7 @@ class Subscriber {
   void stop();
 
   int64_t version() const;  // last committed step, -1 before the first
-  int global_rank() const;  // replica * tp + rank
+  int global_rank() const;  // among every group's engine ranks (replica * tp + rank with one)
   int live_trainers();      // trainers currently registered with the coordinator
   const EngineRankLayout& layout() const;
   const Plan& plan() const;  // after the first step began

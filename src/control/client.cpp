@@ -3,6 +3,10 @@
 // requests by id; events are queued for wait_event / wait_step_result.
 #include "client_impl.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 namespace weightsync::control {
 namespace {
 
@@ -51,6 +55,10 @@ void Client::Impl::connect() {
   }
   boost::system::error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);
+  if (options.link_timeout.count() > 0) {
+    const auto ms = static_cast<unsigned int>(options.link_timeout.count());
+    ::setsockopt(socket.native_handle(), IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
+  }
   io.restart();
 }
 

@@ -103,24 +103,31 @@ std::vector<uint8_t> Client::get_plan(const std::string& plan_id, Millis timeout
   return wire::get_bytes(r, "value");
 }
 
-std::vector<Member> Client::begin_step(int64_t step, const std::string& plan_id) {
+namespace {
+Millis or_default(Millis wait, Millis fallback) {
+  return wait.count() > 0 ? wait : fallback;
+}
+}  // namespace
+
+std::vector<Member> Client::begin_step(int64_t step, const std::string& plan_id, Millis wait) {
   Json m = wire::make(Kind::begin_step);
   m["step"] = step;
   m["plan_id"] = plan_id;
-  const Json r = impl_->request(m, impl_->options.request_timeout, cat("begin_step ", step));
+  const Json r =
+      impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("begin_step ", step));
   if (!r.contains("engines")) return {};
   return wire::members_from_json(r.at("engines"));
 }
 
-void Client::sent(int64_t step, bool ok, const std::string& error) {
+void Client::sent(int64_t step, bool ok, const std::string& error, Millis wait) {
   Json m = wire::make(Kind::sent);
   m["step"] = step;
   m["ok"] = ok;
   if (!error.empty()) m["error"] = error;
-  impl_->request(m, impl_->options.request_timeout, cat("sent for step ", step));
+  impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("sent for step ", step));
 }
 
-void Client::ack(const StepAck& a) {
+void Client::ack(const StepAck& a, Millis wait) {
   Json m = wire::make(Kind::ack);
   m["step"] = a.step;
   m["ok"] = a.ok;
@@ -128,7 +135,7 @@ void Client::ack(const StepAck& a) {
   // A decimal string keeps all 64 bits for JSON readers that use doubles.
   m["checksum"] = std::to_string(a.checksum);
   if (!a.error.empty()) m["error"] = a.error;
-  impl_->request(m, impl_->options.request_timeout, cat("ack for step ", a.step));
+  impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("ack for step ", a.step));
 }
 
 int64_t Client::committed_version(int engine_rank) {
@@ -186,7 +193,10 @@ void Client::leave() {
     if (impl_->left || !impl_->connected) return;
     impl_->left = true;
   }
-  impl_->request(wire::make(Kind::leave), impl_->options.request_timeout, "leave");
+  // Best effort: an unreachable coordinator must not hold up a process's
+  // exit (it sees the connection close, or the heartbeats stop, either way).
+  impl_->request(wire::make(Kind::leave), std::min(impl_->options.request_timeout, Millis(5000)),
+                 "leave");
   {
     std::lock_guard lock(impl_->mu);
     impl_->connected = false;

@@ -10,9 +10,11 @@
 #include <weightsync/safetensors.h>
 #include <weightsync/topology.h>
 #include <weightsync/trainer_layout.h>
+#include <weightsync/transport.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +27,19 @@
 #include <unistd.h>
 
 namespace weightsync::e2e {
+
+inline bool have_ucx() {
+  const auto names = transport_names();
+  return std::find(names.begin(), names.end(), "ucx") != names.end();
+}
+
+#define REQUIRE_UCX() \
+  if (!::weightsync::e2e::have_ucx()) GTEST_SKIP() << "weightsync was built without UCX"
+
+// The HF config of a model under configs/models/.
+inline std::string config_path(const std::string& model) {
+  return std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs/models/" + model + "/config.json";
+}
 
 struct Model {
   std::string dir, checkpoint, trainer, engine;
@@ -95,7 +110,7 @@ inline Plan plan_of(const Model& m, const std::string& mode, int64_t bucket_byte
   PlanOptions po;
   po.mode = parse_plan_mode(mode);
   po.bucket_bytes = bucket_bytes;
-  return make_plan(TrainerLayout::load(m.trainer), make_engine_layout(EngineConfig::load(m.engine)),
+  return make_plan(TrainerLayout::load(m.trainer), make_engine_layout(EngineSpec::load(m.engine)),
                    Topology{}, po);
 }
 
@@ -103,7 +118,7 @@ inline Plan plan_of(const Model& m, const std::string& mode, int64_t bucket_byte
 // checkpoint for that rank, tensor by tensor; "" when equal.
 inline std::string compare_with_materialize(const Model& m, const std::string& dump, int rank) {
   const std::string ref = dump + ".reference.safetensors";
-  const EngineLayout layout = make_engine_layout(EngineConfig::load(m.engine));
+  const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
   materialize(Checkpoint::open(m.checkpoint), layout, rank, ref);
   const auto a = SafetensorsFile::open(dump);
   const auto b = SafetensorsFile::open(ref);
@@ -116,6 +131,14 @@ inline std::string compare_with_materialize(const Model& m, const std::string& d
     if (std::memcmp(va.data, vb.data, vb.nbytes()) != 0) return "bytes of " + t.name;
   }
   return "";
+}
+
+// The file the demo's --dump-dir writes for global engine rank `g`.
+inline std::string dump_file(const std::string& dump, const EngineLayout& layout, int g) {
+  const EngineGroup& group = layout.group_of(g);
+  const int replica = group.first_replica + (g - group.first_rank) / group.config.tp;
+  return dump + "/engine" + std::to_string(replica) + "-rank" +
+         std::to_string((g - group.first_rank) % group.config.tp) + ".safetensors";
 }
 
 }  // namespace weightsync::e2e

@@ -15,14 +15,6 @@
 namespace weightsync::e2e {
 namespace {
 
-bool have_ucx() {
-  const auto names = transport_names();
-  return std::find(names.begin(), names.end(), "ucx") != names.end();
-}
-
-#define REQUIRE_UCX() \
-  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX"
-
 struct Demo {
   CliRun run;
   nlohmann::json summary;
@@ -61,10 +53,9 @@ void expect_all_good(const Model& m, const Demo& d, int engines, const std::stri
     EXPECT_EQ(ints(row["committed"]), all) << "step " << row["step"];
     EXPECT_EQ(ints(row["verified"]), all) << "step " << row["step"];
   }
+  const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
   for (int g = 0; g < engines && !dump.empty(); ++g) {
-    const EngineConfig config = EngineConfig::load(m.engine);
-    const std::string file = dump + "/engine" + std::to_string(g / config.tp) + "-rank" +
-                             std::to_string(g % config.tp) + ".safetensors";
+    const std::string file = dump_file(dump, layout, g);
     EXPECT_EQ(compare_with_materialize(m, file, g), "") << file;
   }
 }
@@ -114,6 +105,31 @@ TEST(E2E, DeepseekV3TinyExpertParallelEngine) {
   const std::string dump = m.dir + "/dump";
   const auto d = run_demo(m, {"--bucket-bytes", "8192", "--steps", "2"}, dump);
   expect_all_good(m, d, 2, dump);
+}
+
+// Experts stacked as transformers >= 5 holds them, into two engine groups at
+// once: a vLLM replica of tp=2 and two replicas of framework "hf" (every HF
+// tensor whole), in both plan modes.
+TEST(E2E, TransformersLayoutIntoEngineGroups) {
+  REQUIRE_UCX();
+  for (const char* mode : {"p2p", "broadcast"}) {
+    SCOPED_TRACE(mode);
+    Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 1);
+    const HfModelConfig config = HfModelConfig::load(std::string(WEIGHTSYNC_SOURCE_DIR) +
+                                                     "/configs/models/tiny-qwen3-moe/config.json");
+    TrainerLayoutOptions style;
+    style.style = TrainerLayoutStyle::transformers;
+    std::ofstream(m.trainer)
+        << make_trainer_layout(config, parse_mesh_spec("ep=2,fsdp=2"), style).to_json().dump();
+    nlohmann::json vllm = read_json(m.engine), hf = vllm;
+    hf["framework"] = "hf";
+    hf["tp"] = 1;
+    hf["replicas"] = 2;
+    std::ofstream(m.engine) << nlohmann::json::array({vllm, hf}).dump();
+    const std::string dump = m.dir + "/dump";
+    const auto d = run_demo(m, {"--mode", mode, "--bucket-bytes", "8192", "--steps", "2"}, dump);
+    expect_all_good(m, d, 4, dump);
+  }
 }
 
 TEST(E2E, CorruptedStepIsRejectedAndEngineKeepsPreviousVersion) {

@@ -1,0 +1,48 @@
+// Publisher's state, shared by its files: publisher.cpp (the sync) and
+// publisher_checkpoint.cpp (save_hf, load_hf). Not installed.
+#pragma once
+
+#include <weightsync/control.h>
+#include <weightsync/publisher.h>
+
+#include "publisher_pipeline.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace weightsync {
+
+struct Publisher::Impl {
+  PublisherOptions opt;
+  std::unique_ptr<control::Client> client;
+  std::map<std::string, size_t, std::less<>> index;  // param name -> layout index
+  std::vector<TensorView> tensors;
+  std::vector<bool> registered;
+  std::optional<EngineLayout> engine;
+  std::unique_ptr<Transport> transport;
+  std::optional<Plan> plan;
+  std::unique_ptr<trainer::SendPipeline> pipeline;
+  std::vector<bool> dead;               // engine ranks dropped (died or failed)
+  std::vector<uint64_t> engine_member;  // member id of each engine rank's process (0: none yet)
+  std::optional<control::StepResult> early_result;
+  int64_t current_step = -1;
+  int64_t saves = 0;  // save_hf calls so far: every rank counts alike (a collective)
+  std::mutex push_mutex;
+
+  int trainer_world() const { return static_cast<int>(opt.layout.mesh.world()); }
+  std::string key(const std::string& what) const { return opt.job + "/" + what; }
+
+  void ensure_ready();
+  void poll();
+  void admit(const std::vector<control::Member>& step_engines);
+  PushResult push(int64_t step);
+  control::StepResult decide(int64_t step, std::chrono::steady_clock::time_point deadline);
+  // Registration complete, else Errc::invalid_argument naming a param and `what`.
+  void require_registered(const char* what) const;
+};
+
+}  // namespace weightsync
