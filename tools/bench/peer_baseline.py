@@ -54,6 +54,8 @@ def read_safetensors(path):
 def open_checkpoint(path):
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
+        if not os.path.exists(index):  # one file, as save_pretrained writes small models
+            return read_safetensors(os.path.join(path, "model.safetensors"))
         files = sorted({v for v in json.load(open(index))["weight_map"].values()})
         tensors = {}
         for f in files:

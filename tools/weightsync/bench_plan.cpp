@@ -27,51 +27,69 @@ namespace fs = std::filesystem;
 
 const char* kUsage =
     "usage: weightsync bench plan [--json] [--topology X.json] [--configs DIR]\n"
-    "                             [--bucket-bytes N] [--broadcast] [--dtype F8_E4M3]\n\n"
+    "                             [--bucket-bytes N] [--broadcast] [--dtype F8_E4M3]\n"
+    "                             [--fp8]\n\n"
     "Plans, p2p, with trainer mesh ep=8,fsdp=32 (256 ranks, XTuner-style layout):\n"
     "  deepseek-v3: -> 16 vLLM replicas of tp=16 with expert parallel (256 engine ranks)\n"
     "  kimi-k2:     -> 8 vLLM replicas of tp=16 with expert parallel (128 engine ranks)\n"
+    "and a Megatron-Core trainer (docs/megatron.md) of NeMo-RL's DeepSeek-V3 setup:\n"
+    "  deepseek-v3-megatron: pp=16,tp=1,ep=16 (dp=16; 3 layers on the first stage, 2 on\n"
+    "               the last: 256 ranks) -> the same 16 replicas of tp=16\n"
     "and prints per case: plan_s (planner wall time, one core; plan_cpu_s its CPU time),\n"
     "predicted_s and "
     "lower_bound_s of the transfer, their ratio, and the planner's peak RSS (each case\n"
     "runs in its own child process). --broadcast adds kimi-k2 in broadcast mode.\n"
-    "Models come from DIR/models/<Name>/config.json (default: configs/ found from the\n"
-    "working directory or the binary). Topology default: 8 GPUs/node, 50 GB/s NIC per GPU.\n"
-    "--dtype: the weights' dtype on both sides (default: the config's torch_dtype, BF16).\n";
+    "Models come from DIR/models/<Name>/config.json (default: the configs/ shipped\n"
+    "with this command, found beside it whatever the working directory).\n"
+    "Topology default: 8 GPUs/node, 50 GB/s NIC per GPU.\n"
+    "--dtype: the weights' dtype on both sides (default: the config's torch_dtype, BF16).\n"
+    "--fp8: FP8 engines (block quantization, docs/fp8.md) fed by the trainer's dtype:\n"
+    "the engines' F8_E4M3 weights and scale params, the wire in the trainer's dtype.\n";
 
 struct BenchCase {
   std::string name, model_dir;
   int replicas = 1;
   PlanMode mode = PlanMode::p2p;
+  bool megatron = false;  // else XTuner style, ep=8,fsdp=32
+  bool fp8 = false;       // FP8 engines (block quantization on the engine ranks)
 };
+
+// 256 Megatron-Core ranks as NeMo-RL trains DeepSeek-V3: pp=16, ep=16 over
+// the 16 ranks of a stage (tp=1), 61 layers as 3 + 14 x 4 + 2.
+TrainerLayout megatron_trainer(const HfModelConfig& hf, std::optional<DType> dtype) {
+  MegatronOptions o;
+  o.first_stage_layers = 3;
+  o.last_stage_layers = 2;
+  return make_megatron_layout(hf, parse_megatron_parallel("pp=16,tp=1,dp=16,ep=16"), o, dtype);
+}
 
 fs::path find_configs(const Args& args) {
   if (auto d = args.get("configs")) return *d;
-  std::vector<fs::path> candidates = {"configs"};
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    candidates.push_back(exe.parent_path() / ".." / ".." / "configs");
-    candidates.push_back(exe.parent_path() / ".." / "configs");
-    candidates.push_back(exe.parent_path() / ".." / "share" / "weightsync" / "configs");
-  }
-  for (const auto& c : candidates)
-    if (fs::exists(c / "models" / "Kimi-K2" / "config.json")) return c;
-  fail(Errc::not_found,
-       "bench plan: cannot find configs/models/Kimi-K2/config.json (use --configs)");
+  // Beside the command (source tree or share/weightsync), not the working directory.
+  const std::string kimi = find_data("configs/models/Kimi-K2/config.json");
+  if (kimi.empty())
+    fail(Errc::not_found,
+         "bench plan: cannot find configs/models/Kimi-K2/config.json beside this command "
+         "(use --configs DIR or set WEIGHTSYNC_DATA_DIR)");
+  return fs::path(kimi).parent_path().parent_path().parent_path();
 }
 
 nlohmann::json run_case(const BenchCase& c, const fs::path& configs, const Topology& topo,
                         int64_t bucket_bytes, std::optional<DType> dtype) {
   const HfModelConfig hf =
       HfModelConfig::load((configs / "models" / c.model_dir / "config.json").string());
-  const TrainerLayout trainer = make_trainer_layout(hf, parse_mesh_spec("ep=8,fsdp=32"), {dtype});
+  TrainerLayoutOptions xtuner;
+  xtuner.dtype = dtype;
+  const TrainerLayout trainer =
+      c.megatron ? megatron_trainer(hf, dtype)
+                 : make_trainer_layout(hf, parse_mesh_spec("ep=8,fsdp=32"), xtuner);
   EngineConfig ec;
   ec.hf = hf;
   ec.dtype = trainer.params.front().dtype;
   ec.tp = 16;
   ec.expert_parallel = true;
   ec.replicas = c.replicas;
+  if (c.fp8) ec.quantization = BlockQuant{};
   const EngineLayout engine = make_engine_layout(ec);
   PlanOptions options;
   options.mode = c.mode;
@@ -84,8 +102,10 @@ nlohmann::json run_case(const BenchCase& c, const fs::path& configs, const Topol
   // CPU time of make_plan: wall time is inflated when other jobs share the cores.
   j["plan_cpu_s"] = static_cast<double>(c1.tv_sec - c0.tv_sec) + 1e-9 * (c1.tv_nsec - c0.tv_nsec);
   j["case"] = c.name;
+  j["trainer"] = c.megatron ? "megatron pp=16,tp=1,dp=16,ep=16" : "xtuner ep=8,fsdp=32";
   j["ratio"] = plan.stats().predicted_s / plan.stats().lower_bound_s;
   j["dtype"] = std::string(dtype_name(ec.dtype));
+  j["fp8_engines"] = c.fp8;
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   j["peak_rss_mib"] = static_cast<double>(ru.ru_maxrss) / 1024.0;
@@ -129,7 +149,7 @@ nlohmann::json run_isolated(const BenchCase& c, const fs::path& configs, const T
 }
 
 int run_bench_plan(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "broadcast"}, {"topology", "configs", "bucket-bytes", "dtype"});
+  Args args(argv, {"json", "broadcast", "fp8"}, {"topology", "configs", "bucket-bytes", "dtype"});
   std::optional<DType> dtype;
   if (auto d = args.get("dtype")) {
     dtype = parse_dtype(*d);
@@ -139,9 +159,11 @@ int run_bench_plan(const std::vector<std::string>& argv) {
   const Topology topo = args.has("topology") ? Topology::load(*args.get("topology")) : Topology{};
   const int64_t bucket = args.get_int("bucket-bytes", PlanOptions{}.bucket_bytes);
   std::vector<BenchCase> cases = {{"deepseek-v3", "DeepSeek-V3", 16, PlanMode::p2p},
+                                  {"deepseek-v3-megatron", "DeepSeek-V3", 16, PlanMode::p2p, true},
                                   {"kimi-k2", "Kimi-K2", 8, PlanMode::p2p}};
   if (args.flag("broadcast"))
     cases.push_back({"kimi-k2-broadcast", "Kimi-K2", 8, PlanMode::broadcast});
+  for (BenchCase& c : cases) c.fp8 = args.flag("fp8");
   nlohmann::json results = nlohmann::json::array();
   for (const BenchCase& c : cases) {
     nlohmann::json r = run_isolated(c, configs, topo, bucket, dtype);
@@ -149,7 +171,7 @@ int run_bench_plan(const std::vector<std::string>& argv) {
       fail(Errc::internal, "bench plan: ", c.name, ": ", r["error"].get<std::string>());
     if (!args.flag("json"))
       std::printf(
-          "%-18s %-9s %4lld -> %4lld ranks  plan %.3f s (cpu %.3f s)  rss %6.1f MiB  "
+          "%-20s %-9s %4lld -> %4lld ranks  plan %.3f s (cpu %.3f s)  rss %6.1f MiB  "
           "buckets %6lld  predicted %.3f s  lower bound %.3f s  ratio %.4f\n",
           c.name.c_str(), r["mode"].get<std::string>().c_str(),
           static_cast<long long>(r["trainer_ranks"].get<int64_t>()),

@@ -3,8 +3,13 @@
 // in the same run: the raw transport ceiling (plain tagged transfers of the
 // same bytes between the same processes) and the peer baseline
 // (tools/bench/peer_baseline.py: gather to rank 0 + broadcast tensor by
-// tensor with torch.distributed, as common RL frameworks do).
+// tensor with torch.distributed, as common RL frameworks do). With --device
+// cuda the tensors live in GPU memory, the references are a device-to-device
+// copy (and, over a host transport, a pinned device-to-host copy) of the same
+// bytes, and the peer is PyTorch's way over CUDA IPC
+// (tools/bench/peer_ipc_baseline.py).
 #include "cli.h"
+#include "demo_device.h"
 #include "demo_procs.h"
 #include "demo_run.h"
 #include "demo_setup.h"
@@ -21,6 +26,8 @@
 #include <fstream>
 #include <iostream>
 
+#include <sys/wait.h>
+
 namespace weightsync::cli {
 namespace {
 
@@ -28,23 +35,37 @@ namespace fs = std::filesystem;
 
 constexpr const char* kUsage =
     "usage: weightsync bench [sync] [--json] [--trace F] [--steps K] [--size-gb G]\n"
+    "                        [--checkpoint C --trainer T.json --engine E.json]\n"
     "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
-    "                        [--checksums]\n\n"
+    "                        [--checksums] [--device cpu|cuda] [--fp8]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
     "engine rank, the phase breakdown, peak RSS per role and the publisher's staging\n"
     "memory vs the bucket size, against, in the same run: the raw transport ceiling\n"
     "(plain UCX tag transfers of the same bytes between the same processes) and the\n"
-    "peer baseline (tools/bench/peer_baseline.py under /usr/bin/python3).\n"
+    "peer baseline (tools/bench/peer_baseline.py, found beside this command: its\n"
+    "source tree or share/weightsync, under $WEIGHTSYNC_PYTHON, else the venv the\n"
+    "command is installed in or the source tree's .venv, else python3 on the PATH).\n"
     "--json prints one object: sync_s_p50, sync_s_p99, engine_rank_gbps, raw_gbps,\n"
     "ratio_to_raw, peer_gbps, ratio_to_peer, peak_rss_mb, ...\n"
     "--transport applies to the sync and the raw ceiling alike, e.g.\n"
     "'ucx?tls=posix,sysv,cma,self' for UCX's shared-memory transports only (the\n"
     "default lets UCX choose, which on some hosts is TCP over loopback).\n"
     "--checksums turns on per-bucket checksums (off by default, as in the library).\n"
-    "--bucket-bytes defaults to 64 MiB; --steps to 5; --timeout (s per step) to 600.\n";
+    "--bucket-bytes defaults to 64 MiB; --steps to 5; --timeout (s per step) to 600.\n"
+    "--checkpoint C --trainer T.json --engine E.json: the job of these files instead\n"
+    "(as `weightsync demo` takes them; --size-gb then does not apply), e.g. a\n"
+    "Megatron-Core trainer from `weightsync trainer-layout --style megatron`.\n"
+    "--device cuda: every rank's tensors in GPU memory (rank r on GPU r modulo the\n"
+    "GPUs; all on GPU 0 of a one-GPU machine), transport cuda_ipc by default. Adds\n"
+    "d2d_gbps/ratio_to_d2d (a device-to-device copy of the engine rank's bytes),\n"
+    "over a host transport pinned_gbps/ratio_to_pinned (a pinned device-to-host\n"
+    "copy of them), and the peer baseline becomes PyTorch's way over CUDA IPC\n"
+    "(tools/bench/peer_ipc_baseline.py, found and run the same way).\n"
+    "--fp8: the engines are FP8 (\"quantization\": block FP8, docs/fp8.md): the\n"
+    "engine ranks quantize each step's BF16 weights into FP8 params and scales.\n";
 
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -61,7 +82,7 @@ nlohmann::json box_json(const Box& b) {
 // and each engine rank's segments (so that python needs no layout logic).
 nlohmann::json peer_job(const demo::JobSpec& job, int steps) {
   const TrainerLayout tl = TrainerLayout::load(job.trainer);
-  const EngineLayout el = make_engine_layout(EngineConfig::load(job.engine));
+  const EngineLayout el = make_engine_layout(EngineSpec::load(job.engine));
   const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
   nlohmann::json pieces = nlohmann::json::array();
   for (int64_t r = 0; r < tl.mesh.world(); ++r) {
@@ -103,35 +124,49 @@ nlohmann::json peer_job(const demo::JobSpec& job, int steps) {
           {"hf_tensors", tensors}};
 }
 
-// tools/bench/peer_baseline.py, found from $WEIGHTSYNC_PEER_BASELINE or by
-// walking up from the executable (build trees live inside the source tree).
-std::string find_peer_script() {
-  if (const char* env = std::getenv("WEIGHTSYNC_PEER_BASELINE")) return env;
-  for (fs::path p = fs::path(demo::self_exe()).parent_path(); !p.empty() && p != p.root_path();
-       p = p.parent_path()) {
-    if (fs::exists(p / "tools/bench/peer_baseline.py")) return (p / "tools/bench/peer_baseline.py");
-  }
-  return "";
+// The CPU baseline (gloo) or, for CUDA jobs, the GPU one (CUDA IPC), each
+// under a python with torch (cli::find_data, cli::helper_python: found from
+// the executable, whatever the working directory; installed copies included).
+struct PeerScript {
+  std::string script, python, error;
+};
+
+PeerScript peer_script(const demo::JobSpec& job) {
+  PeerScript s;
+  const bool cuda = demo::on_gpu(job);
+  const char* env = std::getenv(cuda ? "WEIGHTSYNC_PEER_IPC_BASELINE" : "WEIGHTSYNC_PEER_BASELINE");
+  const char* name = cuda ? "tools/bench/peer_ipc_baseline.py" : "tools/bench/peer_baseline.py";
+  s.script = env ? std::string(env) : find_data(name);
+  if (s.script.empty())
+    s.error = cat(name, " not found beside ", demo::self_exe(),
+                  " (source tree or share/weightsync; or set WEIGHTSYNC_DATA_DIR)");
+  s.python = helper_python();
+  if (s.error.empty() && (s.python.empty() || !fs::exists(s.python)))
+    s.error = cat("no python for the peer baseline (", s.python.empty() ? "none" : s.python,
+                  cuda ? "; set WEIGHTSYNC_PYTHON to one with a CUDA torch)" : ")");
+  return s;
 }
 
 nlohmann::json run_peer(const demo::JobSpec& job, int steps) {
-  const std::string script = find_peer_script();
-  if (script.empty()) return {{"error", "tools/bench/peer_baseline.py not found"}};
-  if (!fs::exists("/usr/bin/python3")) return {{"error", "/usr/bin/python3 not found"}};
+  const PeerScript peer = peer_script(job);
+  if (!peer.error.empty()) return {{"error", peer.error}};
   const std::string path = job.work_dir + "/peer_job.json";
   std::ofstream(path, std::ios::trunc) << peer_job(job, steps).dump();
-  const std::string cmd = cat("timeout 1800 /usr/bin/python3 ", script, " --job ", path, " 2>",
-                              job.work_dir, "/peer.log");
+  const std::string cmd = cat("timeout 1800 ", peer.python, " ", peer.script, " --job ", path,
+                              " 2>", job.work_dir, "/peer.log");
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (!pipe) return {{"error", "cannot start the peer baseline"}};
   std::string out;
   char buf[4096];
   while (size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
-  const int rc = ::pclose(pipe);
+  const int status = ::pclose(pipe);
   auto j = nlohmann::json::parse(out, nullptr, false);
-  if (rc != 0 || j.is_discarded())
-    return {
-        {"error", cat("peer baseline failed (exit ", rc, "), see ", job.work_dir, "/peer.log")}};
+  if (status != 0 || j.is_discarded()) {
+    const std::string how = WIFEXITED(status)     ? cat("exit ", WEXITSTATUS(status))
+                            : WIFSIGNALED(status) ? cat("signal ", WTERMSIG(status))
+                                                  : cat("status ", status);
+    return {{"error", cat("peer baseline failed (", how, "), see ", job.work_dir, "/peer.log")}};
+  }
   return j;
 }
 
@@ -147,9 +182,32 @@ nlohmann::json raw_result(const demo::JobRun& run) {
     for (size_t i = 0; i < s.size(); ++i) rounds[i] = std::max(rounds[i], s[i].get<double>());
   }
   const double p50 = percentile(rounds, 0.5);
+  std::string memory = "host";
+  for (const auto& e : run.engines)
+    if (e.is_object() && e.contains("raw")) memory = e["raw"].value("memory", memory);
   return {{"seconds_p50", p50},
           {"engine_rank_bytes", busiest},
+          {"memory", memory},
           {"gbps", p50 > 0 ? static_cast<double>(busiest) / p50 / 1e9 : 0.0}};
+}
+
+// A CUDA job's references, measured on GPU 0 after the job: a device-to-device
+// copy of one engine rank's bytes, and, when the transport staged through
+// pinned host memory, a pinned device-to-host copy of them.
+nlohmann::json gpu_references(int64_t bytes, const std::string& slot_memory) {
+  const auto n = static_cast<size_t>(std::max<int64_t>(bytes, 1));
+  nlohmann::json out;
+  gpu::Memory src(n, gpu::MemoryPlace::device, 0), dst(n, gpu::MemoryPlace::device, 0);
+  const double d2d_s = gpu::time_gpu(
+      [&](const gpu::Stream& s) { gpu::copy_async(dst.data(), src.data(), n, s); }, 0, 10);
+  out["d2d_gbps"] = static_cast<double>(bytes) / d2d_s / 1e9;
+  if (slot_memory == "pinned") {
+    gpu::Memory pinned(n, gpu::MemoryPlace::pinned, 0);
+    const double d2h_s = gpu::time_gpu(
+        [&](const gpu::Stream& s) { gpu::copy_async(pinned.data(), src.data(), n, s); }, 0, 5);
+    out["pinned_gbps"] = static_cast<double>(bytes) / d2h_s / 1e9;
+  }
+  return out;
 }
 
 nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
@@ -196,7 +254,23 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"checksums", job.checksums},
           {"transport", job.transport},
           {"publisher_staging_bytes", staging},
-          {"publisher_extra_x_bucket", staging / static_cast<double>(job.bucket_bytes)}};
+          {"publisher_extra_x_bucket", staging / static_cast<double>(job.bucket_bytes)},
+          {"device", job.device},
+          {"slot_memory", raw["memory"]}};
+}
+
+// CUDA jobs: GB/s against a device-to-device copy of the same bytes, and
+// over a host transport against a pinned device-to-host copy.
+void add_gpu_ratios(nlohmann::json& r) {
+  if (r["device"] != "cuda") return;
+  const auto ref = gpu_references(r["engine_rank_bytes"].get<int64_t>(), r["slot_memory"]);
+  const double gbps = r["engine_rank_gbps"].get<double>();
+  r["d2d_gbps"] = ref["d2d_gbps"];
+  r["ratio_to_d2d"] = gbps / ref["d2d_gbps"].get<double>();
+  if (ref.contains("pinned_gbps")) {
+    r["pinned_gbps"] = ref["pinned_gbps"];
+    r["ratio_to_pinned"] = gbps / ref["pinned_gbps"].get<double>();
+  }
 }
 
 void print_human(const nlohmann::json& r) {
@@ -206,14 +280,19 @@ void print_human(const nlohmann::json& r) {
               r["engine_rank_bytes"].get<double>() / 1e6);
   std::printf("raw transport ceiling: %.3f GB/s per engine rank -> ratio_to_raw %.2f\n",
               r["raw_gbps"].get<double>(), r["ratio_to_raw"].get<double>());
+  if (r.contains("d2d_gbps"))
+    std::printf("device-to-device copy of those bytes: %.1f GB/s -> ratio_to_d2d %.2f\n",
+                r["d2d_gbps"].get<double>(), r["ratio_to_d2d"].get<double>());
+  if (r.contains("pinned_gbps"))
+    std::printf("pinned device-to-host copy of them: %.1f GB/s -> ratio_to_pinned %.2f\n",
+                r["pinned_gbps"].get<double>(), r["ratio_to_pinned"].get<double>());
   if (r["peer"].contains("error"))
     std::printf("peer baseline: %s\n", r["peer"]["error"].get<std::string>().c_str());
   else
-    std::printf(
-        "peer baseline (gloo gather + broadcast): %.3f s/step, %.3f GB/s -> ratio_to_peer "
-        "%.2f\n",
-        r["peer_s_p50"].get<double>(), r["peer_gbps"].get<double>(),
-        r["ratio_to_peer"].get<double>());
+    std::printf("peer baseline (%s): %.3f s/step, %.3f GB/s -> ratio_to_peer %.2f\n",
+                r["device"] == "cuda" ? "torch copy_ over CUDA IPC" : "gloo gather + broadcast",
+                r["peer_s_p50"].get<double>(), r["peer_gbps"].get<double>(),
+                r["ratio_to_peer"].get<double>());
   std::printf(
       "peak RSS: trainer %.0f MB, engine %.0f MB; publisher staging %.0f MB = %.2f x "
       "bucket\n",
@@ -230,9 +309,9 @@ void print_human(const nlohmann::json& r) {
 }
 
 int run_sync_bench(const std::vector<std::string>& argv) {
-  Args args(
-      argv, {"json", "no-peer", "checksums"},
-      {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir", "transport"});
+  Args args(argv, {"json", "no-peer", "checksums", "fp8"},
+            {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
+             "transport", "device", "checkpoint", "trainer", "engine"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
   if (steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
   const double gb = args.get_double("size-gb", 1.0);
@@ -240,7 +319,9 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   demo::JobSpec job;
   job.steps = steps + 1;
   job.mode = args.get_or("mode", "p2p");
-  job.transport = args.get_or("transport", "ucx");
+  job.device = args.get_or("device", "cpu");
+  demo::check_device(job.device, "--device");
+  job.transport = args.get_or("transport", demo::on_gpu(job) ? "cuda_ipc" : "ucx");
   job.bucket_bytes = args.get_int("bucket-bytes", int64_t{64} << 20);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.verify = false;
@@ -249,19 +330,52 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.trace = args.has("trace");
   job.work_dir = args.has("work-dir") ? args.require("work-dir") : demo::make_temp_dir("bench");
   fs::create_directories(job.work_dir);
-  demo::ModelSetup setup;
-  setup.hf_config = demo::bench_model_config(gb);
-  const auto model = demo::write_model(job.work_dir, setup);
+  demo::ModelFiles model;
+  if (args.has("checkpoint") || args.has("trainer") || args.has("engine")) {
+    if (args.has("size-gb"))
+      fail(Errc::invalid_argument, "--size-gb is for the generated model, not with --checkpoint");
+    model.checkpoint = fs::absolute(args.require("checkpoint")).string();
+    model.trainer = fs::absolute(args.require("trainer")).string();
+    model.engine = fs::absolute(args.require("engine")).string();
+    const Checkpoint ckpt = Checkpoint::open(model.checkpoint);
+    check_checkpoint(ckpt, TrainerLayout::load(model.trainer));
+    for (const auto& key : ckpt.keys())
+      model.bytes +=
+          numel(ckpt.info(key).shape) * static_cast<int64_t>(itemsize(ckpt.info(key).dtype));
+    model.tensors = ckpt.keys().size();
+    model.family = EngineSpec::load(model.engine).groups.front().hf.family;
+  } else {
+    demo::ModelSetup setup;
+    setup.hf_config = demo::bench_model_config(gb);
+    model = demo::write_model(job.work_dir, setup);
+  }
   job.checkpoint = model.checkpoint;
   job.trainer = model.trainer;
   job.engine = model.engine;
-  if (!args.flag("json"))
+  if (args.flag("fp8")) {
+    if (args.has("engine"))
+      fail(Errc::invalid_argument,
+           "--fp8 is for the generated model; with --engine, put \"quantization\" in the engine "
+           "config (docs/fp8.md)");
+    // FP8 engines: the engine ranks quantize what lands (docs/fp8.md).
+    nlohmann::json engine = nlohmann::json::parse(std::ifstream(job.engine));
+    engine["quantization"] = {{"method", "fp8"}, {"weight_block_size", {128, 128}}};
+    std::ofstream(job.engine, std::ios::trunc) << engine.dump();
+  }
+  if (!args.flag("json")) {
+    const TrainerLayout tl = TrainerLayout::load(job.trainer);
+    std::string engines;
+    for (const EngineConfig& g : EngineSpec::load(job.engine).groups)
+      engines += cat(engines.empty() ? "" : " + ", g.replicas, " ", g.framework, " x tp=", g.tp,
+                     g.quantization ? " FP8" : "");
     std::printf(
-        "weightsync bench sync: %s model, %.2f GB, 4 trainer ranks -> 2 replicas x tp=2, "
-        "%s over %s, bucket %lld bytes, checksums %s\n",
-        model.family.c_str(), static_cast<double>(model.bytes) / 1e9, job.mode.c_str(),
-        job.transport.c_str(), static_cast<long long>(job.bucket_bytes),
-        job.checksums ? "on" : "off");
+        "weightsync bench sync: %s model, %.2f GB, %lld trainer ranks -> %s, "
+        "%s over %s, tensors in %s memory, bucket %lld bytes, checksums %s\n",
+        model.family.c_str(), static_cast<double>(model.bytes) / 1e9,
+        static_cast<long long>(tl.mesh.world()), engines.c_str(), job.mode.c_str(),
+        job.transport.c_str(), demo::on_gpu(job) ? "GPU" : "host",
+        static_cast<long long>(job.bucket_bytes), job.checksums ? "on" : "off");
+  }
   std::fflush(stdout);
   const auto run = demo::run_job(job, args.get_or("trace", ""));
   const auto summary = demo::summarize(job, run);
@@ -270,6 +384,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
                                   : run_peer(job, std::min(steps, 3));
   auto result = bench_result(job, run, summary, peer);
   result["model_bytes"] = model.bytes;
+  add_gpu_ratios(result);
   if (args.flag("json")) {
     std::cout << result.dump() << "\n";
   } else {

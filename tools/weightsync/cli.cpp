@@ -2,7 +2,12 @@
 
 #include <weightsync/error.h>
 
+#include <algorithm>
 #include <charconv>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
 
 namespace weightsync::cli {
 
@@ -74,6 +79,77 @@ double Args::get_double(const std::string& name, double fallback) const {
   } catch (const std::exception&) {
   }
   fail(Errc::invalid_argument, "--", name, " expects a number, got '", *v, "'");
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The running executable's folder and `levels` - 1 of its ancestors: few,
+// so that unrelated files far up the file system are not found.
+std::vector<fs::path> exe_ancestors(int levels) {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  std::vector<fs::path> out;
+  if (ec) return out;
+  fs::path p = exe.parent_path();
+  for (int i = 0; i < levels && !p.empty(); ++i, p = p.parent_path()) {
+    out.push_back(p);
+    if (p == p.root_path()) break;
+  }
+  return out;
+}
+
+bool path_exists(const fs::path& p) {
+  std::error_code ec;
+  return fs::exists(p, ec);
+}
+
+std::string on_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "");
+  for (std::string dir; std::getline(dirs, dir, ':');)
+    if (!dir.empty() && path_exists(fs::path(dir) / name)) return (fs::path(dir) / name).string();
+  return "";
+}
+
+}  // namespace
+
+std::string find_data(const std::string& relative) {
+  if (const char* dir = std::getenv("WEIGHTSYNC_DATA_DIR"); dir && *dir)
+    if (path_exists(fs::path(dir) / relative)) return (fs::path(dir) / relative).string();
+  // Three levels reach a source tree from <tree>/build/bin, and share/ from
+  // <prefix>/bin or the package's weightsync/bin.
+  for (const fs::path& p : exe_ancestors(3)) {
+    // share/ first: an installed tree may sit inside a source tree's prefix.
+    for (const fs::path& candidate : {p / "share" / "weightsync" / relative, p / relative})
+      if (path_exists(candidate)) return fs::weakly_canonical(candidate).string();
+  }
+  return "";
+}
+
+std::string helper_python() {
+  if (const char* py = std::getenv("WEIGHTSYNC_PYTHON"); py && *py) return py;
+  // Six levels reach <venv> from <venv>/lib/pythonX.Y/site-packages/weightsync/bin.
+  for (const fs::path& p : exe_ancestors(6)) {
+    if (path_exists(p / "pyvenv.cfg") && path_exists(p / "bin" / "python"))
+      return (p / "bin/python").string();
+    if (path_exists(p / "tools" / "bench") && path_exists(p / ".venv" / "bin" / "python"))
+      return (p / ".venv/bin/python").string();
+  }
+  return on_path("python3");
+}
+
+double median_seconds(const std::function<void()>& f, int repeats) {
+  std::vector<double> t;
+  f();  // warm-up: first touch
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
 }
 
 std::map<std::string, Command>& registry() {

@@ -44,6 +44,26 @@ struct Command {
 
 std::map<std::string, Command>& registry();
 
+// A data file or folder shipped with weightsync, named as in the source tree
+// ("tools/bench/peer_baseline.py", "configs/models/Kimi-K2/config.json"),
+// found from the running executable, never from the working directory: in
+// the source tree it was built in (<tree>/build*/bin/weightsync), or under
+// share/weightsync beside an installed command (`cmake --install`:
+// <prefix>/bin and <prefix>/share/weightsync; the Python package:
+// weightsync/bin and weightsync/share/weightsync). $WEIGHTSYNC_DATA_DIR, when
+// set, is looked in first. "" when not found.
+std::string find_data(const std::string& relative);
+
+// The python that helper scripts (the benches' peer baselines) run under:
+// $WEIGHTSYNC_PYTHON; else the virtual environment the command is installed
+// in (the Python package's); else the source tree's .venv; else python3 on
+// the PATH. "" when none is found.
+std::string helper_python();
+
+// The median of `repeats` timed runs of f, in seconds, after one untimed
+// run (first touch of the memory); for benchmarks.
+double median_seconds(const std::function<void()>& f, int repeats);
+
 struct CommandRegistrar {
   explicit CommandRegistrar(Command command);
 };

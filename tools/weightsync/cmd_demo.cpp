@@ -3,6 +3,7 @@
 // Qwen3-MoE-shaped model. With --checkpoint/--trainer/--engine: the given
 // files (DESIGN.md contract), optionally dumping every engine rank's params.
 #include "cli.h"
+#include "demo_device.h"
 #include "demo_run.h"
 #include "demo_setup.h"
 
@@ -38,7 +39,11 @@ constexpr const char* kUsage =
     "  --mode p2p|broadcast (default p2p)\n"
     "  --dump DIR           each engine rank writes DIR/engine<e>-rank<r>.safetensors\n"
     "                       after the last step (its params under the engine's names)\n"
-    "  --transport NAME     ucx (default), nccl, or a wrapper like fault:ucx?...\n"
+    "  --device cpu|cuda    where every rank's tensors live (default cpu); with cuda\n"
+    "                       in GPU memory, rank r of the transport world on GPU r\n"
+    "                       modulo the GPUs here (all on GPU 0 of a one-GPU machine)\n"
+    "  --transport NAME     ucx (default; cuda_ipc with --device cuda), nccl, or a\n"
+    "                       wrapper like fault:ucx?...\n"
     "  --bucket-bytes N     bucket size (default 268435456)\n"
     "  --timeout S          seconds per step, and for setup (default 120)\n"
     "  --trace F            write a Chrome trace (Perfetto) of every process's phases\n"
@@ -99,7 +104,7 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   po.mode = parse_plan_mode(job.mode);
   po.bucket_bytes = job.bucket_bytes;
   const Plan plan = make_plan(TrainerLayout::load(job.trainer),
-                              make_engine_layout(EngineConfig::load(job.engine)), Topology{}, po);
+                              make_engine_layout(EngineSpec::load(job.engine)), Topology{}, po);
   WireOptions wire;
   wire.checksums = job.checksums;
   const int64_t n = ops_per_step(plan, k.role, k.rank, wire);
@@ -113,7 +118,8 @@ void describe_default(std::ostream& out, const demo::ModelFiles& m, const demo::
       << " MB (BF16, random weights)\n"
       << "  trainers: 4 ranks, mesh ep=2 x fsdp=2 (one process each)\n"
       << "  engines:  2 vLLM-layout replicas x tp=2, expert parallel off (one process each)\n"
-      << "  " << job.mode << " over " << job.transport << ", bucket " << job.bucket_bytes
+      << "  " << job.mode << " over " << job.transport << " (tensors in "
+      << (job.device == "cuda" ? "GPU" : "host") << " memory), bucket " << job.bucket_bytes
       << " bytes, " << job.steps << " steps; checking every engine rank bit-exactly after "
       << "each step\n";
 }
@@ -126,7 +132,9 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   if (job.steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
   job.mode = args.get_or("mode", "p2p");
   parse_plan_mode(job.mode);
-  job.transport = args.get_or("transport", "ucx");
+  job.device = args.get_or("device", "cpu");
+  demo::check_device(job.device, "--device");
+  job.transport = args.get_or("transport", job.device == "cuda" ? "cuda_ipc" : "ucx");
   job.bucket_bytes = args.get_int("bucket-bytes", int64_t{256} << 20);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 120) * 1000);
   job.staging = args.flag("staging");
@@ -171,10 +179,10 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
 }
 
 int run_demo(const std::vector<std::string>& argv) {
-  Args args(
-      argv, {"staging", "checksums", "restart", "no-verify", "json"},
-      {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport", "bucket-bytes",
-       "timeout", "trace", "summary", "work-dir", "kill", "engine-transport", "step-gap"});
+  Args args(argv, {"staging", "checksums", "restart", "no-verify", "json"},
+            {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport",
+             "bucket-bytes", "timeout", "trace", "summary", "work-dir", "kill", "engine-transport",
+             "step-gap", "device"});
   std::optional<demo::ModelFiles> model;
   const demo::JobSpec job = job_from_args(args, model);
   if (!args.flag("json")) {

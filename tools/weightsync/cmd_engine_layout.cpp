@@ -13,10 +13,11 @@ namespace {
 
 const char* kUsage =
     "usage: weightsync engine-layout --engine E.json [--rank R] [--json]\n\n"
-    "Derives the engine's parameters per rank (vLLM / SGLang weight-loader rules)\n"
-    "and checks that the segments cover every parameter exactly once.\n"
-    "  --engine E.json  engine config (framework, hf_config, tp, expert_parallel, ...)\n"
-    "  --rank R         only replica rank R (0..tp-1; a global rank is reduced mod tp)\n"
+    "Derives the engine's parameters per rank (vLLM / SGLang weight-loader rules; \"hf\":\n"
+    "every HF tensor whole) and checks that the segments cover every parameter exactly once.\n"
+    "  --engine E.json  engine config (framework, hf_config, tp, expert_parallel, ...), or an\n"
+    "                   array of them: groups of replicas, ranks numbered group by group\n"
+    "  --rank R         only global engine rank R\n"
     "  --json           the full layout with every segment, as JSON\n"
     "Default output: per rank, each parameter's dtype, shape, segment count and bytes.\n";
 
@@ -33,10 +34,18 @@ nlohmann::json rank_json(const EngineRankLayout& rank) {
                       {"hf_box", box_json(s.hf_box)},
                       {"param_box", box_json(s.param_box)},
                       {"transpose", s.transpose}});
-    params.push_back({{"name", p.name},
-                      {"dtype", std::string(dtype_name(p.dtype))},
-                      {"shape", p.shape},
-                      {"segments", std::move(segs)}});
+    nlohmann::json one = {{"name", p.name},
+                          {"dtype", std::string(dtype_name(p.dtype))},
+                          {"shape", p.shape},
+                          {"segments", std::move(segs)}};
+    // FP8 engines: a quantized weight names its scale param and back.
+    if (p.quant)
+      one["quantization"] = {
+          {"weight_block_size", {p.quant->block_rows, p.quant->block_cols}},
+          {"scale", std::string(scale_format_name(p.quant->scale))},
+          {"scale_param", rank.params.at(static_cast<size_t>(p.scale_param)).name}};
+    if (p.scale_of >= 0) one["scale_of"] = rank.params.at(static_cast<size_t>(p.scale_of)).name;
+    params.push_back(std::move(one));
   }
   return {{"rank", rank.rank}, {"params", std::move(params)}};
 }
@@ -44,11 +53,11 @@ nlohmann::json rank_json(const EngineRankLayout& rank) {
 void print_rank(const EngineRankLayout& rank) {
   uint64_t total = 0;
   std::printf("rank %d: %zu params\n", rank.rank, rank.params.size());
-  std::printf("  %-58s %-5s %-22s %5s %14s\n", "param", "dtype", "shape", "segs", "bytes");
+  std::printf("  %-58s %-7s %-22s %5s %14s\n", "param", "dtype", "shape", "segs", "bytes");
   for (const auto& p : rank.params) {
     const uint64_t bytes = static_cast<uint64_t>(numel(p.shape)) * itemsize(p.dtype);
     total += bytes;
-    std::printf("  %-58s %-5s %-22s %5zu %14llu\n", p.name.c_str(),
+    std::printf("  %-58s %-7s %-22s %5zu %14llu\n", p.name.c_str(),
                 std::string(dtype_name(p.dtype)).c_str(), shape_str(p.shape).c_str(),
                 p.segments.size(), static_cast<unsigned long long>(bytes));
   }
@@ -58,8 +67,8 @@ void print_rank(const EngineRankLayout& rank) {
 
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {"json"}, {"engine", "rank"});
-  const EngineConfig config = EngineConfig::load(args.require("engine"));
-  const EngineLayout layout = make_engine_layout(config);
+  const EngineSpec spec = EngineSpec::load(args.require("engine"));
+  const EngineLayout layout = make_engine_layout(spec);
   check_coverage(layout);
   std::vector<const EngineRankLayout*> ranks;
   if (args.has("rank")) {
@@ -72,16 +81,25 @@ int run(const std::vector<std::string>& argv) {
     for (const auto& r : layout.ranks) ranks.push_back(&r);
   }
   if (args.flag("json")) {
-    nlohmann::json out = {{"config", config.to_json()}, {"ranks", nlohmann::json::array()}};
+    nlohmann::json out = {{"config", spec.to_json()}, {"ranks", nlohmann::json::array()}};
     for (const auto* r : ranks) out["ranks"].push_back(rank_json(*r));
     std::cout << out.dump() << "\n";
     return 0;
   }
-  std::printf("%s %s (%s): tp=%d replicas=%d expert_parallel=%s", config.framework.c_str(),
-              config.hf.family.c_str(), config.hf.model_type.c_str(), config.tp, config.replicas,
-              config.expert_parallel ? "on" : "off");
-  if (config.expert_parallel) std::printf(" placement=%s", config.expert_placement.c_str());
-  std::printf(" moe_order=%s; coverage ok\n", config.moe_order.c_str());
+  for (const EngineGroup& g : layout.groups) {
+    const EngineConfig& c = g.config;
+    std::printf("%s %s (%s): tp=%d replicas=%d expert_parallel=%s", c.framework.c_str(),
+                c.hf.family.c_str(), c.hf.model_type.c_str(), c.tp, c.replicas,
+                c.expert_parallel ? "on" : "off");
+    if (c.expert_parallel) std::printf(" placement=%s", c.expert_placement.c_str());
+    if (c.quantization)
+      std::printf(" quantization=fp8 blocks %lldx%lld scale=%s",
+                  static_cast<long long>(c.quantization->block_rows),
+                  static_cast<long long>(c.quantization->block_cols),
+                  std::string(scale_format_name(c.quantization->scale)).c_str());
+    std::printf(" moe_order=%s; engine ranks %d..%d; coverage ok\n", c.moe_order.c_str(),
+                g.first_rank, g.first_rank + c.tp * c.replicas - 1);
+  }
   for (const auto* r : ranks) print_rank(*r);
   return 0;
 }

@@ -16,19 +16,19 @@ const char* kUsage =
     "usage: weightsync materialize --checkpoint C --engine E.json --rank R --out F\n\n"
     "Writes engine rank R's parameters, under the engine's names, to the\n"
     ".safetensors file F, straight from checkpoint C (a .safetensors file or an\n"
-    "HF directory). R may be any global rank 0..tp*replicas-1 (replicas are\n"
-    "identical: R mod tp is used). Padding (vocab rows past vocab_size) is zero.\n";
+    "HF directory). R may be any global engine rank (the replicas of a group are\n"
+    "identical). E may hold an array of engine configs (groups of replicas, ranks\n"
+    "numbered group by group). Padding (vocab rows past vocab_size) is zero.\n";
 
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {}, {"checkpoint", "engine", "rank", "out"});
   const std::string out = args.require("out");
-  const EngineConfig config = EngineConfig::load(args.require("engine"));
-  const EngineLayout layout = make_engine_layout(config);
+  const EngineLayout layout = make_engine_layout(EngineSpec::load(args.require("engine")));
   const int64_t rank = args.get_int("rank", -1);
   if (!args.has("rank")) fail(Errc::invalid_argument, "missing required option --rank");
   if (rank < 0 || rank >= layout.world())
     fail(Errc::invalid_argument, "--rank ", rank, " is outside the engine's ", layout.world(),
-         " ranks (tp=", config.tp, " x replicas=", config.replicas, ")");
+         " ranks (", layout.num_replicas(), " replicas)");
   const Checkpoint ckpt = Checkpoint::open(args.require("checkpoint"));
   const auto t0 = std::chrono::steady_clock::now();
   const uint64_t bytes = materialize(ckpt, layout, static_cast<int>(rank), out);
@@ -36,7 +36,8 @@ int run(const std::vector<std::string>& argv) {
   std::fprintf(stderr,
                "materialize: rank %lld (replica rank %lld): %zu params, %llu bytes -> %s "
                "(%.3f s)\n",
-               static_cast<long long>(rank), static_cast<long long>(rank % config.tp),
+               static_cast<long long>(rank),
+               static_cast<long long>(layout.rank_layout(static_cast<int>(rank)).rank),
                layout.rank_layout(static_cast<int>(rank)).params.size(),
                static_cast<unsigned long long>(bytes), out.c_str(), s);
   return 0;

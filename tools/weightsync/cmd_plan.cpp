@@ -64,8 +64,11 @@ int run_plan(const std::vector<std::string>& argv) {
             {"trainer", "engine", "topology", "mode", "bucket-bytes"});
   if (!args.positional().empty())
     fail(Errc::invalid_argument, "plan: unexpected argument '", args.positional()[0], "'");
+  if (args.flag("items") && args.flag("json"))
+    fail(Errc::invalid_argument,
+         "plan: --items (JSON lines) and --json (one object) both want stdout; use one");
   const TrainerLayout trainer = TrainerLayout::load(args.require("trainer"));
-  const EngineLayout engine = make_engine_layout(EngineConfig::load(args.require("engine")));
+  const EngineLayout engine = make_engine_layout(EngineSpec::load(args.require("engine")));
   const Topology topology =
       args.has("topology") ? Topology::load(*args.get("topology")) : Topology{};
   PlanOptions options;

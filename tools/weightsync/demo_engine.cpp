@@ -2,18 +2,24 @@
 // its params (zero at start), a Subscriber applying every step, and a check
 // of the params against the reference (the checkpoint materialized for this
 // rank, with the step's version pattern on every byte the layout covers).
+#include "demo_device.h"
 #include "demo_job.h"
 #include "demo_raw.h"
+
+#include "core/fp8.h"
 
 #include <weightsync/error.h>
 #include <weightsync/safetensors.h>
 #include <weightsync/subscriber.h>
 #include <weightsync/trace.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 namespace weightsync::demo {
 namespace {
@@ -22,8 +28,12 @@ using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
 struct Param {
-  std::unique_ptr<char[]> data, reference, mask;
-  TensorView view;
+  WorkerTensor data;  // what the Subscriber writes (host copy: what is checked)
+  std::unique_ptr<char[]> reference, mask;
+  // FP8 weights: reference and mask hold the weight in its source dtype
+  // (the checkpoint's), quantized at check time (a version's bytes differ
+  // from the checkpoint's by an XOR before quantization, not after).
+  DType source = DType::BF16;
 };
 
 // The bytes of each param a checkpoint element lands on (0xFF) vs padding (0).
@@ -47,39 +57,73 @@ void fill_mask(const EngineParam& p, char* mask) {
 
 // Mismatching bytes of param vs version `pattern` (nullopt reference: zero).
 int64_t count_mismatches(const Param& p, uint8_t pattern, bool never_committed) {
-  const auto* d = reinterpret_cast<const unsigned char*>(p.data.get());
+  const auto* d = reinterpret_cast<const unsigned char*>(p.data.host());
   const auto* r = reinterpret_cast<const unsigned char*>(p.reference.get());
   const auto* m = reinterpret_cast<const unsigned char*>(p.mask.get());
   int64_t bad = 0;
-  for (size_t i = 0; i < p.view.nbytes(); ++i) {
+  for (size_t i = 0; i < p.data.nbytes(); ++i) {
     const unsigned char expected = never_committed ? 0 : (r[i] ^ (pattern & m[i]));
     bad += d[i] != expected;
   }
   return bad;
 }
 
-nlohmann::json check(const EngineRankLayout& layout, const std::vector<Param>& params,
-                     int64_t version, int64_t final_step) {
+// FP8 weight w and its scale param: version `pattern` of the source bytes,
+// quantized as materialize does, against what the Subscriber wrote.
+int64_t count_fp8_mismatches(const EngineParam& w, const Param& p, const Param& scale,
+                             uint8_t pattern, bool never_committed) {
+  const size_t n = w.shape.size();
+  const int64_t rows = w.shape[n - 2], cols = w.shape[n - 1];
+  const int64_t slices = rows * cols > 0 ? numel(w.shape) / (rows * cols) : 0;
+  const size_t item = itemsize(p.source);
+  const auto src_bytes = static_cast<size_t>(numel(w.shape)) * item;
+  std::vector<char> src(p.reference.get(), p.reference.get() + src_bytes);
+  for (size_t i = 0; i < src_bytes; ++i) src[i] = static_cast<char>(src[i] ^ (pattern & p.mask[i]));
+  std::vector<uint8_t> q(static_cast<size_t>(numel(w.shape)), 0);
+  std::vector<float> s(scale.data.nbytes() / sizeof(float), 0.0f);
+  const int64_t per_slice = ((rows + 127) / 128) * ((cols + 127) / 128);
+  if (!never_committed)
+    for (int64_t i = 0; i < slices; ++i)
+      fp8::quantize_tensor(src.data() + static_cast<size_t>(i * rows * cols) * item, p.source, rows,
+                           cols, w.quant->scale, q.data() + i * rows * cols,
+                           s.data() + i * per_slice);
+  int64_t bad = 0;
+  const auto* d = reinterpret_cast<const unsigned char*>(p.data.host());
+  for (size_t i = 0; i < q.size(); ++i) bad += d[i] != q[i];
+  bad += std::memcmp(scale.data.host(), s.data(), scale.data.nbytes()) != 0;
+  return bad;
+}
+
+nlohmann::json check(const EngineRankLayout& layout, std::vector<Param>& params, int64_t version,
+                     int64_t final_step) {
   int64_t bad = 0;
   std::string first;
+  for (auto& p : params) p.data.download();
   for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& spec = layout.params[i];
+    if (spec.scale_of >= 0) continue;  // checked with its weight
     const int64_t n =
-        count_mismatches(params[i], version_pattern(version, final_step), version < 0);
+        spec.quant
+            ? count_fp8_mismatches(spec, params[i], params[static_cast<size_t>(spec.scale_param)],
+                                   version_pattern(version, final_step), version < 0)
+            : count_mismatches(params[i], version_pattern(version, final_step), version < 0);
     if (n && first.empty()) first = layout.params[i].name;
     bad += n;
   }
   return {{"version", version}, {"ok", bad == 0}, {"bad_bytes", bad}, {"first_bad_param", first}};
 }
 
-void dump(const JobSpec& job, const EngineRankLayout& layout, const std::vector<Param>& params,
+void dump(const JobSpec& job, const EngineRankLayout& layout, std::vector<Param>& params,
           int replica, int rank) {
   std::filesystem::create_directories(job.dump_dir);
   std::vector<SafetensorsWriter::Entry> entries;
   for (const auto& p : layout.params) entries.push_back({p.name, p.dtype, p.shape});
   SafetensorsWriter w(cat(job.dump_dir, "/engine", replica, "-rank", rank, ".safetensors"),
                       entries);
-  for (size_t i = 0; i < params.size(); ++i)
-    w.write_tensor(layout.params[i].name, params[i].data.get(), params[i].view.nbytes());
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].data.download();
+    w.write_tensor(layout.params[i].name, params[i].data.host(), params[i].data.nbytes());
+  }
   w.finish();
 }
 
@@ -101,36 +145,49 @@ nlohmann::json outcome_json(const StepOutcome& o) {
 
 namespace {
 
-// Zeroed params, plus the reference (materialize) and coverage mask to check them.
-std::vector<Param> make_params(const JobSpec& job, const EngineRankLayout& rl) {
+// Zeroed params (on GPU `gpu`, or in host memory for -1), plus the reference
+// (materialize) and coverage mask to check them.
+std::vector<Param> make_params(const JobSpec& job, const EngineRankLayout& rl, int gpu) {
   std::vector<Param> params;
   std::optional<Checkpoint> ckpt;
   if (job.verify) ckpt = Checkpoint::open(job.checkpoint);
   for (const EngineParam& p : rl.params) {
-    Param q;
+    Param q{WorkerTensor(p.dtype, p.shape, gpu), nullptr, nullptr};
+    // An FP8 weight's reference: the weight unquantized, in the checkpoint's dtype.
+    EngineParam plain = p;
+    if (p.quant && job.verify) {
+      plain.quant.reset();
+      plain.scale_param = -1;
+      plain.dtype = ckpt->info(p.segments.front().hf_key).dtype;
+      q.source = plain.dtype;
+    }
     const size_t bytes =
-        std::max<size_t>(static_cast<size_t>(numel(p.shape)) * itemsize(p.dtype), 1);
-    q.data.reset(new char[bytes]());
-    q.view = host_view(q.data.get(), p.dtype, p.shape);
-    if (job.verify) {
+        std::max<size_t>(static_cast<size_t>(numel(p.shape)) * itemsize(plain.dtype), 1);
+    if (job.verify && p.scale_of < 0) {
       q.reference.reset(new char[bytes]());
       q.mask.reset(new char[bytes]());
-      fill_param(*ckpt, p, q.reference.get());
-      fill_mask(p, q.mask.get());
+      fill_param(*ckpt, plain, q.reference.get());
+      fill_mask(plain, q.mask.get());
     }
     params.push_back(std::move(q));
   }
   return params;
 }
 
-SubscriberOptions subscriber_options(const JobSpec& job, const EngineConfig& config, int global,
-                                     Tracer* tracer) {
+// Global engine rank -> (global replica, rank inside it), group by group.
+std::pair<int, int> replica_rank(const EngineLayout& layout, int global) {
+  const EngineGroup& g = layout.group_of(global);
+  const int in_group = global - g.first_rank;
+  return {g.first_replica + in_group / g.config.tp, in_group % g.config.tp};
+}
+
+SubscriberOptions subscriber_options(const JobSpec& job, const EngineSpec& spec,
+                                     const EngineLayout& layout, int global, Tracer* tracer) {
   SubscriberOptions opt;
   opt.coordinator = job.coordinator;
   opt.token = job.token;
-  opt.engine = config;
-  opt.replica = global / config.tp;
-  opt.rank = global % config.tp;
+  opt.engine = spec;
+  std::tie(opt.replica, opt.rank) = replica_rank(layout, global);
   opt.trainer = TrainerLayout::load(job.trainer);
   opt.transport = worker_transport(job, "engine", global);
   opt.staging = job.staging;
@@ -143,7 +200,7 @@ SubscriberOptions subscriber_options(const JobSpec& job, const EngineConfig& con
 // Runs steps until the last one, or until the trainers are gone; checks the
 // params after every committed step. Fills stats["steps"] and ["checks"].
 bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl,
-                 const std::vector<Param>& params, nlohmann::json& stats) {
+                 std::vector<Param>& params, nlohmann::json& stats) {
   nlohmann::json steps = nlohmann::json::array(), checks = nlohmann::json::array();
   bool ok = true;
   const auto deadline = Clock::now() + Millis(job.timeout_ms) * (job.steps + 1);
@@ -169,17 +226,20 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
 
 int run_engine_worker(const JobSpec& job, int global) {
   register_kill_transport();
-  const EngineConfig config = EngineConfig::load(job.engine);
-  const EngineLayout layout = make_engine_layout(config);
+  const EngineSpec spec = EngineSpec::load(job.engine);
+  const EngineLayout layout = make_engine_layout(spec);
   const EngineRankLayout& rl = layout.rank_layout(global);
-  const std::vector<Param> params = make_params(job, rl);
+  const auto [replica, rank] = replica_rank(layout, global);
+  const int trainers = static_cast<int>(TrainerLayout::load(job.trainer).mesh.world());
+  std::vector<Param> params = make_params(job, rl, on_gpu(job) ? gpu_of(trainers + global) : -1);
   std::unique_ptr<Tracer> tracer;
   if (job.trace) tracer = std::make_unique<Tracer>(cat("engine ", global), 1000 + global);
-  Subscriber sub(subscriber_options(job, config, global, tracer.get()));
-  for (size_t i = 0; i < params.size(); ++i) sub.register_param(rl.params[i].name, params[i].view);
+  Subscriber sub(subscriber_options(job, spec, layout, global, tracer.get()));
+  for (size_t i = 0; i < params.size(); ++i)
+    sub.register_param(rl.params[i].name, params[i].data.view());
   sub.prepare();
 
-  nlohmann::json stats = {{"role", "engine"}, {"rank", global}, {"replica", global / config.tp}};
+  nlohmann::json stats = {{"role", "engine"}, {"rank", global}, {"replica", replica}};
   if (job.raw_rounds > 0) {
     auto observer = observer_client(job, Millis(job.timeout_ms));
     stats["raw"] = run_raw_rounds(job, sub.plan(), *observer, "engine", global);
@@ -191,7 +251,7 @@ int run_engine_worker(const JobSpec& job, int global) {
     stats["final_check"] = check(rl, params, sub.version(), job.steps);
     ok &= stats["final_check"]["ok"].get<bool>();
   }
-  if (!job.dump_dir.empty()) dump(job, rl, params, global / config.tp, global % config.tp);
+  if (!job.dump_dir.empty()) dump(job, rl, params, replica, rank);
   stats["peak_rss_mb"] = peak_rss_mb();
   stats["ok"] = ok;
   std::ofstream(job.stats_path("engine", global), std::ios::trunc) << stats.dump(2);

@@ -29,7 +29,8 @@ nlohmann::json JobSpec::to_json() const {
       {"kill", {{"role", kill.role}, {"rank", kill.rank}, {"op", kill.op}, {"after", kill.after}}},
       {"raw_rounds", raw_rounds},
       {"restart_killed", restart_killed},
-      {"step_gap_ms", step_gap_ms}};
+      {"step_gap_ms", step_gap_ms},
+      {"device", device}};
 }
 
 JobSpec JobSpec::from_json(const nlohmann::json& j) {
@@ -58,6 +59,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.raw_rounds = j.at("raw_rounds").get<int>();
     s.restart_killed = j.value("restart_killed", false);
     s.step_gap_ms = j.value("step_gap_ms", int64_t{0});
+    s.device = j.value("device", std::string("cpu"));
     return s;
   } catch (const nlohmann::json::exception& e) {
     fail(Errc::format, "job file: ", e.what());

@@ -54,6 +54,7 @@ struct JobSpec {
   bool restart_killed = false;  // start the killed rank again at once (it rejoins)
   int64_t step_gap_ms = 0;      // trainers pause this long before each step after the first
   int raw_rounds = 0;           // bench: plain transport transfers of the plan's link bytes
+  std::string device = "cpu";   // where every rank's tensors live: "cpu" or "cuda" (demo_device.h)
 
   nlohmann::json to_json() const;
   static JobSpec from_json(const nlohmann::json& j);

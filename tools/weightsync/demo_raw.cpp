@@ -1,9 +1,9 @@
 #include "demo_raw.h"
 
+#include "demo_device.h"
+
 #include <weightsync/error.h>
 #include <weightsync/transport.h>
-
-#include <cstring>
 
 namespace weightsync::demo {
 namespace {
@@ -42,6 +42,7 @@ nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Cli
   o.rank = trainer ? rank : trainers + rank;
   o.world = trainers + engines;
   o.bootstrap_timeout = timeout;
+  o.device = on_gpu(job) ? gpu_of(o.rank) : -1;
   auto transport = make_transport(o);
   for (int p = 0; p < o.world; ++p)
     if (p != o.rank) transport->connect(p);
@@ -53,13 +54,17 @@ nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Cli
     for (const auto& row : links) total += row[static_cast<size_t>(rank)];
   }
   // A trainer sends every chunk from one buffer; an engine receives into
-  // distinct memory, as the real thing would.
-  const size_t buffer_bytes =
-      trainer ? std::min<size_t>(chunk, static_cast<size_t>(total)) : static_cast<size_t>(total);
-  std::unique_ptr<char[]> buffer(new char[std::max<size_t>(buffer_bytes, 1)]);
-  std::memset(buffer.get(), 0x5A, std::max<size_t>(buffer_bytes, 1));
-  auto region =
-      transport->register_memory(host_buffer(buffer.get(), std::max<size_t>(buffer_bytes, 1)));
+  // distinct memory, as the real thing would. The memory is the sync's: GPU
+  // memory for a CUDA job over a transport that reaches it, pinned host
+  // memory over one that does not, host memory otherwise.
+  const size_t buffer_bytes = std::max<size_t>(
+      trainer ? std::min<size_t>(chunk, static_cast<size_t>(total)) : static_cast<size_t>(total),
+      1);
+  const Capabilities caps = transport->capabilities();
+  const SlotMemory memory = !on_gpu(job)       ? SlotMemory::host
+                            : caps.cuda_memory ? SlotMemory::device
+                                               : SlotMemory::pinned;
+  StagingBuffer buffer = allocate_staging(*transport, buffer_bytes, memory, gpu_of(o.rank));
 
   nlohmann::json seconds = nlohmann::json::array();
   for (int round = 0; round < job.raw_rounds; ++round) {
@@ -74,11 +79,9 @@ nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Cli
       for (Tag c = 0; left > 0; ++c) {
         const size_t n = std::min<size_t>(chunk, static_cast<size_t>(left));
         if (trainer) {
-          requests.push_back(transport->send(trainers + p, kRawTagBase + c,
-                                             host_buffer(buffer.get(), n, region.get())));
+          requests.push_back(transport->send(trainers + p, kRawTagBase + c, buffer.buffer(0, n)));
         } else {
-          requests.push_back(transport->recv(p, kRawTagBase + c,
-                                             host_buffer(buffer.get() + offset, n, region.get())));
+          requests.push_back(transport->recv(p, kRawTagBase + c, buffer.buffer(offset, n)));
           offset += n;
         }
         left -= static_cast<int64_t>(n);
@@ -89,8 +92,11 @@ nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Cli
     requests.clear();
     client.barrier(cat("raw end ", round), trainers + engines, timeout);
   }
-  region.reset();
-  return {{"bytes", total}, {"seconds", seconds}};
+  buffer = StagingBuffer{};  // before its transport
+  return {{"bytes", total},
+          {"seconds", seconds},
+          {"memory", slot_memory_name(memory)},
+          {"cuda_memory", caps.cuda_memory}};
 }
 
 }  // namespace weightsync::demo

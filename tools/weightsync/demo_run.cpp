@@ -52,7 +52,7 @@ std::string make_temp_dir(const std::string& what) {
 
 JobRun run_job(JobSpec job, const std::string& trace_out) {
   const int trainers = static_cast<int>(TrainerLayout::load(job.trainer).mesh.world());
-  const int engines = make_engine_layout(EngineConfig::load(job.engine)).world();
+  const int engines = make_engine_layout(EngineSpec::load(job.engine)).world();
   control::CoordinatorOptions co;
   co.token = random_token();
   co.step_timeout = std::chrono::milliseconds(job.timeout_ms);

@@ -1,6 +1,7 @@
 // The trainer side of a demo/bench job: one process per trainer rank holding
 // its local shards (read from the checkpoint as `weightsync shard` would),
 // turning them into each step's version and pushing it.
+#include "demo_device.h"
 #include "demo_job.h"
 #include "demo_raw.h"
 
@@ -19,21 +20,18 @@ namespace {
 
 using Millis = std::chrono::milliseconds;
 
-struct LocalTensor {
-  std::unique_ptr<char[]> memory;
-  TensorView view;
-};
-
-std::vector<LocalTensor> load_shards(const Checkpoint& ckpt, const TrainerLayout& layout,
-                                     int rank) {
-  std::vector<LocalTensor> out;
-  for (const LoadSpec& spec : layout.params) {
-    LocalTensor t;
-    const Shape shape = local_shape(spec, layout.mesh, rank);
-    const size_t bytes = static_cast<size_t>(numel(shape)) * itemsize(spec.dtype);
-    t.memory.reset(new char[std::max<size_t>(bytes, 1)]());
-    t.view = host_view(t.memory.get(), spec.dtype, shape);
-    fill_local_tensor(ckpt, spec, layout.mesh, rank, t.view);
+// This rank's shards as `weightsync shard` would write them, in the job's
+// memory (each trainer rank on GPU gpu_of(rank) for a CUDA job): those of
+// layout.rank_params(rank), in that order (a pipeline stage holds its own).
+std::vector<WorkerTensor> load_shards(const JobSpec& job, const Checkpoint& ckpt,
+                                      const TrainerLayout& layout, int rank) {
+  std::vector<WorkerTensor> out;
+  for (size_t p : layout.rank_params(rank)) {
+    const LoadSpec& spec = layout.params[p];
+    WorkerTensor t(spec.dtype, local_shape(spec, layout.mesh, rank),
+                   on_gpu(job) ? gpu_of(rank) : -1);
+    fill_local_tensor(ckpt, spec, layout.mesh, rank, t.host_view());
+    t.upload();
     out.push_back(std::move(t));
   }
   return out;
@@ -95,7 +93,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
   const TrainerLayout layout = TrainerLayout::load(job.trainer);
   check_checkpoint(ckpt, layout);
-  auto shards = load_shards(ckpt, layout, rank);
+  auto shards = load_shards(job, ckpt, layout, rank);
   std::unique_ptr<Tracer> tracer;
   if (job.trace) tracer = std::make_unique<Tracer>(cat("trainer ", rank), rank);
 
@@ -104,7 +102,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.token = job.token;
   opt.rank = rank;
   opt.layout = layout;
-  opt.engine = EngineConfig::load(job.engine);
+  opt.engine = EngineSpec::load(job.engine);
   opt.transport = worker_transport(job, "trainer", rank);
   opt.mode = parse_plan_mode(job.mode);
   opt.bucket_bytes = job.bucket_bytes;
@@ -113,8 +111,9 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.step_timeout = timeout;
   opt.tracer = tracer.get();
   Publisher pub(opt);
+  const std::vector<size_t> held = layout.rank_params(rank);
   for (size_t i = 0; i < shards.size(); ++i)
-    pub.register_tensor(layout.params[i].name, shards[i].view);
+    pub.register_tensor(layout.params[held[i]].name, shards[i].view());
   pub.prepare();
   auto observer = observer_client(job, timeout);
   const int trainers = static_cast<int>(layout.mesh.world());
@@ -127,7 +126,10 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   int rc = 0;
   for (int s = 1; s <= job.steps; ++s) {
     const uint8_t target = version_pattern(s, job.steps);
-    for (auto& t : shards) xor_bytes(t.view.data, t.view.nbytes(), applied ^ target);
+    for (auto& t : shards) {
+      xor_bytes(t.host(), t.nbytes(), applied ^ target);
+      t.upload();
+    }
     applied = target;
     try {
       // Ranks start a step together, as after a synchronous optimizer step

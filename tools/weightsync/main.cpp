@@ -1,10 +1,12 @@
 // weightsync: the command-line tool. Subcommands register themselves (cli.h).
 #include "cli.h"
+#include "json_stdout.h"
 
 #include <weightsync/error.h>
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 namespace {
 
@@ -43,14 +45,23 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
+  std::optional<cli::JsonStdout> json;
+  if (cli::wants_json(rest)) json.emplace(name);
+  int rc = 0;
+  std::optional<std::string> code;
+  std::string message;
   try {
-    return it->second.run(rest);
+    rc = it->second.run(rest);
   } catch (const Error& e) {
-    std::cerr << "weightsync " << name << ": error [" << errc_name(e.code()) << "]: " << e.what()
-              << "\n";
-    return e.code() == Errc::invalid_argument ? 2 : 1;
+    code = errc_name(e.code());
+    message = e.what();
+    std::cerr << "weightsync " << name << ": error [" << *code << "]: " << message << "\n";
+    rc = e.code() == Errc::invalid_argument ? 2 : 1;
   } catch (const std::exception& e) {
-    std::cerr << "weightsync " << name << ": error: " << e.what() << "\n";
-    return 1;
+    code = "internal";
+    message = e.what();
+    std::cerr << "weightsync " << name << ": error: " << message << "\n";
+    rc = 1;
   }
+  return json ? json->finish(rc, code, message) : rc;
 }
