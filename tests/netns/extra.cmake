@@ -1,0 +1,15 @@
+# Real network faults (netns_faults.py): the coordinator, every trainer rank
+# and every engine rank in its own Linux network namespace, joined by veth
+# pairs and a bridge, over UCX TCP; links cut, routes blackholed, rates limited,
+# delay and loss. Needs root (CI runs as root); a scenario that cannot run here
+# (no namespaces, no tc netem in the kernel) exits 77 and shows as skipped,
+# with the reason in its output. One at a time: they time link outages.
+set(_netns_scenarios engine_link_cut engine_link_lost coordinator_partition engine_partition trainer_link_flap trainer_slow_link
+    trainer_delay_loss)
+foreach(_s ${_netns_scenarios})
+  add_test(NAME netns_${_s}
+    COMMAND ${WEIGHTSYNC_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/netns_faults.py
+            --cli $<TARGET_FILE:weightsync_cli> --scenario ${_s})
+  set_tests_properties(netns_${_s} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 180 RUN_SERIAL TRUE
+                       LABELS netns)
+endforeach()
