@@ -1,0 +1,177 @@
+// The coordinator and the trainer side. Every call that waits releases the GIL.
+#include "bindings.h"
+
+#include <weightsync/control.h>
+#include <weightsync/engine_layout.h>
+#include <weightsync/publisher.h>
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <optional>
+
+namespace weightsync::python {
+namespace {
+
+using ReleaseGil = nb::call_guard<nb::gil_scoped_release>;
+
+class PyCoordinator : public Handle<control::Coordinator> {
+ public:
+  PyCoordinator(const std::string& host, int port, const std::string& token) {
+    if (port < 0 || port > 65535) fail(Errc::invalid_argument, "coordinator port ", port);
+    control::CoordinatorOptions o;
+    o.host = host;
+    o.port = static_cast<uint16_t>(port);
+    o.token = token;
+    reset(std::make_unique<control::Coordinator>(o));
+  }
+  std::string address() { return get("coordinator").address(); }
+  int port() { return get("coordinator").port(); }
+  int64_t committed_version(int engine_rank) {
+    return get("coordinator").committed_version(engine_rank);
+  }
+};
+
+class PyPublisher : public Handle<Publisher> {
+ public:
+  void open(const std::string& coordinator, int rank, const std::string& layout,
+            std::optional<std::string> engine, const std::string& engine_base_dir,
+            const std::string& transport, const std::string& mode, int64_t bucket_bytes,
+            bool checksums, const std::string& token, const std::string& job,
+            double connect_timeout, double step_timeout, uintptr_t producer_stream,
+            uintptr_t producer_event) {
+    PublisherOptions o;
+    o.producer_stream = reinterpret_cast<void*>(producer_stream);
+    o.producer_event = reinterpret_cast<void*>(producer_event);
+    o.coordinator = coordinator;
+    o.rank = rank;
+    o.layout = TrainerLayout::from_json(parse_json(layout, "trainer layout"));
+    if (engine)
+      o.engine = EngineSpec::from_json(parse_json(*engine, "engine config"), engine_base_dir);
+    o.transport = transport;
+    o.mode = parse_plan_mode(mode);
+    o.bucket_bytes = bucket_bytes;
+    o.wire.checksums = checksums;
+    o.token = token;
+    o.job = job;
+    o.connect_timeout = millis(connect_timeout, "connect_timeout");
+    o.step_timeout = millis(step_timeout, "step_timeout");
+    reset(std::make_unique<Publisher>(std::move(o)));
+  }
+  void register_tensor(const std::string& name, uintptr_t data, const std::string& dtype,
+                       const Shape& shape, const Shape& strides, int device) {
+    get("publisher")
+        .register_tensor(
+            name, tensor_view(data, dtype, shape, strides, device, "trainer param '" + name + "'"));
+  }
+  std::string plan_summary() { return get("publisher").plan().summary_json().dump(); }
+  SaveHfResult save_hf(const std::string& dir, const std::string& config, int64_t max_file_bytes,
+                       int64_t bucket_bytes, const std::string& transport, double timeout,
+                       bool sync) {
+    SaveHfOptions o;
+    o.sync = sync;
+    o.config = config;
+    o.max_file_bytes = max_file_bytes;
+    o.bucket_bytes = bucket_bytes;
+    o.transport = transport;
+    if (timeout > 0) o.timeout = millis(timeout, "timeout");
+    return get("publisher").save_hf(dir, o);
+  }
+};
+
+nb::dict push_phases(const PushPhases& p) {
+  nb::dict d;
+  d["begin"] = p.begin;
+  d["pack"] = p.pack;
+  d["gather"] = p.gather;
+  d["wire"] = p.wire;
+  d["commit"] = p.commit;
+  return d;
+}
+
+}  // namespace
+
+void bind_coordinator(nb::module_& m) {
+  nb::class_<PyCoordinator>(m, "Coordinator")
+      .def(nb::init<const std::string&, int, const std::string&>(), nb::arg("host"),
+           nb::arg("port"), nb::arg("token"), ReleaseGil())
+      .def_prop_ro("address", &PyCoordinator::address)
+      .def_prop_ro("port", &PyCoordinator::port)
+      .def("committed_version", &PyCoordinator::committed_version, nb::arg("engine_rank"))
+      .def("close", &PyCoordinator::close, ReleaseGil())
+      .def_prop_ro("closed", [](const PyCoordinator& c) { return !c.open(); });
+}
+
+void bind_publisher(nb::module_& m) {
+  nb::class_<PushResult>(m, "PushResult")
+      .def_ro("step", &PushResult::step)
+      .def_ro("committed", &PushResult::committed)
+      .def_ro("failed", &PushResult::failed)
+      .def_ro("bytes_sent", &PushResult::bytes_sent)
+      .def_ro("bytes_direct", &PushResult::bytes_direct)
+      .def_ro("seconds", &PushResult::seconds)
+      .def_prop_ro("phases", [](const PushResult& r) { return push_phases(r.phases); })
+      .def("__repr__", [](const PushResult& r) {
+        return cat("PushResult(step=", r.step, ", committed=", r.committed.size(),
+                   " engine ranks, failed=", r.failed.size(), ", bytes_sent=", r.bytes_sent,
+                   ", seconds=", r.seconds, ")");
+      });
+  nb::class_<SaveHfResult>(m, "SaveHfResult")
+      .def_ro("dir", &SaveHfResult::dir)
+      .def_ro("files", &SaveHfResult::files)
+      .def_ro("total_bytes", &SaveHfResult::total_bytes)
+      .def_ro("files_written", &SaveHfResult::files_written)
+      .def_ro("bytes_written", &SaveHfResult::bytes_written)
+      .def_ro("bytes_local", &SaveHfResult::bytes_local)
+      .def_ro("bytes_sent", &SaveHfResult::bytes_sent)
+      .def_ro("bytes_received", &SaveHfResult::bytes_received)
+      .def_ro("arena_bytes", &SaveHfResult::arena_bytes)
+      .def_ro("staging_bytes", &SaveHfResult::staging_bytes)
+      .def_ro("disk_wait_s", &SaveHfResult::disk_wait_s)
+      .def_ro("disk_s", &SaveHfResult::disk_s)
+      .def_ro("seconds", &SaveHfResult::seconds)
+      .def_ro("setup_s", &SaveHfResult::setup_s)
+      .def_ro("data_s", &SaveHfResult::data_s)
+      .def_ro("finish_s", &SaveHfResult::finish_s)
+      .def("__repr__", [](const SaveHfResult& r) {
+        return cat("SaveHfResult(dir='", r.dir, "', files=", r.files,
+                   ", total_bytes=", r.total_bytes, ", files_written=", r.files_written.size(),
+                   ", bytes_sent=", r.bytes_sent, ", seconds=", r.seconds, ")");
+      });
+  nb::class_<LoadReport>(m, "LoadReport")
+      .def_ro("bytes", &LoadReport::bytes)
+      .def_ro("pieces", &LoadReport::pieces)
+      .def_ro("files", &LoadReport::files)
+      .def_ro("seconds", &LoadReport::seconds)
+      .def("__repr__", [](const LoadReport& r) {
+        return cat("LoadReport(bytes=", r.bytes, ", pieces=", r.pieces, ", files=", r.files,
+                   ", seconds=", r.seconds, ")");
+      });
+  nb::class_<PyPublisher>(m, "Publisher")
+      .def(nb::init<>())
+      .def("open", &PyPublisher::open, ReleaseGil())
+      .def("register_tensor", &PyPublisher::register_tensor, nb::arg("name"), nb::arg("data"),
+           nb::arg("dtype"), nb::arg("shape"), nb::arg("strides"), nb::arg("device"))
+      .def(
+          "prepare", [](PyPublisher& p) { p.get("publisher").prepare(); }, ReleaseGil())
+      .def(
+          "push", [](PyPublisher& p, int64_t step) { return p.get("publisher").push(step); },
+          nb::arg("step"), ReleaseGil())
+      .def("plan_summary", &PyPublisher::plan_summary)
+      .def("save_hf", &PyPublisher::save_hf, nb::arg("dir"), nb::arg("config"),
+           nb::arg("max_file_bytes"), nb::arg("bucket_bytes"), nb::arg("transport"),
+           nb::arg("timeout"), nb::arg("sync"), ReleaseGil())
+      .def(
+          "load_hf",
+          [](PyPublisher& p, const std::string& dir) { return p.get("publisher").load_hf(dir); },
+          nb::arg("dir"), ReleaseGil())
+      .def_prop_ro("rank", [](PyPublisher& p) { return p.get("publisher").rank(); })
+      .def_prop_ro("staging_bytes",
+                   [](PyPublisher& p) { return p.get("publisher").staging_bytes(); })
+      .def("close", &PyPublisher::close, ReleaseGil());
+}
+
+}  // namespace weightsync::python

@@ -1,0 +1,159 @@
+"""`python -m weightsync.bench`: the sync benchmark from Python, beside the C++
+one on the same bytes in the same run.
+
+Each round runs `weightsync bench --json --no-peer` (the C++ job: 4 trainer
+processes, ep=2 x fsdp=2, into 2 vLLM-layout replicas of tp=2, one warm-up
+step then K timed ones), then the same job from Python on the very files
+that run wrote (its checkpoint, trainer layout and engine config): trainer
+processes holding their shards as torch tensors behind ws.Publisher, engine
+processes holding their params as torch tensors behind ws.Subscriber. Both
+report GB/s per engine rank the same way: the busiest engine rank's bytes
+over the median step time (a step: the slowest trainer's push). The ratio
+says what the Python layer costs (goal: >= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from ._cli import cli_path
+
+
+def _trainer(rank: int, work: str, address: str, opts: dict, steps: int, queue: Any) -> None:
+    try:
+        from safetensors.torch import load_file
+
+        import weightsync as ws
+
+        shard = os.path.join(work, f"py-shard{rank}.safetensors")
+        subprocess.run([cli_path(), "shard", "--checkpoint", os.path.join(work, "model.safetensors"),
+                        "--trainer", os.path.join(work, "trainer.json"), "--rank", str(rank),
+                        "--out", shard], check=True, capture_output=True)
+        tensors = load_file(shard)
+        pub = ws.Publisher(coordinator=address, rank=rank, layout=os.path.join(work, "trainer.json"),
+                           engine=os.path.join(work, "engine.json"), **opts)
+        for name, t in tensors.items():
+            pub.register(name, t)
+        pub.prepare()
+        seconds = []
+        for step in range(1, steps + 1):
+            res = pub.push(step)
+            if len(res.committed) != 4:
+                raise RuntimeError(f"step {step}: engines failed: {res.failed}")
+            seconds.append(res.seconds)
+        pub.close()
+        queue.put(("trainer", rank, seconds))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        queue.put(("error", rank, repr(e)))
+
+
+def _engine(g: int, work: str, address: str, transport: str, steps: int, queue: Any) -> None:
+    try:
+        import weightsync as ws
+        import weightsync.torch as wst
+
+        engine = os.path.join(work, "engine.json")
+        sub = ws.Subscriber(coordinator=address, engine=engine, replica=g // 2, rank=g % 2,
+                            transport=transport)
+        params = wst.allocate_engine_params(engine, g // 2, g % 2)
+        for name, t in params.items():
+            sub.register(name, t)
+        got = []
+        while len(got) < steps:
+            out = sub.run_step(timeout=600.0)
+            if out is not None:
+                got.append(out.bytes)
+        sub.close()
+        queue.put(("engine", g, got))
+    except BaseException as e:  # noqa: BLE001
+        queue.put(("error", g, repr(e)))
+
+
+def python_sync(work: str, steps: int, opts: dict) -> dict:
+    """The C++ job's files, synced from Python processes: per-step times and bytes."""
+    import weightsync as ws
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with ws.Coordinator() as coord:
+        procs = [ctx.Process(target=_engine, args=(g, work, coord.address, opts["transport"],
+                                                   steps, queue)) for g in range(4)]
+        procs += [ctx.Process(target=_trainer, args=(r, work, coord.address, opts, steps, queue))
+                  for r in range(4)]
+        for p in procs:
+            p.start()
+        trainers, engines = {}, {}
+        for _ in procs:
+            kind, who, value = queue.get(timeout=3600)
+            if kind == "error":
+                raise RuntimeError(f"a python bench process ({who}) failed: {value}")
+            (trainers if kind == "trainer" else engines)[who] = value
+        for p in procs:
+            p.join()
+    timed = [max(trainers[r][s] for r in trainers) for s in range(1, steps)]  # without warm-up
+    rank_bytes = max(max(v[1:]) for v in engines.values())
+    p50 = statistics.median(timed)
+    return {"sync_s": timed, "sync_s_p50": p50, "engine_rank_bytes": rank_bytes,
+            "engine_rank_gbps": rank_bytes / p50 / 1e9}
+
+
+def cpp_sync(work: str, args: argparse.Namespace) -> dict:
+    cmd = [cli_path(), "bench", "--json", "--no-peer", "--work-dir", work, "--steps",
+           str(args.steps), "--size-gb", str(args.size_gb), "--transport", args.transport,
+           "--bucket-bytes", str(args.bucket_bytes), "--mode", args.mode]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def main(argv: Any = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m weightsync.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=2, help="C++ then Python, this many times")
+    p.add_argument("--transport", default="ucx")
+    p.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    p.add_argument("--mode", default="p2p", choices=["p2p", "broadcast"])
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = p.parse_args(argv)
+    opts = {"transport": args.transport, "bucket_bytes": args.bucket_bytes, "mode": args.mode}
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="weightsync-pybench-") as tmp:
+        for r in range(args.rounds):
+            work = os.path.join(tmp, f"round{r}")
+            cpp = cpp_sync(work, args)
+            py = python_sync(work, args.steps + 1, opts)
+            rounds.append({"cpp_gbps": cpp["engine_rank_gbps"], "cpp_sync_s_p50": cpp["sync_s_p50"],
+                           "python_gbps": py["engine_rank_gbps"], "python_sync_s_p50": py["sync_s_p50"],
+                           "engine_rank_bytes": py["engine_rank_bytes"],
+                           "cpp_engine_rank_bytes": cpp["engine_rank_bytes"]})
+            if not args.json:
+                print(f"round {r + 1}: C++ {cpp['engine_rank_gbps']:.3f} GB/s per engine rank "
+                      f"(p50 {cpp['sync_s_p50']:.3f} s), Python {py['engine_rank_gbps']:.3f} GB/s "
+                      f"(p50 {py['sync_s_p50']:.3f} s) on {py['engine_rank_bytes'] / 1e6:.1f} MB",
+                      flush=True)
+    cpp_gbps = statistics.median(x["cpp_gbps"] for x in rounds)
+    py_gbps = statistics.median(x["python_gbps"] for x in rounds)
+    result = {"rounds": rounds, "cpp_gbps": cpp_gbps, "python_gbps": py_gbps,
+              "ratio_python_to_cpp": py_gbps / cpp_gbps if cpp_gbps else 0.0,
+              "size_gb": args.size_gb, "steps": args.steps, "transport": args.transport,
+              "mode": args.mode, "bucket_bytes": args.bucket_bytes}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"python / C++: {result['ratio_python_to_cpp']:.3f} ({py_gbps:.3f} vs {cpp_gbps:.3f} GB/s "
+              f"per engine rank, medians over {args.rounds} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
