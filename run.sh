@@ -2,21 +2,22 @@
 # weightsync quick start. Installs what it needs (Debian 12, as root), builds,
 # then runs one job:
 #   bash run.sh demo [demo options]   the default job: `weightsync demo`
-#   bash run.sh test                  the test suite (CTest)
+#   bash run.sh test [ctest options]  the tests: C++ (CTest), then Python (pytest in .venv)
 #   bash run.sh bench [bench options] the sync-latency benchmark
+#   bash run.sh python [args]         .venv's python with the package installed
 #   bash run.sh build                 only install and build
-# Idempotent: packages already there are not reinstalled and an unchanged tree
-# is not rebuilt. BUILD_DIR (default: build) and CMAKE_ARGS may be set.
+# Idempotent: packages already there are not reinstalled, .venv is not
+# refreshed while python/requirements-dev.txt is unchanged, an unchanged tree
+# is not rebuilt and the package not reinstalled. BUILD_DIR (default: build)
+# and CMAKE_ARGS may be set.
 set -euo pipefail
 cd "$(dirname "$0")"
+root=$PWD
 job="${1:-demo}"
 [ $# -gt 0 ] && shift
 
 packages=(build-essential cmake ninja-build pkg-config git libucx-dev ucx-utils libboost-dev
-  nlohmann-json3-dev libgtest-dev libgmock-dev clang)
-if [ "$job" = bench ] || [ "$job" = test ]; then
-  packages+=(python3 python3-torch python3-numpy)
-fi
+  nlohmann-json3-dev libgtest-dev libgmock-dev clang python3 python3-venv python3-dev)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -30,20 +31,69 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# .venv at the repository root: Debian's python3 (a fresh Debian 12 has no
+# other), the requirements refreshed only when their file changes.
+venv="$root/.venv"
+ensure_venv() {
+  [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
+  local req="$root/python/requirements-dev.txt" stamp="$venv/.weightsync-requirements"
+  if ! cmp -s "$req" "$stamp"; then
+    echo "run.sh: installing python/requirements-dev.txt into .venv" >&2
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q -r "$req"
+    cp "$req" "$stamp"
+  fi
+}
+
 build_dir="${BUILD_DIR:-build}"
-if [ ! -f "$build_dir/build.ninja" ]; then
-  # shellcheck disable=SC2086
-  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${CMAKE_ARGS:-} >/dev/null
+cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+command -v ccache >/dev/null && cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+case "$job" in test | bench | python) ensure_venv ;; esac
+# Whenever .venv exists the build uses its Python (the pycheck tests need
+# numpy and torch), so that switching jobs never reconfigures the build.
+[ -x "$venv/bin/python" ] && cmake_args+=("-DPython_EXECUTABLE=$venv/bin/python")
+# shellcheck disable=SC2206
+cmake_args+=(${CMAKE_ARGS:-})
+# Configure when there is no build yet or the arguments changed.
+if [ ! -f "$build_dir/build.ninja" ] || ! echo "${cmake_args[*]}" | cmp -s - "$build_dir/.run-sh-args"; then
+  cmake -S . -B "$build_dir" "${cmake_args[@]}" >/dev/null
+  mkdir -p "$build_dir" && echo "${cmake_args[*]}" > "$build_dir/.run-sh-args"
 fi
 # demo and bench need only the command; test builds everything.
 targets=()
-case "$job" in demo | bench) targets=(--target weightsync_cli) ;; esac
+case "$job" in demo | bench) targets=(--target weightsync_cli) ;; python) targets=(--target weightsync_python weightsync_cli) ;; esac
 cmake --build "$build_dir" -j"$(nproc)" "${targets[@]}"
+
+# The package goes into .venv with pip (scikit-build-core drives this same
+# build directory, so nothing compiles twice); again only when the built
+# extension, the command or the package's Python files are newer than the
+# last install.
+install_package() {
+  local stamp="$venv/.weightsync-installed"
+  if [ -f "$stamp" ] && [ -z "$(find "$build_dir/python" "$build_dir/bin/weightsync" python pyproject.toml \
+    -newer "$stamp" -print -quit 2>/dev/null)" ]; then
+    return
+  fi
+  echo "run.sh: installing the weightsync package into .venv" >&2
+  "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps \
+    --config-settings=build-dir="$build_dir" \
+    --config-settings=cmake.build-type=RelWithDebInfo \
+    --config-settings=cmake.define.WEIGHTSYNC_BUILD_TESTS=ON \
+    --config-settings=cmake.define.Python_EXECUTABLE="$venv/bin/python" .
+  touch "$stamp"
+}
 
 case "$job" in
   demo) exec "$build_dir/bin/weightsync" demo "$@" ;;
-  bench) exec "$build_dir/bin/weightsync" bench "$@" ;;
-  test) cd "$build_dir" && exec ctest --output-on-failure -j"$(nproc)" "$@" ;;
+  bench) install_package && WEIGHTSYNC_PYTHON="$venv/bin/python" exec "$build_dir/bin/weightsync" bench "$@" ;;
+  python) install_package && exec "$venv/bin/python" "$@" ;;
+  test)
+    install_package
+    status=0
+    (cd "$build_dir" && ctest --output-on-failure -j"$(nproc)" "$@") || status=$?
+    (cd tests/python && "$venv/bin/python" -m pytest -q) || status=$?
+    exit $status
+    ;;
   build) ;;
-  *) echo "usage: bash run.sh demo|test|bench|build [options]" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh demo|test|bench|python|build [options]" >&2; exit 2 ;;
 esac
