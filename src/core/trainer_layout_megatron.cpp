@@ -309,8 +309,17 @@ std::vector<int64_t> megatron_stage_layers(int64_t num_layers, int64_t pp,
     middle_layers -= *n;
     middle_stages -= 1;
   }
-  if ((middle_layers != 0) != (middle_stages != 0) || middle_layers < 0 ||
-      (middle_stages > 0 && middle_layers % middle_stages != 0))
+  if (middle_layers < 0)
+    fail(Errc::invalid_layout, "megatron layout: the first/last stages take more than the ",
+         num_layers, " layers of the model (pp=", pp, ")");
+  // Megatron-Core checks only that the middle layers split evenly over the
+  // middle stages (a middle stage may hold none); layers left over without a
+  // middle stage would be built on no stage at all, so they are refused too.
+  if (middle_stages == 0 && middle_layers != 0)
+    fail(Errc::invalid_layout, "megatron layout: ", middle_layers, " of the ", num_layers,
+         " layers are on no stage of pp=", pp,
+         " (the first/last stage counts leave them without a middle stage)");
+  if (middle_stages > 0 && middle_layers % middle_stages != 0)
     fail(Errc::invalid_layout, "megatron layout: ", middle_layers, " layers left for ",
          middle_stages, " middle stages of pp=", pp, " (of ", num_layers,
          " layers; Megatron-Core needs the middle layers to split evenly over the middle "

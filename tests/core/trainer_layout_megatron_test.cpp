@@ -167,7 +167,15 @@ TEST(MegatronLayout, StageLayersFollowMegatronsRules) {
   MegatronOptions both;
   both.first_stage_layers = 1;
   both.last_stage_layers = 1;
-  expect_error([&] { megatron_stage_layers(3, 2, both); }, Errc::invalid_layout, "1 layers left");
+  expect_error([&] { megatron_stage_layers(3, 2, both); }, Errc::invalid_layout,
+               "1 of the 3 layers are on no stage");
+  // Megatron-Core lets a middle stage hold no layer (0 splits evenly).
+  MegatronOptions ends;
+  ends.first_stage_layers = 2;
+  ends.last_stage_layers = 2;
+  EXPECT_EQ(megatron_stage_layers(4, 4, ends), (std::vector<int64_t>{2, 0, 0, 2}));
+  expect_error([&] { megatron_stage_layers(3, 3, ends); }, Errc::invalid_layout,
+               "take more than the 3 layers");
   expect_error([] { megatron(model("tiny-llama"), "pp=3"); }, Errc::invalid_layout,
                "2 layers do not split evenly over pp=3");
 }

@@ -34,7 +34,9 @@ def stage_layers(num_layers: int, pp: int, first: int | None, last: int | None) 
         return [num_layers // pp] * pp
     middle = num_layers - (first or 0) - (last or 0)
     middle_stages = pp - (first is not None) - (last is not None)
-    if bool(middle) != bool(middle_stages) or (middle_stages and middle % middle_stages):
+    if middle < 0 or (middle and not middle_stages):
+        raise ValueError(f"{middle} layers left with {middle_stages} middle stages: on no stage")
+    if middle_stages and middle % middle_stages:  # Megatron's check; 0 per middle stage is fine
         raise ValueError(f"{middle} middle layers over {middle_stages} middle stages")
     out = [middle // middle_stages if middle_stages else 0] * pp
     if first is not None:
