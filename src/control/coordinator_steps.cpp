@@ -163,10 +163,16 @@ void CoordinatorState::decide() {
   const OpenStep s = std::move(*open_step_);
   open_step_.reset();
   last_decided_ = s.step;
-  std::string trainer_failure;
-  for (const auto& [id, p] : s.trainers)
-    if (p.outcome != Outcome::ok && trainer_failure.empty())
-      trainer_failure = p.reason.empty() ? cat(who(p.member), " did not finish") : p.reason;
+  // The reason names the trainer that failed (a step is decided as soon as
+  // one fails), not one that was still sending when that happened.
+  std::string trainer_failure, trainer_pending;
+  for (const auto& [id, p] : s.trainers) {
+    if (p.outcome == Outcome::failed && trainer_failure.empty())
+      trainer_failure = p.reason.empty() ? cat(who(p.member), " failed") : p.reason;
+    if (p.outcome == Outcome::pending && trainer_pending.empty())
+      trainer_pending = cat(who(p.member), " did not finish");
+  }
+  if (trainer_failure.empty()) trainer_failure = trainer_pending;
   const bool trainers_ok = trainer_failure.empty();
 
   std::vector<const Participant*> engines;

@@ -74,6 +74,26 @@ TEST_F(StateTest, EngineThatAckedOkThenDiedIsNotCommitted) {
   EXPECT_EQ(result.at("failed")[0].at("rank"), 0);
 }
 
+TEST_F(StateTest, AbortReasonNamesTheTrainerThatFailedNotOneStillSending) {
+  join(1, "trainer", 0, 3);
+  join(2, "trainer", 1, 3);
+  join(3, "trainer", 2, 3);
+  join(4, "engine", 0, 1);
+  for (ConnId t : {1, 2, 3}) request(t, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  out_.take(4);
+  // Rank 0 is still sending when rank 2's connection is lost: the step is
+  // decided at once, and its reason is rank 2's loss.
+  request(2, "sent", {{"step", 1}, {"ok", true}});
+  state_.on_disconnect(3, "heartbeat timeout");
+  const auto& result = out_.sent[1].back();
+  ASSERT_EQ(result.at("kind"), "step_result");
+  EXPECT_EQ(result.at("trainers_ok"), false);
+  const std::string reason = result.at("reason");
+  EXPECT_NE(reason.find("heartbeat timeout"), std::string::npos) << reason;
+  EXPECT_EQ(reason.find("rank 0"), std::string::npos) << reason;
+  EXPECT_EQ(out_.take(4), (std::vector<std::string>{"member_left", "abort"}));
+}
+
 TEST_F(StateTest, MembersJoiningMidStepWaitForTheNextStep) {
   join(1, "trainer", 0, 1);
   join(2, "engine", 0, 2);
