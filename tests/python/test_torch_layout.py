@@ -44,6 +44,23 @@ def _fsdp_rank(rank: int, world: int, case: str) -> tuple:
         m.b = torch.nn.Parameter(torch.randn(2, 5))    # 1, 1, 0, 0 rows
         m.c = torch.nn.Parameter(torch.randn(7, dtype=torch.bfloat16))
         fully_shard(m, mesh=mesh)
+    elif case == "dp_tp_2d":
+        # A 2-D (dp, tp) mesh without FSDP2: tensor-parallel column and row
+        # shards, uneven on both dims, a dim sharded over both axes at once,
+        # and a param replicated over the whole mesh.
+        from torch.distributed.tensor import Replicate
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        m.col = torch.nn.Parameter(distribute_tensor(torch.randn(9, 5), mesh,
+                                                     [Replicate(), Shard(0)]))  # 5 + 4 rows
+        m.row = torch.nn.Parameter(distribute_tensor(torch.randn(4, 7), mesh,
+                                                     [Replicate(), Shard(1)]))  # 4 + 3 cols
+        m.both = torch.nn.Parameter(distribute_tensor(torch.randn(7, 6), mesh,
+                                                      [Shard(1), Shard(0)]))
+        m.deep = torch.nn.Parameter(distribute_tensor(torch.randn(11, 2), mesh,
+                                                      [Shard(0), Shard(0)]))  # 6 | 5, then halves
+        m.norm = torch.nn.Parameter(distribute_tensor(torch.randn(5), mesh,
+                                                      [Replicate(), Replicate()]))
     else:
         # Experts sharded over "ep", then FSDP2 over "fsdp": _StridedShard. The
         # root mesh is (fsdp, ep) or (ep, fsdp): FSDP2 builds a (fsdp, ep) mesh
@@ -66,13 +83,21 @@ def _fsdp_rank(rank: int, world: int, case: str) -> tuple:
     return layout, full, local, placements
 
 
-@pytest.mark.parametrize("case", ["fsdp_uneven", "ep_fsdp", "ep_fsdp_not_row_major"])
+@pytest.mark.parametrize("case", ["fsdp_uneven", "ep_fsdp", "ep_fsdp_not_row_major", "dp_tp_2d"])
 def test_fsdp2_layouts_match_shard(tmp_path, case):
     results = run_world(_fsdp_rank, 4, case)
     layouts = [r[0] for r in results]
     assert all(lay == layouts[0] for lay in layouts), "every rank computes the same layout"
     layout = layouts[0]
-    if case != "fsdp_uneven":
+    if case == "dp_tp_2d":
+        specs = {p["name"]: p for p in layout["params"]}
+        assert layout["mesh"] == {"axes": ["dp", "tp"], "shape": [2, 2]}
+        # Cuts of different dims commute; of one dim, the mesh order decides.
+        assert sorted((s["dim"], s["axis"]) for s in specs["both"]["shards"]) == [(0, "tp"),
+                                                                                 (1, "dp")]
+        assert [(s["dim"], s["axis"]) for s in specs["deep"]["shards"]] == [(0, "dp"), (0, "tp")]
+        assert specs["norm"]["shards"] == []
+    elif case != "fsdp_uneven":
         placements = results[0][3]["experts.gate_up_proj"]
         assert any("_StridedShard" in p or "_S(" in p for p in placements), placements
         spec = next(p for p in layout["params"] if p["name"] == "experts.gate_up_proj")
