@@ -38,7 +38,10 @@ void store_scale(std::uintptr_t at, float s) {
 // On x86-64 with GCC the row loops are also built for AVX2 and chosen at load
 // time (8 floats a step instead of SSE2's 4). Same operations, same bits: no
 // fused multiply-add is enabled (and none could change a result, fp8_math.h).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: the clones' ifunc resolver runs during dynamic
+// relocation, before TSan's runtime is up, and its instrumentation crashes
+// every binary at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define WS_FP8_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define WS_FP8_CLONES
