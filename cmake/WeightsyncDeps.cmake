@@ -1,7 +1,9 @@
 # Finds the dependencies. WEIGHTSYNC_WITH_X is ON / OFF / AUTO; AUTO means "on when found".
 find_package(Threads REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
-find_package(Boost 1.74 REQUIRED)
+# Boost's own CMake package (Debian's libboost1.74-dev ships it): CMake 4
+# removed the FindBoost module.
+find_package(Boost 1.74 CONFIG REQUIRED)
 
 function(_ws_want opt out)
   if("${${opt}}" STREQUAL "OFF")
