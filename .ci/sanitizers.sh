@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# CI's sanitizer legs, run after the README's test command (which made .venv):
+# an AddressSanitizer+UBSan build and a ThreadSanitizer build, each in its own
+# build directory, over the unit (core, engine, planner), control, transport
+# and end-to-end suites.
+#
+# These builds are configured with PyPI's CMake 4 (the one pip-driven Python
+# builds and the GPU machine use), the main build with Debian's 3.25: CI
+# configures, builds and runs tests with both.
+#
+#   bash .ci/sanitizers.sh [address|thread ...]   (default: both)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+venv="$root/.venv"
+[ -x "$venv/bin/python" ] || { echo "sanitizers.sh: run 'bash run.sh test' first (.venv)" >&2; exit 2; }
+
+if ! "$venv/bin/cmake" --version 2>/dev/null | grep -q "version 4\."; then
+  "$venv/bin/python" -m pip install -q 'cmake>=4,<5'
+fi
+cmake4="$venv/bin/cmake"
+ctest4="$venv/bin/ctest"
+"$cmake4" --version | head -n 1
+
+# The suites named above; the Python extension and CUDA are off (no GPU runs
+# here; the CUDA-less build compiles the same host code paths).
+targets=(ws_core_tests ws_engine_tests ws_planner_tests ws_control_tests ws_transport_tests
+  ws_e2e_tests weightsync_cli)
+# Not in these legs: the GPU suite (not built), the fuzzers (they build their
+# own sanitized binaries in the main leg), the Python cross-checks and the
+# network-namespace scenarios (scripts driving the main build's command).
+exclude='NOT_BUILT|^fuzz_|^pycheck\.|^netns_'
+
+# Sanitizer reports fail the run: UBSan stops at the first report (its
+# default is to print and go on); TSan exits 66 when it reported a race.
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1"
+export LSAN_OPTIONS="suppressions=$root/.ci/lsan.supp:print_suppressions=0"
+export TSAN_OPTIONS="halt_on_error=0:second_deadlock_stack=1:suppressions=$root/.ci/tsan.supp:print_suppressions=0"
+
+leg() {
+  local san=$1 dir="build-$san"
+  local t0=$SECONDS
+  echo "== sanitizer leg: $san ($dir)"
+  "$cmake4" -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DWEIGHTSYNC_SANITIZE="$san" \
+    -DWEIGHTSYNC_WITH_CUDA=OFF -DWEIGHTSYNC_BUILD_PYTHON=OFF \
+    "-DPython_EXECUTABLE=$venv/bin/python" >/dev/null
+  "$cmake4" --build "$dir" -j"$(nproc)" --target "${targets[@]}"
+  local built=$SECONDS
+  (
+    if [ "$san" = thread ]; then
+      # UCX's malloc and mmap hooks patch the allocator under TSan's feet and
+      # crash processes; with them off UCX works as usual (it only loses its
+      # registration cache invalidation, which these tests do not rely on).
+      export UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none
+    fi
+    cd "$dir" && "$ctest4" --output-on-failure -j"$(nproc)" -E "$exclude"
+  )
+  echo "== sanitizer leg $san: build $((built - t0)) s, tests $((SECONDS - built)) s"
+}
+
+legs=("$@")
+[ ${#legs[@]} -gt 0 ] || legs=(address thread)
+for san in "${legs[@]}"; do
+  case "$san" in address | thread) leg "$san" ;; *) echo "unknown leg '$san'" >&2; exit 2 ;; esac
+done
