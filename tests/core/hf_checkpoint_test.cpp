@@ -2,6 +2,7 @@
 // names, index), the writer layout behind a distributed save (what each
 // writer holds itself, its windows), and load_local_tensors against the
 // reference cut of `weightsync shard` (fill_local_tensor), errors included.
+#include "mixed_layout.h"
 #include "safetensors_test_util.h"
 
 #include <weightsync/box.h>
@@ -30,27 +31,7 @@ using testing::ScratchDir;
 // Every LoadSpec rule (as in shard_test): fused keys with EP then FSDP, tail
 // padding, interleave with an empty shard, replication, stacked keys.
 TrainerLayout mixed_layout() {
-  return TrainerLayout::from_json(nlohmann::json::parse(R"({
-    "mesh": {"axes": ["dp", "ep", "fsdp"], "shape": [2, 2, 3]},
-    "params": [
-      {"name": "experts.gate_up", "fused_dim": 0, "global_shape": [30, 4], "dtype": "F32",
-       "hf_keys": ["e0.gate", "e0.up", "e1.gate", "e1.up", "e2.gate", "e2.up"],
-       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 0, "axis": "fsdp"}]},
-      {"name": "embed", "hf_keys": ["embed"], "global_shape": [9, 3], "origin_shape": [7, 3],
-       "dtype": "BF16", "shards": [{"dim": 0, "axis": "fsdp"}]},
-      {"name": "w13", "hf_keys": ["w13"], "global_shape": [8, 4], "dtype": "F16",
-       "shards": [{"dim": 0, "axis": "ep", "interleave": 2}, {"dim": 1, "axis": "fsdp"}]},
-      {"name": "norm", "hf_keys": ["norm"], "global_shape": [5], "dtype": "F32", "shards": []},
-      {"name": "experts.stacked_gate_up", "stack_dim": 0, "fused_dim": 1,
-       "global_shape": [5, 6, 3], "dtype": "BF16",
-       "hf_keys": ["s0.gate", "s0.up", "s1.gate", "s1.up", "s2.gate", "s2.up", "s3.gate",
-                   "s3.up", "s4.gate", "s4.up"],
-       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 0, "axis": "fsdp"}]},
-      {"name": "experts.stacked_down", "stack_dim": 0, "global_shape": [6, 3, 2],
-       "origin_shape": [5, 3, 2], "dtype": "F32",
-       "hf_keys": ["s0.down", "s1.down", "s2.down", "s3.down", "s4.down"],
-       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 1, "axis": "fsdp"}]}
-    ]})"));
+  return TrainerLayout::from_json(testing::mixed_layout_json());
 }
 
 // A random checkpoint of the layout's keys as an HF directory of several files.

@@ -4,6 +4,7 @@
 // equal the source key by key, byte for byte, with transformers' file names
 // and index; a rank killed mid-save must fail the others and leave no index.
 #include "e2e/e2e_helpers.h"
+#include "mixed_layout.h"
 
 #include <weightsync/hf_checkpoint.h>
 #include <weightsync/transport.h>
@@ -49,29 +50,11 @@ nlohmann::json model_layout(const std::string& model, const std::string& mesh,
 // then FSDP, tail padding, interleave with an empty shard, a replicated
 // param, keys stacked on a leading dim, a column (dim 1) shard.
 nlohmann::json mixed_layout() {
-  return nlohmann::json::parse(R"({
-    "mesh": {"axes": ["dp", "ep", "fsdp"], "shape": [2, 2, 3]},
-    "params": [
-      {"name": "experts.gate_up", "fused_dim": 0, "global_shape": [30, 4], "dtype": "F32",
-       "hf_keys": ["e0.gate", "e0.up", "e1.gate", "e1.up", "e2.gate", "e2.up"],
-       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 0, "axis": "fsdp"}]},
-      {"name": "embed", "hf_keys": ["embed"], "global_shape": [9, 3], "origin_shape": [7, 3],
-       "dtype": "BF16", "shards": [{"dim": 0, "axis": "fsdp"}]},
-      {"name": "w13", "hf_keys": ["w13"], "global_shape": [8, 4], "dtype": "F16",
-       "shards": [{"dim": 0, "axis": "ep", "interleave": 2}, {"dim": 1, "axis": "fsdp"}]},
-      {"name": "norm", "hf_keys": ["norm"], "global_shape": [5], "dtype": "F32", "shards": []},
-      {"name": "experts.stacked_gate_up", "stack_dim": 0, "fused_dim": 1,
-       "global_shape": [5, 6, 3], "dtype": "BF16",
-       "hf_keys": ["s0.gate", "s0.up", "s1.gate", "s1.up", "s2.gate", "s2.up", "s3.gate",
-                   "s3.up", "s4.gate", "s4.up"],
-       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 0, "axis": "fsdp"}]},
-      {"name": "experts.stacked_down", "stack_dim": 0, "global_shape": [6, 3, 2],
-       "origin_shape": [5, 3, 2], "dtype": "F32",
-       "hf_keys": ["s0.down", "s1.down", "s2.down", "s3.down", "s4.down"],
-       "shards": [{"dim": 0, "axis": "ep"}, {"dim": 1, "axis": "fsdp"}]},
+  nlohmann::json j = testing::mixed_layout_json();
+  j["params"].push_back(nlohmann::json::parse(R"(
       {"name": "cols", "hf_keys": ["cols"], "global_shape": [40, 36], "dtype": "BF16",
-       "shards": [{"dim": 1, "axis": "fsdp"}, {"dim": 0, "axis": "ep", "interleave": 2}]}
-    ]})");
+       "shards": [{"dim": 1, "axis": "fsdp"}, {"dim": 0, "axis": "ep", "interleave": 2}]})"));
+  return j;
 }
 
 // The tiny Llama with every 2-D weight cut by columns (strided pieces that
