@@ -1,6 +1,6 @@
-// The host quantizer: block by block (a 128 x 128 block of BF16 is 32 KiB,
-// so its second pass reads L1), straight from the source where one part
-// covers the tile with unit column strides, else gathered first.
+// The host quantizer: a band of up to 128 rows at a time, straight from the
+// source where one part covers the tile with unit column strides, else block
+// by block, gathered first.
 #include "core/fp8.h"
 
 #include <weightsync/error.h>
@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace weightsync::fp8 {
 namespace {
@@ -35,31 +36,42 @@ void store_scale(std::uintptr_t at, float s) {
   std::memcpy(reinterpret_cast<void*>(at), &s, sizeof s);
 }
 
-// On x86-64 with GCC the row loops are also built for AVX2 and chosen at load
-// time (8 floats a step instead of SSE2's 4). Same operations, same bits: no
-// fused multiply-add is enabled (and none could change a result, fp8_math.h).
-// Not under ThreadSanitizer: the clones' ifunc resolver runs during dynamic
-// relocation, before TSan's runtime is up, and its instrumentation crashes
-// every binary at load time.
+// On x86-64 with GCC the row loops are also built for x86-64-v4 (AVX-512:
+// 16 floats a step) and AVX2 (8) and chosen at load time (SSE2 does 4). Same operations, same bits:
+// no fused multiply-add is enabled (and none could change a result, fp8_math.h). Not under
+// ThreadSanitizer: the clones' ifunc resolver runs during dynamic relocation, before TSan's runtime
+// is up, and its instrumentation crashes every binary at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
-#define WS_FP8_CLONES __attribute__((target_clones("avx2", "default")))
+#define WS_FP8_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define WS_FP8_CLONES
 #endif
 
-// Contiguous source rows: the block maximum is taken on the bits with the
-// sign cleared (for BF16, F16 and F32 alike the same order as |x|), then
-// each row is quantized; both are loops the compiler vectorizes. (16-bit
-// bits with the sign cleared compare alike as signed: SSE2 has a signed max.)
-WS_FP8_CLONES uint32_t row_amax_bits(const uint16_t* row, int64_t n) {
-  int16_t m = 0;
-  for (int64_t c = 0; c < n; ++c) m = std::max<int16_t>(m, static_cast<int16_t>(row[c] & 0x7FFFu));
-  return static_cast<uint32_t>(m);
+// Contiguous source rows, processed as a band (the tile's up to 128 rows
+// across all its blocks): one pass over the rows takes every block's maximum
+// at once, on the bits with the sign cleared (for BF16, F16 and F32 alike the
+// same order as |x|), then a second pass quantizes each row with its blocks'
+// scales. Rows are read front to back (the band stays in L2 for the second
+// pass, where a 128 x 128 block read column block by column block would hit
+// one L1 set per row); the inner loops are ones the compiler vectorizes.
+// (16-bit bits with the sign cleared compare alike as signed: SSE2 has a
+// signed max.)
+WS_FP8_CLONES void row_block_amax(const uint16_t* row, int64_t n, uint32_t* m) {
+  for (int64_t c0 = 0, j = 0; c0 < n; c0 += kBlock, ++j) {
+    const int64_t bc = std::min<int64_t>(kBlock, n - c0);
+    int16_t x = static_cast<int16_t>(m[j]);
+    for (int64_t c = 0; c < bc; ++c)
+      x = std::max<int16_t>(x, static_cast<int16_t>(row[c0 + c] & 0x7FFFu));
+    m[j] = static_cast<uint32_t>(x);
+  }
 }
-WS_FP8_CLONES uint32_t row_amax_bits(const uint32_t* row, int64_t n) {
-  uint32_t m = 0;
-  for (int64_t c = 0; c < n; ++c) m = std::max(m, row[c] & 0x7FFFFFFFu);
-  return m;
+WS_FP8_CLONES void row_block_amax(const uint32_t* row, int64_t n, uint32_t* m) {
+  for (int64_t c0 = 0, j = 0; c0 < n; c0 += kBlock, ++j) {
+    const int64_t bc = std::min<int64_t>(kBlock, n - c0);
+    uint32_t x = m[j];
+    for (int64_t c = 0; c < bc; ++c) x = std::max(x, row[c0 + c] & 0x7FFFFFFFu);
+    m[j] = x;
+  }
 }
 
 float from_bits(uint32_t bits, DType dtype) {
@@ -68,41 +80,71 @@ float from_bits(uint32_t bits, DType dtype) {
   return dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
 
-WS_FP8_CLONES void quantize_row_bf16(const uint16_t* row, int64_t n, float inv, uint8_t* out) {
-  for (int64_t c = 0; c < n; ++c) out[c] = e4m3_from_f32(bf16_to_f32(row[c]) * inv);
+WS_FP8_CLONES void quantize_row_bf16(const uint16_t* row, int64_t n, const float* inv,
+                                     uint8_t* out) {
+  for (int64_t c0 = 0, j = 0; c0 < n; c0 += kBlock, ++j) {
+    const int64_t bc = std::min<int64_t>(kBlock, n - c0);
+    const float v = inv[j];
+    for (int64_t c = 0; c < bc; ++c) out[c0 + c] = e4m3_from_f32(bf16_to_f32(row[c0 + c]) * v);
+  }
 }
-WS_FP8_CLONES void quantize_row_f16(const uint16_t* row, int64_t n, float inv, uint8_t* out) {
-  for (int64_t c = 0; c < n; ++c) out[c] = e4m3_from_f32(f16_to_f32(row[c]) * inv);
+WS_FP8_CLONES void quantize_row_f16(const uint16_t* row, int64_t n, const float* inv,
+                                    uint8_t* out) {
+  for (int64_t c0 = 0, j = 0; c0 < n; c0 += kBlock, ++j) {
+    const int64_t bc = std::min<int64_t>(kBlock, n - c0);
+    const float v = inv[j];
+    for (int64_t c = 0; c < bc; ++c) out[c0 + c] = e4m3_from_f32(f16_to_f32(row[c0 + c]) * v);
+  }
 }
-WS_FP8_CLONES void quantize_row_f32(const uint32_t* row, int64_t n, float inv, uint8_t* out) {
-  for (int64_t c = 0; c < n; ++c) out[c] = e4m3_from_f32(bits_f32(row[c]) * inv);
+WS_FP8_CLONES void quantize_row_f32(const uint32_t* row, int64_t n, const float* inv,
+                                    uint8_t* out) {
+  for (int64_t c0 = 0, j = 0; c0 < n; c0 += kBlock, ++j) {
+    const int64_t bc = std::min<int64_t>(kBlock, n - c0);
+    const float v = inv[j];
+    for (int64_t c = 0; c < bc; ++c) out[c0 + c] = e4m3_from_f32(bits_f32(row[c0 + c]) * v);
+  }
 }
 
-// Block j of a tile whose one part covers it with unit column strides on
-// both sides.
+// A tile whose one part covers it with unit column strides on both sides.
+// The next dense tile's source rows (the next block row, usually), touched
+// while this band is quantized so that its first pass reads cache, not memory.
+struct Prefetch {
+  std::uintptr_t src = 0;
+  int64_t row_bytes = 0, row_stride_bytes = 0, rows = 0;
+};
+
 template <class Bits>
-void dense_block(const QuantTile& t, const QuantPart& p, std::uintptr_t src, std::uintptr_t dst,
-                 std::uintptr_t scale, int64_t c0, int64_t bc) {
+void dense_tile(const QuantTile& t, const QuantPart& p, std::uintptr_t src, std::uintptr_t dst,
+                std::uintptr_t scale, const Prefetch& next) {
   const auto row = [&](int64_t r) {
     return reinterpret_cast<const Bits*>(
-        src +
-        static_cast<std::uintptr_t>((r * p.row_stride + c0) * static_cast<int64_t>(sizeof(Bits))));
+        src + static_cast<std::uintptr_t>(r * p.row_stride * static_cast<int64_t>(sizeof(Bits))));
   };
-  uint32_t m = 0;
-  for (int64_t r = 0; r < t.rows; ++r) m = std::max(m, row_amax_bits(row(r), bc));
-  const float s = block_scale(from_bits(m, t.src_dtype), t.format == ScaleFormat::ue8m0);
-  const float inv = 1.0f / s;
-  for (int64_t r = 0; r < t.rows; ++r) {
-    auto* out =
-        reinterpret_cast<uint8_t*>(dst + static_cast<std::uintptr_t>(r * t.dst_row_stride + c0));
-    if constexpr (sizeof(Bits) == 4)
-      quantize_row_f32(row(r), bc, inv, out);
-    else if (t.src_dtype == DType::F16)
-      quantize_row_f16(row(r), bc, inv, out);
-    else
-      quantize_row_bf16(row(r), bc, inv, out);
+  const int64_t nb = t.blocks();
+  thread_local std::vector<uint32_t> amax;
+  thread_local std::vector<float> inv;
+  amax.assign(static_cast<size_t>(nb), 0);
+  inv.resize(static_cast<size_t>(nb));
+  for (int64_t r = 0; r < t.rows; ++r) row_block_amax(row(r), t.cols, amax.data());
+  for (int64_t j = 0; j < nb; ++j) {
+    const float s = block_scale(from_bits(amax[j], t.src_dtype), t.format == ScaleFormat::ue8m0);
+    inv[j] = 1.0f / s;
+    store_scale(scale + static_cast<std::uintptr_t>(j * t.scale_stride * 4), s);
   }
-  store_scale(scale, s);
+  for (int64_t r = 0; r < t.rows; ++r) {
+    if (r < next.rows) {
+      const auto* at = reinterpret_cast<const char*>(
+          next.src + static_cast<std::uintptr_t>(r * next.row_stride_bytes));
+      for (int64_t o = 0; o < next.row_bytes; o += 64) __builtin_prefetch(at + o);
+    }
+    auto* out = reinterpret_cast<uint8_t*>(dst + static_cast<std::uintptr_t>(r * t.dst_row_stride));
+    if constexpr (sizeof(Bits) == 4)
+      quantize_row_f32(row(r), t.cols, inv.data(), out);
+    else if (t.src_dtype == DType::F16)
+      quantize_row_f16(row(r), t.cols, inv.data(), out);
+    else
+      quantize_row_bf16(row(r), t.cols, inv.data(), out);
+  }
 }
 
 // Any block: its elements gathered from the parts into FP32 first.
@@ -136,23 +178,35 @@ void gathered_block(const QuantProgram& prog, const QuantTile& t, std::uintptr_t
   store_scale(scale, s);
 }
 
-void run_tile(const QuantProgram& prog, const QuantTile& t, std::uintptr_t src_base,
-              std::uintptr_t dst_base) {
+bool is_dense(const QuantProgram& prog, const QuantTile& t) {
+  const QuantPart& first = prog.parts()[t.first_part];
+  return t.num_parts == 1 && first.col_stride == 1 && t.dst_col_stride == 1;
+}
+
+std::uintptr_t part_src(const QuantPart& p, std::uintptr_t src_base) {
+  return (p.relative ? src_base : 0) + static_cast<std::uintptr_t>(p.src);
+}
+
+void run_tile(const QuantProgram& prog, const QuantTile& t, const QuantTile* next,
+              std::uintptr_t src_base, std::uintptr_t dst_base) {
   const std::uintptr_t dst = (t.relative ? dst_base : 0) + static_cast<std::uintptr_t>(t.dst);
   const std::uintptr_t scale = (t.relative ? dst_base : 0) + static_cast<std::uintptr_t>(t.scale);
   const QuantPart& first = prog.parts()[t.first_part];
-  const bool dense = t.num_parts == 1 && first.col_stride == 1 && t.dst_col_stride == 1;
-  const std::uintptr_t src =
-      (first.relative ? src_base : 0) + static_cast<std::uintptr_t>(first.src);
+  if (is_dense(prog, t)) {
+    Prefetch pf;
+    if (next != nullptr && is_dense(prog, *next)) {
+      const QuantPart& np = prog.parts()[next->first_part];
+      const auto item = static_cast<int64_t>(itemsize(next->src_dtype));
+      pf = {part_src(np, src_base), next->cols * item, np.row_stride * item, next->rows};
+    }
+    const std::uintptr_t src = part_src(first, src_base);
+    if (t.src_dtype == DType::F32) return dense_tile<uint32_t>(t, first, src, dst, scale, pf);
+    return dense_tile<uint16_t>(t, first, src, dst, scale, pf);
+  }
   for (int64_t j = 0; j < t.blocks(); ++j) {
     const int64_t c0 = j * kBlock, bc = std::min<int64_t>(kBlock, t.cols - c0);
-    const std::uintptr_t sj = scale + static_cast<std::uintptr_t>(j * t.scale_stride * 4);
-    if (!dense)
-      gathered_block(prog, t, src_base, dst, sj, c0, bc);
-    else if (t.src_dtype == DType::F32)
-      dense_block<uint32_t>(t, first, src, dst, sj, c0, bc);
-    else
-      dense_block<uint16_t>(t, first, src, dst, sj, c0, bc);
+    gathered_block(prog, t, src_base, dst,
+                   scale + static_cast<std::uintptr_t>(j * t.scale_stride * 4), c0, bc);
   }
 }
 
@@ -193,7 +247,8 @@ void execute_quant_host(const QuantProgram& program, std::uintptr_t src_base,
   const std::size_t end =
       std::min(program.tiles().size(), first + std::min(count, program.tiles().size()));
   for (std::size_t i = first; i < end; ++i)
-    run_tile(program, program.tiles()[i], src_base, dst_base);
+    run_tile(program, program.tiles()[i], i + 1 < end ? &program.tiles()[i + 1] : nullptr, src_base,
+             dst_base);
 }
 
 void add_region(QuantProgram& program, const Region& g, DType src_dtype, ScaleFormat format) {

@@ -85,15 +85,17 @@ WS_FP8_FN float block_scale(float amax, bool ue8m0) {
 WS_FP8_FN uint8_t e4m3_from_f32(float y) {
   const uint32_t u = f32_bits(y);
   const uint32_t sign = (u >> 24) & 0x80u;
-  const uint32_t b = u & 0x7FFFFFFFu;
+  // |y| >= 448, infinities and NaN (whose bits order above all numbers): 448,
+  // which the normal path below encodes as 0x7E.
+  uint32_t b = u & 0x7FFFFFFFu;
+  b = b < 0x43E00000u ? b : 0x43E00000u;
   // Normal results (|y| >= 2^-6): drop 20 mantissa bits, ties to even; a carry
   // into the exponent is the right result. Rebias 127 -> 7.
   const uint32_t normal = ((b + 0x7FFFFu + ((b >> 20) & 1u)) >> 20) - (120u << 3);
   // Subnormal results: round |y| / 2^-9 to an integer 0..8 (8 is 2^-6, the
   // smallest normal, whose encoding is 8 too) by adding 2^23 in FP32.
   const uint32_t sub = f32_bits(bits_f32(b) * 512.0f + 8388608.0f) - 0x4B000000u;
-  uint32_t r = b < 0x3C800000u ? sub : normal;
-  r = b >= 0x43E00000u ? 0x7Eu : r;  // |y| >= 448, infinities and NaN: 448
+  const uint32_t r = b < 0x3C800000u ? sub : normal;
   return static_cast<uint8_t>(r | sign);
 }
 
