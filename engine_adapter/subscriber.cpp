@@ -108,7 +108,8 @@ void Subscriber::Impl::ensure_ready() {
   if (on_weights) open_arena(*dp.plan);
   std::unique_ptr<engine::Fp8Staging> quant;
   if (engine::has_fp8(rank_layout()))
-    quant = std::make_unique<engine::Fp8Staging>(*dp.plan, rank_layout(), params, who);
+    quant = std::make_unique<engine::Fp8Staging>(*dp.plan, dp.plan->engine_template(global),
+                                                 rank_layout(), params, who);
   auto receiver = std::make_unique<engine::ReceivePipeline>(
       *dp.plan, global, quant ? quant->targets() : params, opt.staging, dp.memory, dp.wire,
       dp.transport->capabilities());

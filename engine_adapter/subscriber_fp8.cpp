@@ -20,14 +20,16 @@ bool has_fp8(const EngineRankLayout& layout) {
   return false;
 }
 
-Fp8Staging::Fp8Staging(const Plan& plan, const EngineRankLayout& layout,
+Fp8Staging::Fp8Staging(const Plan& plan, int engine_template, const EngineRankLayout& layout,
                        const std::vector<TensorView>& params, const std::string& who)
     : targets_(params) {
   std::map<std::string_view, DType> source;
   for (const PlanKey& k : plan.keys()) source.emplace(k.name, k.dtype);
   for (size_t i = 0; i < layout.params.size(); ++i) {
     const EngineParam& p = layout.params[i];
-    if (!p.quant || p.segments.empty()) continue;
+    // Quantized by the senders: its codes and scales land in place.
+    if (!p.quant || p.segments.empty() || plan.fp8_on_sender(engine_template, static_cast<int>(i)))
+      continue;
     const TensorView& weight = params.at(i);
     const TensorView& scale = params.at(static_cast<size_t>(p.scale_param));
     int device = -1;

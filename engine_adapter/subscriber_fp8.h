@@ -1,5 +1,6 @@
-// FP8 engines on the engine rank (DESIGN.md "FP8 engines"): the plan sends a
-// quantized weight in its trainer's dtype (BF16, F16 or F32); the receive
+// FP8 engines on the engine rank (DESIGN.md "FP8 engines"): unless its
+// senders quantize it (Plan::fp8_on_sender), the plan sends a quantized
+// weight in its trainer's dtype (BF16, F16 or F32); the receive
 // pipeline lands those bytes in a staging tensor of that dtype, one per FP8
 // param, kept here in the params' memory; quantize() then writes every FP8
 // param and its scale param from them: the host quantizer (core/fp8.h) for
@@ -24,7 +25,9 @@ class Fp8Staging {
  public:
   // `params`: the rank's registered params, by layout index, all in host
   // memory or all on one CUDA device (pipeline::rank_memory checked).
-  Fp8Staging(const Plan& plan, const EngineRankLayout& layout,
+  // `engine_template`: the rank's (Plan::engine_template); params the plan
+  // quantizes on the senders (Plan::fp8_on_sender) are not staged.
+  Fp8Staging(const Plan& plan, int engine_template, const EngineRankLayout& layout,
              const std::vector<TensorView>& params, const std::string& who);
 
   bool empty() const noexcept { return staged_ == 0; }

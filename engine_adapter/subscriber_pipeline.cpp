@@ -67,6 +67,26 @@ void add_apply(CopyProgram& program, const Copy& c, const TensorView& target, in
               c.transpose ? swap_last_two(strides) : strides, lengths, itemsize(target.dtype));
 }
 
+// Appends the apply of an item its sender quantized (Copy::fp8): its codes
+// into the FP8 param, then its block scales into the scale param.
+void add_apply_fp8(CopyProgram& program, const Copy& c, const TensorView& codes,
+                   const TensorView& scales, int64_t shift) {
+  if (codes.dtype != DType::F8_E4M3 || scales.dtype != DType::F32)
+    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": quantized by its sender, ",
+         "but the param is ", dtype_name(codes.dtype), " and its scale param ",
+         dtype_name(scales.dtype));
+  add_apply(program, c, codes, shift);
+  const size_t n = c.hf_box.rank();
+  Copy s = c;
+  s.offset = c.offset + c.hf_box.numel();
+  s.hf_box = Box::full(
+      Shape{(c.hf_box.lengths[n - 2] + 127) / 128, (c.hf_box.lengths[n - 1] + 127) / 128});
+  s.view_box = s.hf_box;
+  s.dst_box = c.scale_box;
+  s.dst_param = c.scale_param;
+  add_apply(program, s, scales, shift);
+}
+
 uint64_t read_trailer(const char* p) {
   uint64_t v = 0;
   for (int i = static_cast<int>(kBucketTrailerBytes) - 1; i >= 0; --i)
@@ -153,7 +173,11 @@ void ReceivePipeline::compile_fragments(RecvAction& a, const Plan& plan,
   a.fragments = route_fragments(
       plan, a.bucket, wire_.direct_min_bytes,
       [&](const Copy& c) { return direct_target(c, target(c)); },
-      [&](const Copy& c, int64_t shift) { add_apply(a.apply, c, target(c), shift); }, a.slot_bytes);
+      [&](const Copy& c, int64_t shift) {
+        if (c.fp8) return add_apply_fp8(a.apply, c, target(c), targets.at(c.scale_param), shift);
+        add_apply(a.apply, c, target(c), shift);
+      },
+      a.slot_bytes);
 }
 
 void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_device) {

@@ -55,7 +55,7 @@ void Publisher::Impl::ensure_ready() {
   spec.engine_from_json = [](const nlohmann::json& j) {
     return make_engine_layout(EngineSpec::from_json(j, "."));
   };
-  spec.plan = PlanOptions{opt.mode, opt.bucket_bytes};
+  spec.plan = PlanOptions{opt.mode, opt.bucket_bytes, opt.fp8_site};
   spec.memory = pipeline::rank_memory(
       tensors, [&](size_t i) { return opt.layout.params[i].name; }, spec.who);
   spec.connect_timeout = opt.connect_timeout;
@@ -213,6 +213,7 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
     m.client->set(m.key("layout/trainer"), bytes_of(m.opt.layout.to_json().dump()));
     const nlohmann::json po = {{"mode", plan_mode_name(m.opt.mode)},
                                {"bucket_bytes", m.opt.bucket_bytes},
+                               {"fp8_site", fp8_site_name(m.opt.fp8_site)},
                                {"wire", m.opt.wire.to_json()}};
     m.client->set(m.key("plan_options"), bytes_of(po.dump()));
   }

@@ -34,6 +34,35 @@ void add_pack(CopyProgram& program, const Copy& c, const TensorView& tensor, int
               contiguous_strides(c.src_box.lengths), c.src_box.lengths, itemsize(tensor.dtype));
 }
 
+// Appends the quantization of one plan item its sender quantizes (Copy::fp8):
+// `c.src_box` of `tensor` into FP8 codes row-major at bucket offset c.offset
+// - base, then its blocks' F32 scales row-major.
+void add_quant(fp8::QuantProgram& program, const Copy& c, const TensorView& tensor, int64_t base) {
+  const size_t n = c.src_box.rank(), h = c.hf_box.rank();
+  if (!same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths) || h != 2)
+    fail(Errc::internal, "plan item of trainer param ", c.src_param, ": source box ",
+         box_str(c.src_box), " and HF box ", box_str(c.hf_box), " differ in size");
+  if (tensor.dtype != c.dtype)
+    fail(Errc::invalid_argument, "trainer param ", c.src_param, " is ", dtype_name(tensor.dtype),
+         ", its layout says ", dtype_name(c.dtype));
+  const Shape strides = tensor.effective_strides();
+  const auto item = static_cast<int64_t>(itemsize(tensor.dtype));
+  int64_t first = 0;
+  for (size_t d = 0; d < n; ++d) first += c.src_box.offsets[d] * strides[d];
+  fp8::Region g;
+  g.rows = c.hf_box.lengths[0];
+  g.cols = c.hf_box.lengths[1];
+  g.src = static_cast<int64_t>(addr(tensor.data)) + first * item;
+  g.src_rs = n >= 2 ? strides[n - 2] : 0;
+  g.src_cs = strides[n - 1];
+  g.dst = c.offset - base;
+  g.dst_rs = g.cols;
+  g.dst_relative = true;
+  g.scale = g.dst + g.rows * g.cols;
+  g.scale_rs = (g.cols + fp8::kBlock - 1) / fp8::kBlock;
+  if (g.rows > 0 && g.cols > 0) fp8::add_region(program, g, tensor.dtype, c.fp8_format);
+}
+
 // The 8-byte little-endian trailer holding `sum` (checksum.h).
 void store_trailer(char* at, uint64_t sum) {
   for (size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8) at[i] = static_cast<char>(sum & 0xff);
@@ -117,7 +146,10 @@ void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,
       },
       [&](const Copy& c, int64_t shift) {
         first_run.push_back(static_cast<uint32_t>(a.pack.size()));
-        add_pack(a.pack, c, tensor(c), -shift);
+        if (c.fp8)
+          add_quant(a.quant, c, tensor(c), -shift);
+        else
+          add_pack(a.pack, c, tensor(c), -shift);
       },
       a.packed_bytes);
   first_run.push_back(static_cast<uint32_t>(a.pack.size()));
@@ -138,6 +170,12 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
   std::vector<const CopyProgram*> programs;
   for (const SendAction& a : actions_) programs.push_back(&a.pack);
   copier_.prepare(programs, memory, 2);
+  device_quant_.clear();
+  device_quant_.resize(actions_.size());
+  if (copier_.on_gpu())
+    for (size_t i = 0; i < actions_.size(); ++i)
+      if (!actions_[i].quant.empty())
+        device_quant_[i] = gpu::DeviceQuant(actions_[i].quant, memory.device);
   for (Slot& s : slots_) {
     s.buffer = allocate_staging(transport, slot_bytes_, slots, slot_device);
     s.posted.reserve(static_cast<size_t>(engine_world_ + trainer_world_));
@@ -150,6 +188,17 @@ void SendPipeline::pack(size_t index, int slot, size_t first, size_t count) {
   copier_.run(index, a.pack, 0, addr(slots_[slot].buffer.data), slot, first, count);
 }
 
+void SendPipeline::quantize(size_t index, int slot) {
+  const SendAction& a = actions_[index];
+  if (a.quant.empty()) return;
+  const std::uintptr_t dst = addr(slots_[slot].buffer.data);
+  if (!copier_.on_gpu()) return fp8::execute_quant_host(a.quant, 0, dst);
+  gpu::set_device(copier_.memory().device);
+  device_quant_[index].launch(copier_.stream(), 0, dst);
+  // A pack follows on the stream and its event covers both; else wait here.
+  if (a.pack.empty()) copier_.stream().synchronize();
+}
+
 void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phases) {
   const SendAction& a = actions_[index];
   Slot& slot = slots_[k];
@@ -158,12 +207,15 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
   const Tag tag = bucket_tag(step, a.bucket, 0);
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
   const auto pack_start = Clock::now();
+  // FP8 engines: the bucket's quantized items first (their fragments go out
+  // after every pack below).
+  quantize(index, k);
   if (copier_.on_gpu()) {
     // One launch for the bucket; its sends wait for it.
     pack(index, k);
     copier_.wait(k, *loop_, "packing bucket");
   }
-  double pack_s = copier_.on_gpu() ? seconds_since(pack_start) : 0;
+  double pack_s = copier_.on_gpu() || !a.quant.empty() ? seconds_since(pack_start) : 0;
   uint64_t sum = 0;
   slot.bucket = a.bucket;
   slot.bytes = a.bytes;

@@ -23,6 +23,8 @@
 #include <weightsync/wire.h>
 
 #include "core/copy_program.h"
+#include "core/cuda/gpu.h"
+#include "core/fp8.h"
 #include "pipeline/copier.h"
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
@@ -45,6 +47,9 @@ struct SendAction {
   // This rank's items packed into the slot (p2p: the packed fragments'
   // items): sources are tensor addresses, destinations slot offsets.
   CopyProgram pack;
+  // p2p, FP8 engines: the items this rank quantizes (Copy::fp8), from the
+  // tensors into the slot; run before the bucket's fragments are sent.
+  fp8::QuantProgram quant;
   // p2p; a packed fragment's first_op/num_ops index pack.runs().
   std::vector<FragmentRoute> fragments;
   int64_t packed_bytes = 0;       // p2p: slot bytes the packed fragments use
@@ -94,6 +99,9 @@ class SendPipeline {
   };
   void compile_fragments(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
   void pack(size_t index, int slot, size_t first = 0, size_t count = static_cast<size_t>(-1));
+  // Runs action `index`'s FP8 quantization into `slot` (host: now; GPU: on
+  // the copier's stream, ahead of its pack).
+  void quantize(size_t index, int slot);
   void post_p2p(size_t index, int slot, int64_t step, PushPhases& phases);
   void post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
   void drain(Slot& slot, std::vector<bool>& dead);
@@ -107,6 +115,7 @@ class SendPipeline {
   uint64_t bytes_direct_ = 0;
   Slot slots_[2];
   pipeline::Copier copier_;
+  std::vector<gpu::DeviceQuant> device_quant_;  // by action, GPU only
   Producer producer_;
   // Set for the duration of run().
   pipeline::Loop* loop_ = nullptr;

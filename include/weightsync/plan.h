@@ -23,6 +23,14 @@
 //   with apply_items(bucket, rank inside the replica): each names the packed
 //   view (offset, view_box) it reads from and the sub-box hf_box of it.
 //
+// FP8 engines (DESIGN.md "FP8 engines"): an FP8 param is quantized from its
+// trainer's BF16/F16/F32 data either on the engine rank (its items carry the
+// source bytes, which the engine stages and quantizes after the step) or,
+// with Fp8Site::sender in p2p mode, by the senders: when every item of the
+// param (on that engine rank) holds whole 128 x 128 blocks of it, each item
+// travels quantized (`Copy::fp8`): its FP8 codes row-major, then its blocks'
+// F32 scales row-major, about half the bytes of BF16. Both give the same bytes.
+//
 // Items are stored compactly (indices into tables of pieces and segments that
 // the plan keeps); `resolve` turns one into boxes.
 #pragma once
@@ -47,10 +55,22 @@ enum class PlanMode : uint8_t { p2p, broadcast };
 std::string_view plan_mode_name(PlanMode mode) noexcept;
 PlanMode parse_plan_mode(std::string_view name);  // Errc::invalid_argument
 
+// Where FP8 engine params are quantized: on the engine rank always, or by the
+// sending trainer rank where it holds whole blocks (p2p only; else the engine).
+enum class Fp8Site : uint8_t { sender, engine };
+std::string_view fp8_site_name(Fp8Site site) noexcept;
+Fp8Site parse_fp8_site(std::string_view name);  // Errc::invalid_argument
+
 struct PlanOptions {
   PlanMode mode = PlanMode::p2p;
   int64_t bucket_bytes = int64_t{256} << 20;  // 1 KiB .. 4 GiB - 1
+  Fp8Site fp8_site = Fp8Site::sender;
 };
+
+// Bytes of a box of an FP8 param on the wire when the sender quantizes: one
+// per element, then one F32 scale per (whole or edge) 128 x 128 block of its
+// last two dims. The box starts on a block boundary.
+int64_t fp8_wire_bytes(const Box& hf_box);
 
 // An HF tensor the plan moves (interned: items refer to it by index).
 struct PlanKey {
@@ -92,7 +112,15 @@ struct Copy {
   int64_t offset = 0;  // byte offset in the bucket of the packed view
   Box view_box;        // HF box packed row-major at offset (== hf_box except apply items)
   DType dtype = DType::BF16;
-  int64_t bytes = 0;  // hf_box.numel() * itemsize
+  int64_t bytes = 0;  // hf_box.numel() * itemsize, or fp8_wire_bytes(hf_box) when fp8
+  // Quantized by the sender: packed as FP8 codes of hf_box (row-major) at
+  // offset, then the F32 scales of its blocks (row-major) at offset +
+  // hf_box.numel(); the engine copies the codes into dst_box of dst_param and
+  // the scales into scale_box of scale_param.
+  bool fp8 = false;
+  ScaleFormat fp8_format = ScaleFormat::fp32;
+  int scale_param = -1;
+  Box scale_box;
 };
 
 struct Bucket {
@@ -125,6 +153,12 @@ struct PlanStats {
   double predicted_s = 0;                       // simulated schedule (docs/planner.md)
   double lower_bound_s = 0;                     // busiest endpoint's bytes over its link + latency
   double plan_s = 0;                            // wall time make_plan took
+  // FP8 engines: params (per engine rank, summed over ranks) quantized by the
+  // senders and by the engines, and the bytes all engine ranks would receive
+  // if every FP8 param were quantized on the engine (the source dtype's
+  // bytes); bytes_total is what they receive with this plan.
+  int64_t fp8_params_sender = 0, fp8_params_engine = 0;
+  int64_t bytes_total_engine_site = 0;
 };
 
 class Plan {
@@ -177,8 +211,13 @@ class Plan {
   struct SegmentRef {
     int32_t tp_rank = 0, param = 0, key = 0;  // tp_rank: the engine template
     bool transpose = false;
+    bool fp8_wire = false;  // quantized by the sender (see Copy::fp8)
+    ScaleFormat fp8_format = ScaleFormat::fp32;
+    int32_t scale_param = -1;  // the FP8 param's scale param, when fp8_wire
     Box hf_box, param_box;
   };
+  // True when engine template t's param `param` is quantized by the senders.
+  bool fp8_on_sender(int engine_template, int param) const;
   const std::vector<PieceRef>& pieces() const noexcept { return pieces_; }
   const std::vector<SegmentRef>& segments() const noexcept { return segments_; }
 
@@ -192,7 +231,8 @@ class Plan {
   std::vector<PlanKey> keys_;
   std::vector<PieceRef> pieces_;
   std::vector<SegmentRef> segments_;
-  std::vector<PlanItem> items_;  // sorted by bucket
+  std::vector<std::pair<int32_t, int32_t>> fp8_sender_params_;  // (template, param), sorted
+  std::vector<PlanItem> items_;                                 // sorted by bucket
   std::vector<Bucket> buckets_;
   std::vector<ApplyItem> apply_;       // broadcast, sorted by (bucket, tp rank)
   std::vector<uint32_t> apply_index_;  // (bucket * templates + template) -> first apply item

@@ -57,6 +57,9 @@ struct PublisherOptions {
   std::string transport = "ucx";
   PlanMode mode = PlanMode::p2p;
   int64_t bucket_bytes = int64_t{256} << 20;
+  // FP8 engines: quantize on the trainer ranks where they hold whole blocks
+  // (FP8 on the wire, plan.h) or always on the engines. Rank 0's holds.
+  Fp8Site fp8_site = Fp8Site::sender;
   // How buckets travel (wire.h): per-bucket checksums (off by default) and
   // the smallest item sent zero-copy. Rank 0's settings hold for everyone.
   WireOptions wire;

@@ -21,6 +21,38 @@ PlanMode parse_plan_mode(std::string_view name) {
   fail(Errc::invalid_argument, "unknown plan mode '", name, "' (expected p2p or broadcast)");
 }
 
+std::string_view fp8_site_name(Fp8Site site) noexcept {
+  return site == Fp8Site::sender ? "sender" : "engine";
+}
+
+Fp8Site parse_fp8_site(std::string_view name) {
+  if (name == "sender") return Fp8Site::sender;
+  if (name == "engine") return Fp8Site::engine;
+  fail(Errc::invalid_argument, "unknown FP8 quantization site '", name,
+       "' (expected sender or engine)");
+}
+
+int64_t fp8_wire_bytes(const Box& hf_box) {
+  const size_t n = hf_box.rank();
+  if (n < 2) return hf_box.numel();
+  constexpr int64_t kBlock = 128;
+  int64_t blocks = ((hf_box.lengths[n - 2] + kBlock - 1) / kBlock) *
+                   ((hf_box.lengths[n - 1] + kBlock - 1) / kBlock);
+  for (size_t d = 0; d + 2 < n; ++d) blocks *= hf_box.lengths[d];
+  return hf_box.numel() + 4 * blocks;
+}
+
+// The scale param's box of an FP8 param box (last two dims in 128-blocks).
+static Box fp8_scale_box(const Box& param_box) {
+  Box out = param_box;
+  const size_t n = out.rank();
+  for (size_t d = n - 2; d < n; ++d) {
+    out.offsets[d] /= 128;
+    out.lengths[d] = (out.lengths[d] + 127) / 128;
+  }
+  return out;
+}
+
 Box item_hf_box(const Plan& plan, const PlanItem& item) {
   Box hf = plan.pieces()[static_cast<size_t>(item.piece)].hf_box;
   if (item.segment >= 0) {
@@ -83,12 +115,24 @@ Copy Plan::resolve(const PlanItem& item) const {
     c.dst_param = seg.param;
     c.transpose = seg.transpose;
     c.dst_box = map_to_param(seg, c.hf_box);
+    if (seg.fp8_wire) {
+      c.fp8 = true;
+      c.fp8_format = seg.fp8_format;
+      c.scale_param = seg.scale_param;
+      c.scale_box = fp8_scale_box(c.dst_box);
+    }
   }
   c.offset = item.offset;
   c.view_box = c.hf_box;
   c.dtype = keys_[static_cast<size_t>(c.key)].dtype;
-  c.bytes = c.hf_box.numel() * static_cast<int64_t>(itemsize(c.dtype));
+  c.bytes =
+      c.fp8 ? fp8_wire_bytes(c.hf_box) : c.hf_box.numel() * static_cast<int64_t>(itemsize(c.dtype));
   return c;
+}
+
+bool Plan::fp8_on_sender(int engine_template, int param) const {
+  return std::binary_search(fp8_sender_params_.begin(), fp8_sender_params_.end(),
+                            std::pair<int32_t, int32_t>{engine_template, param});
 }
 
 int Plan::engine_template(int global_engine_rank) const {
@@ -207,6 +251,12 @@ nlohmann::json Plan::summary_json() const {
                       {"predicted_s", stats_.predicted_s},
                       {"lower_bound_s", stats_.lower_bound_s},
                       {"plan_s", stats_.plan_s}};
+  if (stats_.fp8_params_sender + stats_.fp8_params_engine > 0)
+    j["fp8"] = {{"site", fp8_site_name(options_.fp8_site)},
+                {"params_quantized_by_sender", stats_.fp8_params_sender},
+                {"params_quantized_by_engine", stats_.fp8_params_engine},
+                {"wire_bytes", stats_.bytes_total},
+                {"wire_bytes_engine_site", stats_.bytes_total_engine_site}};
   return j;
 }
 
@@ -226,6 +276,11 @@ void Plan::write_items_jsonl(std::ostream& out) const {
                         {"transpose", c.transpose}};
     if (c.dst_param >= 0) j["dst_box"] = box_json(c.dst_box);
     if (c.view_box != c.hf_box) j["view_box"] = box_json(c.view_box);
+    if (c.fp8) {
+      j["fp8"] = true;
+      j["scale_param"] = c.scale_param;
+      j["scale_box"] = box_json(c.scale_box);
+    }
     out << j.dump() << '\n';
   };
   for (const Bucket& b : buckets_) {

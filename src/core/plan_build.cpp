@@ -174,8 +174,25 @@ void PlanBuilder::collect_segments() {
         if (s.hf_box.empty()) continue;
         key_segments_[static_cast<size_t>(it->second)].push_back(
             static_cast<int32_t>(plan_.segments_.size()));
-        plan_.segments_.push_back(
-            {t, static_cast<int32_t>(q), it->second, s.transpose, s.hf_box, s.param_box});
+        Plan::SegmentRef ref;
+        ref.tp_rank = t;
+        ref.param = static_cast<int32_t>(q);
+        ref.key = it->second;
+        ref.transpose = s.transpose;
+        ref.hf_box = s.hf_box;
+        ref.param_box = s.param_box;
+        if (param.quant) {
+          // A candidate for quantizing on the sender; decide_fp8_sites keeps
+          // it when every item of the param holds whole blocks.
+          ref.fp8_wire = plan_.options_.mode == PlanMode::p2p &&
+                         plan_.options_.fp8_site == Fp8Site::sender && !s.transpose &&
+                         s.hf_box.rank() == 2 && param.quant->block_rows == fp8::kBlock &&
+                         param.quant->block_cols == fp8::kBlock;
+          ref.fp8_format = param.quant->scale;
+          ref.scale_param = param.scale_param;
+        }
+        seg_quant_.push_back(param.quant.has_value());
+        plan_.segments_.push_back(std::move(ref));
       }
     }
   }
@@ -317,6 +334,7 @@ void PlanBuilder::init_loads() {
 void PlanBuilder::build_p2p() {
   P2pChoices c;
   c.overlaps = all_overlaps();
+  decide_fp8_sites(c.overlaps);
   const size_t n = c.overlaps.size();
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
   c.seg_rank.resize(n);
@@ -342,6 +360,56 @@ void PlanBuilder::build_p2p() {
   pack_p2p_links(c);
 }
 
+namespace {
+
+// Whether `cut`, a part of segment `seg`'s HF box, holds whole 128 x 128 blocks
+// of it (the segment starts on a block boundary): its last two dims start on
+// one and end on one or at the segment's end.
+bool holds_whole_blocks(const Box& cut, const Box& seg) {
+  for (size_t d = cut.rank() - 2; d < cut.rank(); ++d) {
+    const int64_t lo = cut.offsets[d] - seg.offsets[d], hi = cut.end(d) - seg.offsets[d];
+    if (lo % fp8::kBlock != 0 || (hi % fp8::kBlock != 0 && cut.end(d) != seg.end(d))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// FP8 params quantized by the senders: those (per engine template) whose
+// every segment is a candidate and every overlap holds whole blocks. Their
+// overlaps then weigh their wire bytes.
+void PlanBuilder::decide_fp8_sites(std::vector<Overlap>& overlaps) {
+  std::map<std::pair<int32_t, int32_t>, bool> sender;  // (template, param) -> possible
+  for (size_t i = 0; i < plan_.segments_.size(); ++i) {
+    const Plan::SegmentRef& s = plan_.segments_[i];
+    if (!seg_quant_[i]) continue;
+    auto [it, fresh] = sender.emplace(std::pair{s.tp_rank, s.param}, true);
+    if (!s.fp8_wire) it->second = false;
+  }
+  auto cut_of = [&](const Overlap& ov) {
+    const Box& gb =
+        plan_.pieces_[sorted_pieces_[groups_[static_cast<size_t>(ov.group)].first]].hf_box;
+    return *intersect(gb, plan_.segments_[static_cast<size_t>(ov.segment)].hf_box);
+  };
+  for (const Overlap& ov : overlaps) {
+    const Plan::SegmentRef& s = plan_.segments_[static_cast<size_t>(ov.segment)];
+    if (s.fp8_wire && !holds_whole_blocks(cut_of(ov), s.hf_box))
+      sender[{s.tp_rank, s.param}] = false;
+  }
+  for (size_t i = 0; i < plan_.segments_.size(); ++i) {
+    Plan::SegmentRef& s = plan_.segments_[i];
+    if (seg_quant_[i]) s.fp8_wire = sender.at({s.tp_rank, s.param});
+  }
+  for (const auto& [tp, yes] : sender) {
+    const int64_t ranks = template_replicas_[static_cast<size_t>(tp.first)];
+    (yes ? plan_.stats_.fp8_params_sender : plan_.stats_.fp8_params_engine) += ranks;
+    if (yes) plan_.fp8_sender_params_.push_back(tp);
+  }
+  for (Overlap& ov : overlaps)
+    if (plan_.segments_[static_cast<size_t>(ov.segment)].fp8_wire)
+      ov.bytes = fp8_wire_bytes(cut_of(ov));
+}
+
 uint64_t PlanBuilder::hash_inputs() const {
   // A word-wise multiply-xorshift hash over the tables the plan is computed
   // from (stable across runs and machines of the same endianness).
@@ -358,6 +426,10 @@ uint64_t PlanBuilder::hash_inputs() const {
   };
   mix(static_cast<uint64_t>(plan_.options_.mode));
   mix(static_cast<uint64_t>(plan_.options_.bucket_bytes));
+  // FP8 engines: where they are quantized changes the items (other plans'
+  // ids stay as they were).
+  if (std::find(seg_quant_.begin(), seg_quant_.end(), true) != seg_quant_.end())
+    mix(static_cast<uint64_t>(plan_.options_.fp8_site) + 0x8f8);
   mix(plan_.trainer_world_), mix(plan_.engine_world_), mix(plan_.engine_templates_);
   // Several groups: which template each engine rank uses (one group's is
   // implied by the counts above, and its plan ids stay as they were).
@@ -408,10 +480,14 @@ Plan PlanBuilder::build() {
     build_p2p();
     phase("items");
     schedule_p2p(plan_, topology_);
+    plan_.stats_.bytes_total_engine_site = plan_.stats_.bytes_total + fp8_saved_;
   } else {
     build_broadcast();
     phase("items");
     schedule_broadcast(plan_, topology_);
+    plan_.stats_.bytes_total_engine_site = plan_.stats_.bytes_total;
+    std::vector<Overlap> none;
+    decide_fp8_sites(none);  // counts the FP8 params: all quantized on the engines
   }
   phase("schedule");
   plan_.stats_.plan_s =

@@ -43,6 +43,7 @@ class PlanBuilder {
   void init_loads();
   std::vector<Overlap> overlaps_of_key(int32_t key, const std::vector<int32_t>& segs) const;
   std::vector<Overlap> all_overlaps() const;
+  void decide_fp8_sites(std::vector<Overlap>& overlaps);
   uint32_t choose_holder(const PieceGroup& group, int64_t bytes);
   void build_p2p();
   struct P2pChoices;
@@ -67,9 +68,11 @@ class PlanBuilder {
   std::vector<uint32_t> key_groups_;                // key -> first group (size keys + 1)
   std::vector<int32_t> key_max_len0_;               // key -> longest group extent on dim 0
   std::vector<std::vector<int32_t>> key_segments_;  // key -> segment indices
-  std::vector<int64_t> rank_load_;                  // bytes sent per trainer rank so far
-  std::vector<int64_t> nic_load_;                   // bytes sent per trainer NIC so far
-  std::vector<int32_t> rank_nic_;                   // trainer rank -> NIC id
+  std::vector<bool> seg_quant_;                     // by segment: its param is FP8 (quantized)
+  int64_t fp8_saved_ = 0;           // source bytes minus wire bytes of sender-quantized items
+  std::vector<int64_t> rank_load_;  // bytes sent per trainer rank so far
+  std::vector<int64_t> nic_load_;   // bytes sent per trainer NIC so far
+  std::vector<int32_t> rank_nic_;   // trainer rank -> NIC id
   // Engine groups, per template: its group's replicas and global rank of
   // replica 0 (replica `rep` of template t is template_base_[t] + rep * tp).
   std::vector<int32_t> template_replicas_, template_base_, template_tp_;

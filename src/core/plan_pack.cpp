@@ -26,8 +26,11 @@ class BucketFiller {
   // (`box_of()`, only computed then) along its outer dim into slabs that fill
   // buckets. `emit(bucket, offset, lo, len, d)` receives each slab (len 0:
   // uncut). `key_of()` names the HF key in an error.
+  // An item quantized by its sender (`fp8`) is cut into slabs of whole
+  // 128-row blocks along its rows (dim -2), each holding its codes and scales.
   template <class KeyOf, class BoxOf, class Emit>
-  void place(int32_t src, int32_t dst, KeyOf key_of, int64_t bytes, BoxOf box_of, Emit emit) {
+  void place(int32_t src, int32_t dst, KeyOf key_of, int64_t bytes, BoxOf box_of, Emit emit,
+             bool fp8 = false) {
     if (bytes <= limit_) {
       if (open_ < 0 || used_ + bytes > limit_) open(src, dst);
       emit(open_, used_, 0, 0, 0);
@@ -36,6 +39,7 @@ class BucketFiller {
       return;
     }
     const Box box = box_of();
+    if (fp8) return place_fp8(src, dst, key_of, box, emit);
     const size_t d = split_dim_of(box);
     const int64_t slab = bytes / box.lengths[d];
     if (slab > limit_)
@@ -54,6 +58,30 @@ class BucketFiller {
   void close() { open_ = -1; }
 
  private:
+  template <class KeyOf, class Emit>
+  void place_fp8(int32_t src, int32_t dst, KeyOf key_of, const Box& box, Emit emit) {
+    const size_t d = box.rank() - 2;
+    constexpr int64_t kRows = 128;
+    auto slab_bytes = [&](int64_t rows) {
+      Box b = box;
+      b.lengths[d] = rows;
+      return fp8_wire_bytes(b);
+    };
+    const int64_t unit = slab_bytes(std::min(kRows, box.lengths[d]));
+    if (unit > limit_)
+      fail(Errc::invalid_argument, "bucket_bytes ", limit_,
+           " is smaller than one row of 128 x 128 ", "FP8 blocks (", unit, " bytes) of '",
+           plan_.keys()[static_cast<size_t>(key_of())].name, "' ", box_str(box));
+    for (int64_t done = 0; done < box.lengths[d];) {
+      if (open_ < 0 || (limit_ - used_) < unit) open(src, dst);
+      const int64_t take = std::min((limit_ - used_) / unit * kRows, box.lengths[d] - done);
+      emit(open_, used_, box.offsets[d] + done, take, d);
+      used_ += slab_bytes(take);
+      buckets_.back().bytes = used_;
+      done += take;
+    }
+  }
+
   void open(int32_t src, int32_t dst) {
     open_ = static_cast<int32_t>(buckets_.size());
     Bucket b;
@@ -82,6 +110,9 @@ void index_items(std::vector<Bucket>& buckets, const std::vector<PlanItem>& item
 }  // namespace
 
 void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
+  auto ov_key = [&](const PlanItem& it) {
+    return plan_.pieces_[static_cast<size_t>(it.piece)].key;
+  };
   // A stable counting sort by link scatters 8-byte (piece, overlap) pairs into
   // link order; the items are then built once, sequentially, into storage
   // reserved up front. At 1T-model scale (millions of items) fresh pages and
@@ -119,6 +150,7 @@ void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
       it.piece = sorted[e].piece;
       it.segment = ov.segment;
       it.dst_rank = dst;
+      const bool fp8 = plan_.segments_[static_cast<size_t>(ov.segment)].fp8_wire;
       filler.place(
           src, dst, [&] { return plan_.pieces_[static_cast<size_t>(it.piece)].key; }, ov.bytes,
           [&] { return item_hf_box(plan_, it); },
@@ -131,7 +163,14 @@ void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
             Bucket& b = plan_.buckets_[static_cast<size_t>(bucket)];
             if (b.num_items++ == 0) b.first_item = static_cast<uint32_t>(out.size());
             out.push_back(it);
-          });
+            if (fp8) {
+              const Box hf = item_hf_box(plan_, it);
+              fp8_saved_ += hf.numel() * static_cast<int64_t>(itemsize(
+                                             plan_.keys_[static_cast<size_t>(ov_key(it))].dtype)) -
+                            fp8_wire_bytes(hf);
+            }
+          },
+          fp8);
     }
   }
   if (out.size() > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");

@@ -54,7 +54,40 @@ class Verifier {
       fail(Errc::internal, "plan: engine rank ", engine_rank, " param '", param.name,
            "' has no segment taking ", box_str(c.hf_box), " of '", key, "' to ",
            box_str(c.dst_box));
+    const int t = plan_.engine_template(engine_rank);
+    if (c.fp8 != plan_.fp8_on_sender(t, c.dst_param) || (c.fp8 && !param.quant))
+      fail(Errc::internal, "plan: engine rank ", engine_rank, " param '", param.name, "': an item ",
+           c.fp8 ? "quantized by its sender" : "in the source dtype", ", but the plan says it is ",
+           plan_.fp8_on_sender(t, c.dst_param) ? "" : "not ", "quantized by the senders");
+    if (c.fp8) check_fp8(c, engine_rank, param, key);
     written_[{engine_rank, c.dst_param}].push_back(c.dst_box);
+  }
+
+  // A sender-quantized item holds whole blocks of its segment (on both
+  // sides), and its scales land in the blocks of its codes.
+  void check_fp8(const Copy& c, int engine_rank, const EngineParam& param, const std::string& key) {
+    const size_t n = c.dst_box.rank();
+    bool whole = c.scale_param == param.scale_param && c.scale_box.rank() == n && n >= 2;
+    for (size_t d = n - 2; whole && d < n; ++d) {
+      const int64_t end = c.dst_box.offsets[d] + c.dst_box.lengths[d];
+      whole = c.dst_box.offsets[d] % 128 == 0 && (end % 128 == 0 || ends_on_segment(param, c, d)) &&
+              c.scale_box.offsets[d] == c.dst_box.offsets[d] / 128 &&
+              c.scale_box.lengths[d] == (c.dst_box.lengths[d] + 127) / 128;
+    }
+    if (!whole)
+      fail(Errc::internal, "plan: engine rank ", engine_rank, " param '", param.name,
+           "': ", box_str(c.hf_box), " of '", key,
+           "' quantized by its sender holds part of a block (to ", box_str(c.dst_box), ", scales ",
+           box_str(c.scale_box), ")");
+  }
+
+  // Whether dst_box's end along param dim d is where a segment ends (an edge
+  // block), as opposed to inside one.
+  static bool ends_on_segment(const EngineParam& param, const Copy& c, size_t d) {
+    const int64_t end = c.dst_box.offsets[d] + c.dst_box.lengths[d];
+    for (const Segment& s : param.segments)
+      if (s.param_box.offsets[d] + s.param_box.lengths[d] == end) return true;
+    return false;
   }
 
   // Every (rank, param) written exactly once where its segments say.
@@ -111,14 +144,19 @@ class Verifier {
       fail(Errc::internal, "plan: bucket ", b.id, " says ", b.bytes, " bytes, items hold ", sum);
   }
 
-  // In the trainer's dtypes (an FP8 param receives its source bytes).
+  // In the trainer's dtypes (an FP8 param quantized on the engine receives
+  // its source bytes; one quantized by the senders its codes and scales).
   int64_t rank_param_bytes(int g) const {
     std::map<std::string_view, DType> dtypes;
     for (const PlanKey& k : plan_.keys()) dtypes.emplace(k.name, k.dtype);
     int64_t bytes = 0;
-    for (const EngineParam& p : engine_.rank_layout(g).params)
-      for (const Segment& s : p.segments)
-        bytes += s.hf_box.numel() * static_cast<int64_t>(itemsize(dtypes.at(s.hf_key)));
+    const auto& params = engine_.rank_layout(g).params;
+    for (size_t q = 0; q < params.size(); ++q) {
+      const bool fp8 = plan_.fp8_on_sender(plan_.engine_template(g), static_cast<int>(q));
+      for (const Segment& s : params[q].segments)
+        bytes += fp8 ? fp8_wire_bytes(s.hf_box)
+                     : s.hf_box.numel() * static_cast<int64_t>(itemsize(dtypes.at(s.hf_key)));
+    }
     return bytes;
   }
 

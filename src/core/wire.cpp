@@ -81,7 +81,10 @@ std::vector<FragmentRoute> route_fragments(
   uint32_t ops = 0;
   for (const Fragment& f : bucket_fragments(plan, bucket, direct_min_bytes)) {
     if (f.count == 1 && f.bytes >= direct_min_bytes) {
-      FragmentRoute r = direct(plan.resolve(items[f.first]));
+      // An item its sender quantizes is packed on one side and split into
+      // codes and scales on the other: never sent in place.
+      const Copy c = plan.resolve(items[f.first]);
+      FragmentRoute r = c.fp8 ? FragmentRoute{} : direct(c);
       if (r.direct) {
         r.bytes = f.bytes;
         out.push_back(r);

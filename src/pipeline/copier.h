@@ -24,6 +24,8 @@ class Copier {
                int slots);
   bool on_gpu() const noexcept { return gpu_; }
   const RankMemory& memory() const noexcept { return memory_; }
+  // The stream the GPU copies run on (other work ordered with them).
+  const gpu::Stream& stream() const noexcept { return stream_; }
 
   // Host: runs runs [first, first + count) of `program` now. GPU: launches
   // the whole program `index` and records `slot`'s event after it.

@@ -38,6 +38,12 @@ PlanOptions plan_options_of(const nlohmann::json& po, const SetupSpec& spec) {
   PlanOptions options;
   options.mode = parse_plan_mode(po["mode"].get<std::string>());
   options.bucket_bytes = po["bucket_bytes"].get<int64_t>();
+  if (po.contains("fp8_site")) {
+    if (!po["fp8_site"].is_string())
+      fail(Errc::format, spec.who, ": the store's '", spec.job,
+           "/plan_options' has a non-string \"fp8_site\": ", po.dump());
+    options.fp8_site = parse_fp8_site(po["fp8_site"].get<std::string>());
+  }
   return options;
 }
 
