@@ -88,9 +88,10 @@ std::string generate_trainer_layout(const std::string& hf_config, const std::str
 }
 
 std::string plan_summary(const std::string& trainer, const std::string& engine,
-                         const std::string& base_dir, const std::string& mode,
-                         int64_t bucket_bytes) {
+                         const std::string& base_dir, const std::string& mode, int64_t bucket_bytes,
+                         const std::string& fp8_site) {
   PlanOptions options;
+  options.fp8_site = parse_fp8_site(fp8_site);
   options.mode = parse_plan_mode(mode);
   options.bucket_bytes = bucket_bytes;
   const Plan plan =
@@ -114,7 +115,8 @@ void bind_layouts(nb::module_& m) {
         nb::arg("style"), nb::arg("dtype") = nb::none(), nb::arg("vocab_divisible_by") = 128,
         nb::arg("first_stage_layers") = nb::none(), nb::arg("last_stage_layers") = nb::none());
   m.def("plan_summary", &plan_summary, nb::arg("trainer"), nb::arg("engine"), nb::arg("base_dir"),
-        nb::arg("mode"), nb::arg("bucket_bytes"), nb::call_guard<nb::gil_scoped_release>());
+        nb::arg("mode"), nb::arg("bucket_bytes"), nb::arg("fp8_site") = "sender",
+        nb::call_guard<nb::gil_scoped_release>());
 }
 
 }  // namespace weightsync::python

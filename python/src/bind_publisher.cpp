@@ -42,8 +42,9 @@ class PyPublisher : public Handle<Publisher> {
             const std::string& transport, const std::string& mode, int64_t bucket_bytes,
             bool checksums, const std::string& token, const std::string& job,
             double connect_timeout, double step_timeout, uintptr_t producer_stream,
-            uintptr_t producer_event) {
+            uintptr_t producer_event, const std::string& fp8_site) {
     PublisherOptions o;
+    o.fp8_site = parse_fp8_site(fp8_site);
     o.producer_stream = reinterpret_cast<void*>(producer_stream);
     o.producer_event = reinterpret_cast<void*>(producer_event);
     o.coordinator = coordinator;

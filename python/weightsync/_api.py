@@ -184,11 +184,16 @@ class Publisher:
                  transport: str = "ucx", mode: str = "p2p", bucket_bytes: int = 256 << 20,
                  checksums: bool = False, token: Optional[str] = None, job: str = "weightsync",
                  connect_timeout: float = 60.0, step_timeout: float = 120.0,
-                 producer_stream: Any = None, producer_event: Any = None):
+                 producer_stream: Any = None, producer_event: Any = None,
+                 fp8_site: str = "sender"):
         """CUDA tensors: a push reads them once the work before `producer_event`
         (a torch.cuda.Event recorded after the optimizer step) is done, else
         all work queued on `producer_stream` (a torch.cuda.Stream), else the
-        whole device's (a synchronize at the start of every push)."""
+        whole device's (a synchronize at the start of every push).
+
+        FP8 engine configs: `fp8_site="sender"` quantizes on the trainer ranks
+        where they hold whole 128 x 128 blocks (FP8 on the wire, p2p mode),
+        "engine" always on the engine ranks; both give the same bytes."""
         layout_text, _ = load_json(layout, "trainer layout")
         engine_text, engine_base = load_json(engine, "engine config") if engine is not None \
             else (None, os.getcwd())
@@ -197,7 +202,7 @@ class Publisher:
                         transport, mode, bucket_bytes, checksums, token or "", job,
                         connect_timeout, step_timeout,
                         _cuda_handle(producer_stream, "cuda_stream", "producer_stream"),
-                        _cuda_handle(producer_event, "cuda_event", "producer_event"))
+                        _cuda_handle(producer_event, "cuda_event", "producer_event"), fp8_site)
         # The params this rank holds: pipeline stages repeat local layer names.
         names = _core.rank_param_names(layout_text, rank)
         self._registry = _Registry(f"trainer rank {rank}", names)

@@ -106,6 +106,52 @@ def test_three_steps_of_changing_weights_land_bit_exact(setup):
     assert coord.committed_version(0) == 3
 
 
+@pytest.mark.parametrize("site", ["sender", "engine"])
+def test_fp8_engine_from_bf16_trainer_at_either_site(tmp_path, site):
+    """BF16 tensors into an FP8 engine (block quantization): with fp8_site
+    "sender" the trainer quantizes (it holds every weight whole: FP8 codes and
+    scales travel), with "engine" the engine does; either way every FP8 param
+    and scale equals `weightsync materialize` after every step."""
+    config = model_config("tiny-fp8-llama") + "/config.json"
+    layout = json.loads(cli("trainer-layout", "--hf-config", config, "--mesh", "fsdp=1").stdout)
+    engine = {"framework": "vllm", "hf_config": config, "tp": 1, "replicas": 1, "dtype": "BF16",
+              "quantization": {"method": "fp8", "weight_block_size": [128, 128],
+                               "scale": "fp32"}}
+    coord = ws.Coordinator()
+    try:
+        eng = EngineThread(coord, engine, 2)
+        assert any(t.dtype == torch.float8_e4m3fn for t in eng.params.values())
+        tensors = trainer_tensors(layout, 3)
+        with ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
+                          bucket_bytes=256 << 10, fp8_site=site) as pub:
+            for name, t in tensors.items():
+                pub.register(name, t)
+            for step in (1, 2):
+                for t in tensors.values():
+                    t.mul_(1.5)
+                assert pub.push(step).committed == [0]
+                while len(eng.outcomes) < step:
+                    time.sleep(0.01)
+                ref = reference(tmp_path, engine, tensors)
+                for name, t in eng.params.items():
+                    assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn
+                                       else t,
+                                       ref[name].view(torch.uint8)
+                                       if ref[name].dtype == torch.float8_e4m3fn else ref[name]), \
+                        (site, step, name)
+            fp8 = pub.plan_summary()["fp8"]
+        eng.join()
+    finally:
+        coord.close()
+    assert fp8["site"] == site
+    if site == "sender":
+        assert fp8["params_quantized_by_engine"] == 0 and fp8["params_quantized_by_sender"] > 0
+        assert fp8["wire_bytes"] < 0.6 * fp8["wire_bytes_engine_site"]
+    else:
+        assert fp8["params_quantized_by_sender"] == 0 and fp8["params_quantized_by_engine"] > 0
+        assert fp8["wire_bytes"] == fp8["wire_bytes_engine_site"]
+
+
 def test_push_async_is_a_future_and_hooks_see_steps(setup):
     coord, layout, engine, _ = setup
     seen = []
@@ -311,6 +357,7 @@ def test_constructor_and_engine_errors(setup, tmp_path):
         (dict(layout=layout, rank=5), "invalid_argument", "rank 5 outside the trainer world"),
         (dict(layout=layout, bucket_bytes=10), "invalid_argument", "bucket_bytes 10"),
         (dict(layout=layout, mode="multicast"), "invalid_argument", "multicast"),
+        (dict(layout=layout, fp8_site="trainer"), "invalid_argument", "'trainer'"),
         (dict(layout=layout, coordinator="nowhere"), "invalid_argument", "HOST:PORT"),
     ]
     for kw, code, text in bad:

@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 const char* kUsage =
     "usage: weightsync bench plan [--json] [--topology X.json] [--configs DIR]\n"
     "                             [--bucket-bytes N] [--broadcast] [--dtype F8_E4M3]\n"
-    "                             [--fp8]\n\n"
+    "                             [--fp8] [--fp8-site sender|engine]\n\n"
     "Plans, p2p, with trainer mesh ep=8,fsdp=32 (256 ranks, XTuner-style layout):\n"
     "  deepseek-v3: -> 16 vLLM replicas of tp=16 with expert parallel (256 engine ranks)\n"
     "  kimi-k2:     -> 8 vLLM replicas of tp=16 with expert parallel (128 engine ranks)\n"
@@ -42,16 +42,22 @@ const char* kUsage =
     "Models come from DIR/models/<Name>/config.json (default: the configs/ shipped\n"
     "with this command, found beside it whatever the working directory).\n"
     "Topology default: 8 GPUs/node, 50 GB/s NIC per GPU.\n"
-    "--dtype: the weights' dtype on both sides (default: the config's torch_dtype, BF16).\n"
-    "--fp8: FP8 engines (block quantization, docs/fp8.md) fed by the trainer's dtype:\n"
-    "the engines' F8_E4M3 weights and scale params, the wire in the trainer's dtype.\n";
+    "--dtype: the weights' dtype on both sides (default: the config's torch_dtype, BF16),\n"
+    "except F8_E4M3, which is --fp8.\n"
+    "--fp8 (or --dtype F8_E4M3): FP8 engines (block quantization, docs/fp8.md) fed by\n"
+    "the trainer's BF16: the engines' F8_E4M3 weights and scale params, quantized by\n"
+    "the trainer ranks where they hold whole 128 x 128 blocks (FP8 codes and scales on\n"
+    "the wire) and by the engine ranks elsewhere (--fp8-site engine: everywhere).\n"
+    "Each case then also prints the FP8 params quantized on each side and the wire\n"
+    "bytes, against those of quantizing every FP8 param on the engines.\n";
 
 struct BenchCase {
   std::string name, model_dir;
   int replicas = 1;
   PlanMode mode = PlanMode::p2p;
   bool megatron = false;  // else XTuner style, ep=8,fsdp=32
-  bool fp8 = false;       // FP8 engines (block quantization on the engine ranks)
+  bool fp8 = false;       // FP8 engines (block quantization)
+  Fp8Site fp8_site = Fp8Site::sender;
 };
 
 // 256 Megatron-Core ranks as NeMo-RL trains DeepSeek-V3: pp=16, ep=16 over
@@ -94,6 +100,7 @@ nlohmann::json run_case(const BenchCase& c, const fs::path& configs, const Topol
   PlanOptions options;
   options.mode = c.mode;
   options.bucket_bytes = bucket_bytes;
+  options.fp8_site = c.fp8_site;
   timespec c0{}, c1{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
   const Plan plan = make_plan(trainer, engine, topo, options);
@@ -149,12 +156,17 @@ nlohmann::json run_isolated(const BenchCase& c, const fs::path& configs, const T
 }
 
 int run_bench_plan(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "broadcast", "fp8"}, {"topology", "configs", "bucket-bytes", "dtype"});
+  Args args(argv, {"json", "broadcast", "fp8"},
+            {"topology", "configs", "bucket-bytes", "dtype", "fp8-site"});
   std::optional<DType> dtype;
+  bool fp8 = args.flag("fp8");
   if (auto d = args.get("dtype")) {
     dtype = parse_dtype(*d);
     if (!dtype) fail(Errc::invalid_argument, "--dtype: unknown dtype '", *d, "'");
+    // FP8 weights come from quantizing the trainer's: FP8 engines.
+    if (*dtype == DType::F8_E4M3) fp8 = true, dtype.reset();
   }
+  const Fp8Site site = parse_fp8_site(args.get_or("fp8-site", "sender"));
   const fs::path configs = find_configs(args);
   const Topology topo = args.has("topology") ? Topology::load(*args.get("topology")) : Topology{};
   const int64_t bucket = args.get_int("bucket-bytes", PlanOptions{}.bucket_bytes);
@@ -163,7 +175,7 @@ int run_bench_plan(const std::vector<std::string>& argv) {
                                   {"kimi-k2", "Kimi-K2", 8, PlanMode::p2p}};
   if (args.flag("broadcast"))
     cases.push_back({"kimi-k2-broadcast", "Kimi-K2", 8, PlanMode::broadcast});
-  for (BenchCase& c : cases) c.fp8 = args.flag("fp8");
+  for (BenchCase& c : cases) c.fp8 = fp8, c.fp8_site = site;
   nlohmann::json results = nlohmann::json::array();
   for (const BenchCase& c : cases) {
     nlohmann::json r = run_isolated(c, configs, topo, bucket, dtype);
@@ -179,6 +191,16 @@ int run_bench_plan(const std::vector<std::string>& argv) {
           r["plan_cpu_s"].get<double>(), r["peak_rss_mib"].get<double>(),
           static_cast<long long>(r["buckets"].get<int64_t>()), r["predicted_s"].get<double>(),
           r["lower_bound_s"].get<double>(), r["ratio"].get<double>());
+    if (!args.flag("json") && r.contains("fp8")) {
+      const auto& f = r["fp8"];
+      std::printf(
+          "%-20s FP8 params: %lld quantized by the senders, %lld by the engines; "
+          "wire %.1f GB (all on the engines: %.1f GB, ratio %.3f)\n",
+          "", static_cast<long long>(f["params_quantized_by_sender"].get<int64_t>()),
+          static_cast<long long>(f["params_quantized_by_engine"].get<int64_t>()),
+          f["wire_bytes"].get<double>() / 1e9, f["wire_bytes_engine_site"].get<double>() / 1e9,
+          f["wire_bytes"].get<double>() / f["wire_bytes_engine_site"].get<double>());
+    }
     results.push_back(std::move(r));
   }
   if (args.flag("json"))

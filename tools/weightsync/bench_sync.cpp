@@ -16,6 +16,7 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/plan.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/safetensors.h>
 
@@ -38,7 +39,8 @@ constexpr const char* kUsage =
     "                        [--checkpoint C --trainer T.json --engine E.json]\n"
     "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
-    "                        [--checksums] [--device cpu|cuda] [--fp8]\n\n"
+    "                        [--checksums] [--device cpu|cuda] [--fp8]\n"
+    "                        [--fp8-site sender|engine]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -64,8 +66,10 @@ constexpr const char* kUsage =
     "over a host transport pinned_gbps/ratio_to_pinned (a pinned device-to-host\n"
     "copy of them), and the peer baseline becomes PyTorch's way over CUDA IPC\n"
     "(tools/bench/peer_ipc_baseline.py, found and run the same way).\n"
-    "--fp8: the engines are FP8 (\"quantization\": block FP8, docs/fp8.md): the\n"
-    "engine ranks quantize each step's BF16 weights into FP8 params and scales.\n";
+    "--fp8: the engines are FP8 (\"quantization\": block FP8, docs/fp8.md): each\n"
+    "step's BF16 weights become FP8 params and scales, quantized by the trainer ranks\n"
+    "where they hold whole blocks (--fp8-site sender, the default: FP8 on the wire)\n"
+    "or by the engine ranks (--fp8-site engine).\n";
 
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -311,7 +315,7 @@ void print_human(const nlohmann::json& r) {
 int run_sync_bench(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "no-peer", "checksums", "fp8"},
             {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
-             "transport", "device", "checkpoint", "trainer", "engine"});
+             "transport", "device", "checkpoint", "trainer", "engine", "fp8-site"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
   if (steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
   const double gb = args.get_double("size-gb", 1.0);
@@ -326,6 +330,8 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.verify = false;
   job.checksums = args.flag("checksums");
+  job.fp8_site = args.get_or("fp8-site", "sender");
+  parse_fp8_site(job.fp8_site);
   job.raw_rounds = 3;
   job.trace = args.has("trace");
   job.work_dir = args.has("work-dir") ? args.require("work-dir") : demo::make_temp_dir("bench");
@@ -357,7 +363,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
       fail(Errc::invalid_argument,
            "--fp8 is for the generated model; with --engine, put \"quantization\" in the engine "
            "config (docs/fp8.md)");
-    // FP8 engines: the engine ranks quantize what lands (docs/fp8.md).
+    // FP8 engines, quantized where --fp8-site says (docs/fp8.md).
     nlohmann::json engine = nlohmann::json::parse(std::ifstream(job.engine));
     engine["quantization"] = {{"method", "fp8"}, {"weight_block_size", {128, 128}}};
     std::ofstream(job.engine, std::ios::trunc) << engine.dump();

@@ -37,6 +37,9 @@ constexpr const char* kUsage =
     "  --engine E.json      engine config\n"
     "  --steps K            versions to sync (default 3)\n"
     "  --mode p2p|broadcast (default p2p)\n"
+    "  --fp8-site sender|engine  FP8 engine configs: quantize on the trainer ranks\n"
+    "                       where they hold whole 128 x 128 blocks (default; FP8 on\n"
+    "                       the wire, p2p only) or always on the engine ranks\n"
     "  --dump DIR           each engine rank writes DIR/engine<e>-rank<r>.safetensors\n"
     "                       after the last step (its params under the engine's names)\n"
     "  --device cpu|cuda    where every rank's tensors live (default cpu); with cuda\n"
@@ -103,6 +106,7 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   PlanOptions po;
   po.mode = parse_plan_mode(job.mode);
   po.bucket_bytes = job.bucket_bytes;
+  po.fp8_site = parse_fp8_site(job.fp8_site);
   const Plan plan = make_plan(TrainerLayout::load(job.trainer),
                               make_engine_layout(EngineSpec::load(job.engine)), Topology{}, po);
   WireOptions wire;
@@ -136,6 +140,8 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   demo::check_device(job.device, "--device");
   job.transport = args.get_or("transport", job.device == "cuda" ? "cuda_ipc" : "ucx");
   job.bucket_bytes = args.get_int("bucket-bytes", int64_t{256} << 20);
+  job.fp8_site = args.get_or("fp8-site", "sender");
+  parse_fp8_site(job.fp8_site);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 120) * 1000);
   job.staging = args.flag("staging");
   job.checksums = args.flag("checksums");
@@ -182,7 +188,7 @@ int run_demo(const std::vector<std::string>& argv) {
   Args args(argv, {"staging", "checksums", "restart", "no-verify", "json"},
             {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport",
              "bucket-bytes", "timeout", "trace", "summary", "work-dir", "kill", "engine-transport",
-             "step-gap", "device"});
+             "step-gap", "device", "fp8-site"});
   std::optional<demo::ModelFiles> model;
   const demo::JobSpec job = job_from_args(args, model);
   if (!args.flag("json")) {

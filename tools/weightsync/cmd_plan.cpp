@@ -17,6 +17,7 @@ namespace {
 const char* kUsage =
     "usage: weightsync plan --trainer T.json --engine E.json [--topology X.json]\n"
     "                       [--mode p2p|broadcast] [--bucket-bytes N] [--json] [--items]\n"
+    "                       [--fp8-site sender|engine]\n"
     "                       [--verify]\n\n"
     "Plans moving the trainer's weights (layout T.json) into every rank of the engine\n"
     "(config E.json): which trainer rank sends which HF boxes to which engine rank, in\n"
@@ -27,6 +28,10 @@ const char* kUsage =
     "  --mode      p2p (default): each engine rank receives exactly its params' bytes;\n"
     "              broadcast: buckets of whole HF tensors gathered at a rotating root\n"
     "              trainer rank and broadcast to every engine rank.\n"
+    "  --fp8-site  FP8 engine configs: quantize on the trainer ranks where they hold\n"
+    "              whole 128 x 128 blocks (sender, default; FP8 on the wire, p2p only)\n"
+    "              or on the engine ranks (engine). The summary's \"fp8\" object gives\n"
+    "              the params quantized on each side and the wire bytes in both forms.\n"
     "  --json      print one JSON object: plan_id, mode, bytes_total,\n"
     "              bytes_per_engine_rank {min,max}, bytes_per_trainer_rank {min,max},\n"
     "              buckets, predicted_s, lower_bound_s, plan_s, ...\n"
@@ -56,12 +61,16 @@ void print_summary(std::ostream& out, const Plan& plan, const nlohmann::json& j)
       << "  predicted            " << st.predicted_s << " s (lower bound " << st.lower_bound_s
       << " s, ratio " << (st.lower_bound_s > 0 ? st.predicted_s / st.lower_bound_s : 0) << ")\n"
       << "  planned in           " << st.plan_s << " s\n";
+  if (j.contains("fp8"))
+    out << "  FP8 params           " << st.fp8_params_sender << " quantized by the senders, "
+        << st.fp8_params_engine << " by the engines; on the wire " << gib(st.bytes_total)
+        << " (all on the engines: " << gib(st.bytes_total_engine_site) << ")\n";
   if (j.contains("verified")) out << "  verified             exact cover, bytes per rank\n";
 }
 
 int run_plan(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "items", "verify"},
-            {"trainer", "engine", "topology", "mode", "bucket-bytes"});
+            {"trainer", "engine", "topology", "mode", "bucket-bytes", "fp8-site"});
   if (!args.positional().empty())
     fail(Errc::invalid_argument, "plan: unexpected argument '", args.positional()[0], "'");
   if (args.flag("items") && args.flag("json"))
@@ -74,6 +83,7 @@ int run_plan(const std::vector<std::string>& argv) {
   PlanOptions options;
   options.mode = parse_plan_mode(args.get_or("mode", "p2p"));
   options.bucket_bytes = args.get_int("bucket-bytes", options.bucket_bytes);
+  options.fp8_site = parse_fp8_site(args.get_or("fp8-site", "sender"));
   const Plan plan = make_plan(trainer, engine, topology, options);
   nlohmann::json j = plan.summary_json();
   j["topology"] = topology.name;

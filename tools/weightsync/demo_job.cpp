@@ -17,6 +17,7 @@ nlohmann::json JobSpec::to_json() const {
       {"transport", transport},
       {"engine_transport", engine_transport},
       {"bucket_bytes", bucket_bytes},
+      {"fp8_site", fp8_site},
       {"timeout_ms", timeout_ms},
       {"staging", staging},
       {"checksums", checksums},
@@ -44,6 +45,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.transport = j.at("transport").get<std::string>();
     s.engine_transport = j.at("engine_transport").get<std::vector<std::string>>();
     s.bucket_bytes = j.at("bucket_bytes").get<int64_t>();
+    s.fp8_site = j.value("fp8_site", std::string("sender"));
     s.timeout_ms = j.at("timeout_ms").get<int64_t>();
     s.staging = j.at("staging").get<bool>();
     s.checksums = j.at("checksums").get<bool>();

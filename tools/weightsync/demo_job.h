@@ -41,7 +41,8 @@ struct JobSpec {
   // fault wrapper); "" keeps the default.
   std::vector<std::string> engine_transport;
   int64_t bucket_bytes = int64_t{256} << 20;
-  int64_t timeout_ms = 120000;  // per step; connection setup gets the same
+  std::string fp8_site = "sender";  // FP8 engines: where weights are quantized
+  int64_t timeout_ms = 120000;      // per step; connection setup gets the same
   bool staging = false;
   bool checksums = false;  // per-bucket checksums on the wire (WireOptions)
   bool verify = true;      // engines check every committed step bit-exactly

@@ -148,6 +148,7 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
     if (!decided) committed = engine_committed;
     row["sync_s"] = sync;
     row["engine_rank_bytes"] = rank_bytes;
+    row["engine_bytes_total"] = total;
     row["engine_rank_gbps"] = sync > 0 ? static_cast<double>(rank_bytes) / sync / 1e9 : 0.0;
     row["total_gbps"] = sync > 0 ? static_cast<double>(total) / sync / 1e9 : 0.0;
     row["phases"] = {{"pack", pack},   {"gather", gather},

@@ -106,6 +106,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.transport = worker_transport(job, "trainer", rank);
   opt.mode = parse_plan_mode(job.mode);
   opt.bucket_bytes = job.bucket_bytes;
+  opt.fp8_site = parse_fp8_site(job.fp8_site);
   opt.wire.checksums = job.checksums;
   opt.connect_timeout = timeout;
   opt.step_timeout = timeout;
