@@ -106,7 +106,7 @@ struct Abort {  // to an engine: drop `step`, keep the previous version
   int64_t step = 0;
   std::string reason;
 };
-struct MemberLeft {  // to everyone: a member left, died or was dropped
+struct MemberLeft {  // a member left, died or was dropped: to everyone (an observer: to observers)
   Member member;
   std::string reason;  // "left", "heartbeat timeout", "connection lost", ...
 };

@@ -130,7 +130,12 @@ void CoordinatorState::drop(ConnId conn, const std::string& reason) {
   Json left = wire::make(Kind::member_left);
   left["member"] = wire::member_to_json(c.member);
   left["reason"] = reason;
-  for (ConnId other : registered_conns()) outbox_.send(other, left);
+  // An observer's departure matters to observers only: trainers and engines
+  // would wake for every monitoring client that comes and goes (and queue
+  // the events), which under churn slows every step.
+  const std::optional<Role> audience =
+      c.member.role == Role::observer ? std::optional<Role>(Role::observer) : std::nullopt;
+  for (ConnId other : registered_conns(audience)) outbox_.send(other, left);
   participant_lost(c.member.id, cat(who(c.member), ": ", reason));
 }
 

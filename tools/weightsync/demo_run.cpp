@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <ostream>
 #include <random>
+#include <thread>
 
 #include <unistd.h>
 
@@ -50,7 +51,7 @@ std::string make_temp_dir(const std::string& what) {
   return pattern;
 }
 
-JobRun run_job(JobSpec job, const std::string& trace_out) {
+JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) {
   const int trainers = static_cast<int>(TrainerLayout::load(job.trainer).mesh.world());
   const int engines = make_engine_layout(EngineSpec::load(job.engine)).world();
   control::CoordinatorOptions co;
@@ -87,7 +88,18 @@ JobRun run_job(JobSpec job, const std::string& trace_out) {
   // Setup, every step, and the teardown each get the per-step timeout.
   const auto budget = std::chrono::milliseconds(job.timeout_ms) * (job.steps + 3);
   JobRun run;
-  run.children = group.wait_all(budget, std::chrono::seconds(10), on_exit);
+  std::atomic<bool> stop{false};
+  std::thread side_thread;
+  if (side) side_thread = std::thread([&] { side(job.coordinator, job.token, stop); });
+  try {
+    run.children = group.wait_all(budget, std::chrono::seconds(10), on_exit);
+  } catch (...) {
+    stop = true;
+    if (side_thread.joinable()) side_thread.join();
+    throw;
+  }
+  stop = true;
+  if (side_thread.joinable()) side_thread.join();
   run.timed_out = group.timed_out();
   for (int t = 0; t < trainers; ++t)
     run.trainers.push_back(read_json_or_null(job.stats_path("trainer", t)));

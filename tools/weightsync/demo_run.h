@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
+#include <functional>
 #include <iosfwd>
 #include <string>
 #include <vector>
@@ -21,8 +23,14 @@ struct JobRun {
   bool timed_out = false;
 };
 
+// Work beside a job's workers, on a thread of its own, from when they are
+// spawned until they all ended (`stop` then set): e.g. clients joining and
+// leaving the coordinator (`address`, `token`) while steps run.
+using SideTask = std::function<void(const std::string& address, const std::string& token,
+                                    const std::atomic<bool>& stop)>;
+
 // Runs `job` (work_dir must exist). `trace_out`: the merged Chrome trace.
-JobRun run_job(JobSpec job, const std::string& trace_out = "");
+JobRun run_job(JobSpec job, const std::string& trace_out = "", const SideTask& side = {});
 
 // Per step: sync seconds (slowest trainer's push), bytes into the busiest
 // engine rank, GB/s, the phase breakdown (slowest rank of each phase), and
