@@ -112,6 +112,9 @@ void recv_callback(void* request, ucs_status_t status, const ucp_tag_recv_info_t
 
 void peer_error_callback(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto* peer = static_cast<UcxPeer*>(arg);
+  // A retired endpoint (the peer failed, or a new process took its rank)
+  // may still report: the peer's current endpoint is not concerned.
+  if (ep != peer->ep) return;
   peer->transport->on_peer_error(*peer, status);
 }
 
@@ -213,6 +216,14 @@ void UcxTransport::close_endpoints() {
     if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
     p.ep = nullptr;
   }
+  for (ucp_ep_h ep : retired_) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &param);
+    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+  }
+  retired_.clear();
   const auto deadline = std::chrono::steady_clock::now() + kReleaseWait;
   for (void* r : closing) {
     while (ucp_request_check_status(r) == UCS_INPROGRESS &&
@@ -408,8 +419,10 @@ void UcxTransport::progress() {
 }
 
 void UcxTransport::on_complete(UcxOp* op, void* request, ucs_status_t status) {
-  op->done = true;
-  op->status = status;
+  if (!op->done) {  // else completed already, failed, by handle_failures
+    op->done = true;
+    op->status = status;
+  }
   // May run inside ucp_tag_*_nbx, before op->ucx_request is set.
   ucp_request_free(request);
   op->ucx_request = nullptr;
@@ -431,8 +444,11 @@ void UcxTransport::mark_failed(UcxPeer& peer, const std::string& why) {
   failures_pending_ = true;
 }
 
-// Outside the error callback (UCX forbids closing endpoints inside it): close
-// the failed endpoints and cancel the receives waiting on those peers.
+// Outside the error callback: retires the failed peers' endpoints (closed
+// when the transport ends, see retired_), cancels the receives waiting on
+// those peers and completes their sends here, failed: UCX cannot withdraw a
+// send that may be partly on the wire, so it keeps the request (and reads
+// the buffer, for a peer that is gone) until the endpoint is closed.
 void UcxTransport::handle_failures() {
   failures_pending_ = false;
   for (auto& p : peers_) {
@@ -443,20 +459,16 @@ void UcxTransport::handle_failures() {
     for (UcxOp* op : pending) {
       if (!ops_.count(op) || op->peer != p.rank || op->done) continue;
       op->peer_failed = true;
-      if (op->kind == Request::Kind::recv && op->ucx_request)
+      if (op->kind == Request::Kind::recv && op->ucx_request) {
         ucp_request_cancel(worker_->worker(), op->ucx_request);
+      } else if (op->kind == Request::Kind::send && op->ucx_request) {
+        op->done = true;  // UCX's completion, when it comes, only frees it
+        op->status = UCS_ERR_CANCELED;
+      }
     }
     if (p.ep) {
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
+      retired_.push_back(p.ep);
       p.ep = nullptr;
-      if (UCS_PTR_IS_PTR(r)) {
-        while (ucp_request_check_status(r) == UCS_INPROGRESS)
-          ucp_worker_progress(worker_->worker());
-        ucp_request_free(r);
-      }
     }
   }
 }
@@ -468,8 +480,8 @@ void UcxTransport::cancel(UcxOp& op) {
     ucp_request_cancel(worker_->worker(), op.ucx_request);
     return;
   }
-  // UCX cannot withdraw a send that may be partly on the wire; closing the
-  // connection is the only way to get the buffer back, and the peer is lost.
+  // UCX cannot withdraw a send that may be partly on the wire: the peer is
+  // lost (its endpoint retired, its sends failed here).
   mark_failed(peers_[op.peer], cat("a send of ", op.bytes, " bytes to it was cancelled"));
   handle_failures();
 }
@@ -480,7 +492,7 @@ void UcxTransport::release(UcxOp* op) {
     const auto deadline = std::chrono::steady_clock::now() + kReleaseWait;
     while (!op->done && std::chrono::steady_clock::now() < deadline) progress();
   }
-  if (op->done) {
+  if (op->done && !op->ucx_request) {
     ops_.erase(op);
     delete op;
   } else {

@@ -99,6 +99,11 @@ class UcxTransport final : public Transport {
   std::unique_ptr<UcxWorker> worker_;
   std::vector<UcxPeer> peers_;
   std::unordered_set<UcxOp*> ops_;  // every op not yet freed
+  // Endpoints of failed or replaced peers, kept open until the transport
+  // ends: force-closing a UCX 1.13 tcp endpoint while its connection is in
+  // flight left the tcp transport calling through the freed endpoint once a
+  // new process reconnected from the same host (a trainer crash).
+  std::vector<ucp_ep_h> retired_;
   bool failures_pending_ = false;
   bool peer_errors_ = true;          // endpoints in UCP_ERR_HANDLING_MODE_PEER
   bool peer_errors_forced_ = false;  // set by params["peer_errors"], no fallback
