@@ -200,7 +200,7 @@ SubscriberOptions subscriber_options(const JobSpec& job, const EngineSpec& spec,
 // Runs steps until the last one, or until the trainers are gone; checks the
 // params after every committed step. Fills stats["steps"] and ["checks"].
 bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl,
-                 std::vector<Param>& params, nlohmann::json& stats) {
+                 std::vector<Param>& params, nlohmann::json& stats, Clock::time_point started) {
   nlohmann::json steps = nlohmann::json::array(), checks = nlohmann::json::array();
   bool ok = true;
   const auto deadline = Clock::now() + Millis(job.timeout_ms) * (job.steps + 1);
@@ -211,6 +211,10 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
       continue;
     }
     steps.push_back(outcome_json(*o));
+    // How long this process took to serve weights: from its start to the
+    // end of its first committed step (a new or restarted rank catching up).
+    if (o->committed && !stats.contains("first_commit_s"))
+      stats["first_commit_s"] = std::chrono::duration<double>(Clock::now() - started).count();
     if (o->committed && job.verify) {
       checks.push_back(check(rl, params, o->step, job.steps));
       ok &= checks.back()["ok"].get<bool>();
@@ -225,6 +229,7 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
 }  // namespace
 
 int run_engine_worker(const JobSpec& job, int global) {
+  const auto started = Clock::now();
   register_kill_transport();
   const EngineSpec spec = EngineSpec::load(job.engine);
   const EngineLayout layout = make_engine_layout(spec);
@@ -240,11 +245,14 @@ int run_engine_worker(const JobSpec& job, int global) {
   sub.prepare();
 
   nlohmann::json stats = {{"role", "engine"}, {"rank", global}, {"replica", replica}};
+  // From the process's start to registered, params allocated, plan made and
+  // the pipeline prepared.
+  stats["ready_s"] = std::chrono::duration<double>(Clock::now() - started).count();
   if (job.raw_rounds > 0) {
     auto observer = observer_client(job, Millis(job.timeout_ms));
     stats["raw"] = run_raw_rounds(job, sub.plan(), *observer, "engine", global);
   }
-  bool ok = serve_steps(job, sub, rl, params, stats);
+  bool ok = serve_steps(job, sub, rl, params, stats, started);
   stats["version"] = sub.version();
   // With staging, whatever happened, the params are exactly the version held.
   if (job.verify && job.staging) {
