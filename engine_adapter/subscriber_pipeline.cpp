@@ -5,6 +5,8 @@
 #include <weightsync/trace.h>
 #include <weightsync/wire.h>
 
+#include "core/fp8.h"
+
 #include <algorithm>
 #include <utility>
 
@@ -79,8 +81,8 @@ void add_apply_fp8(CopyProgram& program, const Copy& c, const TensorView& codes,
   const size_t n = c.hf_box.rank();
   Copy s = c;
   s.offset = c.offset + c.hf_box.numel();
-  s.hf_box = Box::full(
-      Shape{(c.hf_box.lengths[n - 2] + 127) / 128, (c.hf_box.lengths[n - 1] + 127) / 128});
+  s.hf_box = Box::full(Shape{(c.hf_box.lengths[n - 2] + fp8::kBlock - 1) / fp8::kBlock,
+                             (c.hf_box.lengths[n - 1] + fp8::kBlock - 1) / fp8::kBlock});
   s.view_box = s.hf_box;
   s.dst_box = c.scale_box;
   s.dst_param = c.scale_param;

@@ -1,6 +1,8 @@
 // Plan accessors: resolving compact items into boxes, queries, JSON output.
 #include "plan_builder.h"
 
+#include "core/fp8.h"
+
 #include <weightsync/error.h>
 
 #include <nlohmann/json.hpp>
@@ -35,7 +37,7 @@ Fp8Site parse_fp8_site(std::string_view name) {
 int64_t fp8_wire_bytes(const Box& hf_box) {
   const size_t n = hf_box.rank();
   if (n < 2) return hf_box.numel();
-  constexpr int64_t kBlock = 128;
+  using fp8::kBlock;
   int64_t blocks = ((hf_box.lengths[n - 2] + kBlock - 1) / kBlock) *
                    ((hf_box.lengths[n - 1] + kBlock - 1) / kBlock);
   for (size_t d = 0; d + 2 < n; ++d) blocks *= hf_box.lengths[d];
@@ -47,8 +49,8 @@ static Box fp8_scale_box(const Box& param_box) {
   Box out = param_box;
   const size_t n = out.rank();
   for (size_t d = n - 2; d < n; ++d) {
-    out.offsets[d] /= 128;
-    out.lengths[d] = (out.lengths[d] + 127) / 128;
+    out.offsets[d] /= fp8::kBlock;
+    out.lengths[d] = (out.lengths[d] + fp8::kBlock - 1) / fp8::kBlock;
   }
   return out;
 }

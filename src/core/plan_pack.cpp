@@ -2,6 +2,8 @@
 // broadcast (gathered at a root, then extracted by every engine rank).
 #include "plan_builder.h"
 
+#include "core/fp8.h"
+
 #include <weightsync/error.h>
 
 #include <algorithm>
@@ -61,7 +63,7 @@ class BucketFiller {
   template <class KeyOf, class Emit>
   void place_fp8(int32_t src, int32_t dst, KeyOf key_of, const Box& box, Emit emit) {
     const size_t d = box.rank() - 2;
-    constexpr int64_t kRows = 128;
+    constexpr int64_t kRows = fp8::kBlock;
     auto slab_bytes = [&](int64_t rows) {
       Box b = box;
       b.lengths[d] = rows;

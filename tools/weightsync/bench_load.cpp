@@ -52,13 +52,6 @@ constexpr const char* kUsage =
     "(default 120 s). Exit 1 unless every engine committed and verified every step\n"
     "and every join succeeded.\n";
 
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const auto i = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
-  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
-}
-
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }

@@ -16,8 +16,8 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
-#include <weightsync/plan.h>
 #include <weightsync/load_spec.h>
+#include <weightsync/plan.h>
 #include <weightsync/safetensors.h>
 
 #include <algorithm>
@@ -70,13 +70,6 @@ constexpr const char* kUsage =
     "step's BF16 weights become FP8 params and scales, quantized by the trainer ranks\n"
     "where they hold whole blocks (--fp8-site sender, the default: FP8 on the wire)\n"
     "or by the engine ranks (--fp8-site engine).\n";
-
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const auto i = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size()))) - 1;
-  return v[std::min(i, v.size() - 1)];
-}
 
 nlohmann::json box_json(const Box& b) {
   return {{"offsets", b.offsets}, {"lengths", b.lengths}};

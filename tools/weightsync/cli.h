@@ -64,6 +64,9 @@ std::string helper_python();
 // run (first touch of the memory); for benchmarks.
 double median_seconds(const std::function<void()>& f, int repeats);
 
+// The q-quantile (0 < q <= 1) of `v` by the nearest-rank method; 0 when empty.
+double percentile(std::vector<double> v, double q);
+
 struct CommandRegistrar {
   explicit CommandRegistrar(Command command);
 };
