@@ -65,6 +65,12 @@ struct PlanOptions {
   PlanMode mode = PlanMode::p2p;
   int64_t bucket_bytes = int64_t{256} << 20;  // 1 KiB .. 4 GiB - 1
   Fp8Site fp8_site = Fp8Site::sender;
+  // Elastic replicas (DESIGN.md "Elastic replicas"): the global replica
+  // indices the plan serves, ascending, each once; the engine ranks of the
+  // others receive nothing. Empty: every replica. A list (even of every
+  // replica) is part of the plan id: a plan for one membership is never
+  // taken for another's.
+  std::vector<int32_t> replicas = {};
 };
 
 // Bytes of a box of an FP8 param on the wire when the sender quantizes: one
@@ -175,6 +181,12 @@ class Plan {
   int engine_templates() const noexcept { return engine_templates_; }
   int engine_template(int global_engine_rank) const;
   int template_rank(int engine_template) const;
+  // Whether the plan sends to global engine rank g (its replica is among
+  // PlanOptions::replicas, or that list is empty); Errc::invalid_argument
+  // outside the engine world.
+  bool serves(int global_engine_rank) const;
+  // The global replica of a global engine rank.
+  int replica_of(int global_engine_rank) const;
 
   const std::vector<PlanKey>& keys() const noexcept { return keys_; }
   const std::vector<Bucket>& buckets() const noexcept { return buckets_; }
@@ -228,6 +240,8 @@ class Plan {
   int trainer_world_ = 0, engine_world_ = 0, engine_templates_ = 1;
   std::vector<int32_t> template_of_;    // by global engine rank
   std::vector<int32_t> template_rank_;  // first global engine rank of each template
+  std::vector<int32_t> replica_of_;     // by global engine rank
+  std::vector<uint8_t> serves_;         // by global engine rank (PlanOptions::replicas)
   std::vector<PlanKey> keys_;
   std::vector<PieceRef> pieces_;
   std::vector<SegmentRef> segments_;

@@ -144,6 +144,16 @@ int Plan::engine_template(int global_engine_rank) const {
   return template_of_[static_cast<size_t>(global_engine_rank)];
 }
 
+bool Plan::serves(int global_engine_rank) const {
+  engine_template(global_engine_rank);  // the range check
+  return serves_[static_cast<size_t>(global_engine_rank)] != 0;
+}
+
+int Plan::replica_of(int global_engine_rank) const {
+  engine_template(global_engine_rank);
+  return replica_of_[static_cast<size_t>(global_engine_rank)];
+}
+
 int Plan::template_rank(int engine_template) const {
   if (engine_template < 0 || engine_template >= engine_templates_)
     fail(Errc::invalid_argument, "plan: engine template ", engine_template, " outside its ",
@@ -253,6 +263,7 @@ nlohmann::json Plan::summary_json() const {
                       {"predicted_s", stats_.predicted_s},
                       {"lower_bound_s", stats_.lower_bound_s},
                       {"plan_s", stats_.plan_s}};
+  if (!options_.replicas.empty()) j["replicas"] = options_.replicas;
   if (stats_.fp8_params_sender + stats_.fp8_params_engine > 0)
     j["fp8"] = {{"site", fp8_site_name(options_.fp8_site)},
                 {"params_quantized_by_sender", stats_.fp8_params_sender},

@@ -7,6 +7,8 @@
 
 #include <weightsync/error.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -78,6 +80,19 @@ void PlanBuilder::index_engine_groups() {
   template_tp_.resize(templates);
   plan_.template_rank_.resize(templates);
   plan_.template_of_.resize(static_cast<size_t>(plan_.engine_world_));
+  plan_.replica_of_.resize(static_cast<size_t>(plan_.engine_world_));
+  plan_.serves_.assign(static_cast<size_t>(plan_.engine_world_), 0);
+  // Elastic replicas: which replicas the plan serves.
+  const std::vector<int32_t>& chosen = plan_.options_.replicas;
+  const int replicas = engine_.num_replicas();
+  for (size_t i = 0; i < chosen.size(); ++i)
+    if (chosen[i] < 0 || chosen[i] >= replicas || (i > 0 && chosen[i] <= chosen[i - 1]))
+      fail(Errc::invalid_argument,
+           "plan options: replicas must be ascending distinct indices in 0..", replicas - 1,
+           " (the engines' replicas), got ", nlohmann::json(chosen).dump());
+  std::vector<uint8_t> active(static_cast<size_t>(replicas), chosen.empty() ? 1 : 0);
+  for (int32_t r : chosen) active[static_cast<size_t>(r)] = 1;
+  template_active_.assign(templates, 0);
   for (const EngineGroup& g : engine_.groups) {
     max_replicas_ = std::max(max_replicas_, g.config.replicas);
     for (int r = 0; r < g.config.tp; ++r) {
@@ -86,9 +101,13 @@ void PlanBuilder::index_engine_groups() {
       template_base_[t] = g.first_rank + r;
       template_tp_[t] = g.config.tp;
       plan_.template_rank_[t] = g.first_rank + r;
-      for (int rep = 0; rep < g.config.replicas; ++rep)
-        plan_.template_of_[static_cast<size_t>(g.first_rank + rep * g.config.tp + r)] =
-            static_cast<int32_t>(t);
+      for (int rep = 0; rep < g.config.replicas; ++rep) {
+        const auto global = static_cast<size_t>(g.first_rank + rep * g.config.tp + r);
+        plan_.template_of_[global] = static_cast<int32_t>(t);
+        plan_.replica_of_[global] = g.first_replica + rep;
+        plan_.serves_[global] = active[static_cast<size_t>(g.first_replica + rep)];
+        template_active_[t] += plan_.serves_[global];
+      }
     }
   }
 }
@@ -342,7 +361,7 @@ void PlanBuilder::build_p2p() {
   for (size_t o = 0; o < n; ++o) {
     c.seg_rank[o] =
         static_cast<uint32_t>(plan_.segments_[static_cast<size_t>(c.overlaps[o].segment)].tp_rank);
-    items += static_cast<size_t>(template_replicas_[c.seg_rank[o]]);
+    items += static_cast<size_t>(template_active_[c.seg_rank[o]]);
   }
   if (items > 0xFFFFFFFFull) fail(Errc::unsupported, "plan has more than 2^32 items");
   // Replica-major so that each replica spreads over the holders the previous
@@ -401,7 +420,7 @@ void PlanBuilder::decide_fp8_sites(std::vector<Overlap>& overlaps) {
     if (seg_quant_[i]) s.fp8_wire = sender.at({s.tp_rank, s.param});
   }
   for (const auto& [tp, yes] : sender) {
-    const int64_t ranks = template_replicas_[static_cast<size_t>(tp.first)];
+    const int64_t ranks = template_active_[static_cast<size_t>(tp.first)];
     (yes ? plan_.stats_.fp8_params_sender : plan_.stats_.fp8_params_engine) += ranks;
     if (yes) plan_.fp8_sender_params_.push_back(tp);
   }
@@ -431,6 +450,11 @@ uint64_t PlanBuilder::hash_inputs() const {
   if (std::find(seg_quant_.begin(), seg_quant_.end(), true) != seg_quant_.end())
     mix(static_cast<uint64_t>(plan_.options_.fp8_site) + 0x8f8);
   mix(plan_.trainer_world_), mix(plan_.engine_world_), mix(plan_.engine_templates_);
+  // Elastic replicas: the membership served (plans of static jobs keep their ids).
+  if (!plan_.options_.replicas.empty()) {
+    mix(0xe1a57ull + plan_.options_.replicas.size());
+    for (int32_t r : plan_.options_.replicas) mix(static_cast<uint64_t>(r));
+  }
   // Several groups: which template each engine rank uses (one group's is
   // implied by the counts above, and its plan ids stay as they were).
   if (engine_.groups.size() > 1)

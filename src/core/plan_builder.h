@@ -76,6 +76,7 @@ class PlanBuilder {
   // Engine groups, per template: its group's replicas and global rank of
   // replica 0 (replica `rep` of template t is template_base_[t] + rep * tp).
   std::vector<int32_t> template_replicas_, template_base_, template_tp_;
+  std::vector<int32_t> template_active_;  // its replicas the plan serves
   int32_t max_replicas_ = 1;
 };
 
@@ -97,7 +98,9 @@ void PlanBuilder::for_each_p2p_item(const P2pChoices& c, F f) const {
     for (size_t o = 0; o < c.overlaps.size(); ++o) {
       const auto t = static_cast<size_t>(c.seg_rank[o]);
       if (rep >= template_replicas_[t]) continue;
-      f(k++, o, template_base_[t] + rep * template_tp_[t]);
+      const int dst = template_base_[t] + rep * template_tp_[t];
+      if (!plan_.serves_[static_cast<size_t>(dst)]) continue;
+      f(k++, o, dst);
     }
 }
 

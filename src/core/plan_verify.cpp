@@ -171,8 +171,10 @@ class Verifier {
 
 void verify_p2p(const Plan& plan, Verifier& v, const EngineLayout& engine) {
   std::vector<int64_t> sent(static_cast<size_t>(plan.trainer_world()), 0);
+  std::vector<int64_t> received(static_cast<size_t>(engine.world()), 0);
   for (const Bucket& b : plan.buckets()) {
     v.check_bucket(b);
+    received.at(static_cast<size_t>(b.dst_rank)) += b.bytes;
     for (const PlanItem& item : plan.items(b.id)) {
       const Copy c = plan.resolve(item);
       if (c.src_rank != b.src_rank || c.dst_rank != b.dst_rank)
@@ -182,12 +184,20 @@ void verify_p2p(const Plan& plan, Verifier& v, const EngineLayout& engine) {
     }
     sent[static_cast<size_t>(b.src_rank)] += b.bytes;
   }
-  v.check_cover(0, engine.world());
-  for (int g = 0; g < engine.world(); ++g)
-    if (plan.stats().bytes_per_engine_rank.at(static_cast<size_t>(g)) != v.rank_param_bytes(g))
-      fail(Errc::internal, "plan: engine rank ", g, " receives ",
-           plan.stats().bytes_per_engine_rank[static_cast<size_t>(g)], " bytes, its params hold ",
+  for (int g = 0; g < engine.world(); ++g) {
+    const int64_t got = plan.stats().bytes_per_engine_rank.at(static_cast<size_t>(g));
+    if (!plan.serves(g)) {
+      // Elastic replicas: a rank outside the membership receives nothing.
+      if (got != 0 || received[static_cast<size_t>(g)] != 0 || !plan.buckets_received_by(g).empty())
+        fail(Errc::internal, "plan: engine rank ", g, " of replica ", plan.replica_of(g),
+             " is not served but receives ", received[static_cast<size_t>(g)], " bytes");
+      continue;
+    }
+    v.check_cover(g, g + 1);
+    if (got != v.rank_param_bytes(g))
+      fail(Errc::internal, "plan: engine rank ", g, " receives ", got, " bytes, its params hold ",
            v.rank_param_bytes(g));
+  }
   if (sent != plan.stats().bytes_per_trainer_rank)
     fail(Errc::internal, "plan: bytes per trainer rank disagree with the buckets");
 }
@@ -217,9 +227,12 @@ void verify_broadcast(const Plan& plan, Verifier& v, const EngineLayout& engine)
                                  cat("HF key '", plan.keys()[static_cast<size_t>(key)].name, "'"));
   for (int t = 0; t < plan.engine_templates(); ++t)
     v.check_cover(plan.template_rank(t), plan.template_rank(t) + 1);
-  for (int64_t got : plan.stats().bytes_per_engine_rank)
-    if (got != model)
-      fail(Errc::internal, "plan: an engine rank receives ", got, " bytes, the model is ", model);
+  for (int g = 0; g < plan.engine_world(); ++g) {
+    const int64_t got = plan.stats().bytes_per_engine_rank[static_cast<size_t>(g)];
+    const int64_t want = plan.serves(g) ? model : 0;  // elastic replicas: only those served
+    if (got != want)
+      fail(Errc::internal, "plan: engine rank ", g, " receives ", got, " bytes, expected ", want);
+  }
 }
 
 }  // namespace

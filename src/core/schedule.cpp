@@ -398,13 +398,20 @@ void PlanBuilder::schedule_broadcast(Plan& plan, const Topology& topology) {
     plan.sent_by_[static_cast<size_t>(b.src_rank)].push_back(b.id);
     all.push_back(b.id);
   }
-  for (int g = 0; g < plan.engine_world_; ++g)
+  // Only the engine ranks the plan serves receive (elastic replicas).
+  st.bytes_per_engine_rank.assign(static_cast<size_t>(plan.engine_world_), 0);
+  plan.recv_by_.assign(static_cast<size_t>(plan.engine_world_), {});
+  int served = 0;
+  for (int g = 0; g < plan.engine_world_; ++g) {
+    if (!plan.serves_[static_cast<size_t>(g)]) continue;
+    ++served;
     rx_bytes[static_cast<size_t>(fabric.engine_nic(g))] = static_cast<double>(model_bytes);
-  st.bytes_per_engine_rank.assign(static_cast<size_t>(plan.engine_world_), model_bytes);
-  st.bytes_total = model_bytes * plan.engine_world_;
-  plan.recv_by_.assign(static_cast<size_t>(plan.engine_world_), all);
+    st.bytes_per_engine_rank[static_cast<size_t>(g)] = model_bytes;
+    plan.recv_by_[static_cast<size_t>(g)] = all;
+  }
+  st.bytes_total = model_bytes * served;
   // The last bucket still has to reach the far end of the tree.
-  const double hops = std::ceil(std::log2(static_cast<double>(plan.engine_world_) + 1));
+  const double hops = std::ceil(std::log2(static_cast<double>(served) + 1));
   st.predicted_s = (plan.buckets_.empty() ? 0 : plan.buckets_.back().end_s) +
                    hops * 1e-6 * topology.nic_latency_us;
   st.lower_bound_s = lower_bound(fabric, tx_bytes, rx_bytes);

@@ -273,13 +273,19 @@ SimResult simulate(const Plan& plan, const TrainerLayout& trainer, const EngineL
       continue;
     }
     for (int g = 0; g < engine.world(); ++g) {
+      if (!plan.serves(g)) continue;  // elastic replicas: outside the membership
       out.bytes_in[static_cast<size_t>(g)] += b.bytes;
       // The simulation's own mapping of ranks to templates, not the plan's.
       for (const ApplyItem& a : plan.apply_items(b.id, engine.template_of(g)))
         sim.apply(plan.resolve(a, g), buf, engines[static_cast<size_t>(g)], g);
     }
   }
-  for (int g = 0; g < engine.world(); ++g) sim.check(engines[static_cast<size_t>(g)], g);
+  // Ranks the plan does not serve (elastic replicas) must get nothing at all.
+  for (int g = 0; g < engine.world(); ++g)
+    if (plan.serves(g))
+      sim.check(engines[static_cast<size_t>(g)], g);
+    else
+      EXPECT_EQ(out.bytes_in[static_cast<size_t>(g)], 0) << "unserved engine rank " << g;
   std::vector<bool> used(plan.keys().size(), false);
   for (const auto& rank : engine.ranks)
     for (const EngineParam& p : rank.params)
