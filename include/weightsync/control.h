@@ -98,6 +98,10 @@ class Coordinator {
 struct StepBegin {  // to engines (and observers) when a trainer begins a step
   int64_t step = 0;
   std::string plan_id;
+  // Elastic replicas: the global replica indices the step serves (its
+  // membership, as trainer rank 0 chose it); only their engine ranks take
+  // part. nullopt: every engine live when the step began.
+  std::optional<std::vector<int>> replicas = std::nullopt;
 };
 struct Commit {  // to an engine: make `step` visible
   int64_t step = 0;
@@ -145,6 +149,13 @@ struct ClientOptions {
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
 };
 
+// A step as begin_step / follow_step returns it.
+struct StepStart {
+  std::string plan_id;
+  std::optional<std::vector<int>> replicas;  // elastic replicas: the step's membership
+  std::vector<Member> engines;               // the step's engines, each with its member id
+};
+
 struct StepAck {
   int64_t step = 0;
   bool ok = true;
@@ -187,6 +198,16 @@ class Client final : public Store {
   // `wait` bounds how long they wait for the coordinator's reply (a step's
   // deadline); zero: ClientOptions::request_timeout.
   std::vector<Member> begin_step(int64_t step, const std::string& plan_id, Millis wait = Millis(0));
+  // Elastic replicas (DESIGN.md): trainer rank 0 leads, beginning the step
+  // with its plan for `replicas`, the global replica indices it serves
+  // (ascending); only their engine ranks take part, and the engines learn the
+  // list from StepBegin. The other trainers follow: follow_step waits (up to
+  // `wait`) until the leader began step `step` and returns its plan id and
+  // replicas. A leader that began with another plan id, or replicas, than
+  // another leader of the same step fails the step (Errc::mismatch).
+  StepStart begin_step(int64_t step, const std::string& plan_id, const std::vector<int>& replicas,
+                       Millis wait = Millis(0));
+  StepStart follow_step(int64_t step, Millis wait);
   void sent(int64_t step, bool ok, const std::string& error = {}, Millis wait = Millis(0));
   StepResult wait_step_result(int64_t step, Millis timeout);
 

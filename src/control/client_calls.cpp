@@ -110,6 +110,7 @@ Millis or_default(Millis wait, Millis fallback) {
 }  // namespace
 
 std::vector<Member> Client::begin_step(int64_t step, const std::string& plan_id, Millis wait) {
+  if (plan_id.empty()) fail(Errc::invalid_argument, "begin_step ", step, ": no plan id");
   Json m = wire::make(Kind::begin_step);
   m["step"] = step;
   m["plan_id"] = plan_id;
@@ -117,6 +118,40 @@ std::vector<Member> Client::begin_step(int64_t step, const std::string& plan_id,
       impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("begin_step ", step));
   if (!r.contains("engines")) return {};
   return wire::members_from_json(r.at("engines"));
+}
+
+namespace {
+
+StepStart step_start_from(const Json& r) {
+  StepStart out;
+  out.plan_id = r.value("plan_id", std::string());
+  out.replicas = wire::replicas_from_json(r);
+  if (r.contains("engines")) out.engines = wire::members_from_json(r.at("engines"));
+  return out;
+}
+
+}  // namespace
+
+StepStart Client::begin_step(int64_t step, const std::string& plan_id,
+                             const std::vector<int>& replicas, Millis wait) {
+  if (plan_id.empty())
+    fail(Errc::invalid_argument, "begin_step ", step, ": a leader needs a plan id");
+  Json m = wire::make(Kind::begin_step);
+  m["step"] = step;
+  m["plan_id"] = plan_id;
+  m["replicas"] = replicas;
+  return step_start_from(impl_->request(m, or_default(wait, impl_->options.request_timeout),
+                                        cat("begin_step ", step)));
+}
+
+StepStart Client::follow_step(int64_t step, Millis wait) {
+  Json m = wire::make(Kind::begin_step);
+  m["step"] = step;
+  m["plan_id"] = "";  // follow the step's leader
+  m["timeout_ms"] = static_cast<uint64_t>(wait.count());
+  // The coordinator answers when the leader begins the step (or at the
+  // timeout): wait a little longer for that answer.
+  return step_start_from(impl_->request(m, wait + Millis(2000), cat("follow_step ", step)));
 }
 
 void Client::sent(int64_t step, bool ok, const std::string& error, Millis wait) {

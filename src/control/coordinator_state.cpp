@@ -21,12 +21,6 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-// Caps a client-supplied wait so that now + wait cannot overflow.
-Clock::time_point deadline_after(Clock::time_point now, uint64_t timeout_ms) {
-  constexpr uint64_t kMaxWaitMs = uint64_t{7} * 24 * 3600 * 1000;
-  return now + std::chrono::milliseconds(std::min(timeout_ms, kMaxWaitMs));
-}
-
 std::string who(const Member& m) {
   return cat(role_name(m.role), " rank ", m.rank);
 }
@@ -36,6 +30,11 @@ constexpr int kMaxWaitsPerConnection = 256;
 constexpr size_t kMaxNameBytes = 4096;
 
 }  // namespace
+
+Clock::time_point deadline_after(Clock::time_point now, uint64_t timeout_ms) {
+  constexpr uint64_t kMaxWaitMs = uint64_t{7} * 24 * 3600 * 1000;
+  return now + std::chrono::milliseconds(std::min(timeout_ms, kMaxWaitMs));
+}
 
 CoordinatorState::CoordinatorState(const CoordinatorOptions& options, Outbox& outbox)
     : options_(options), outbox_(outbox) {}
@@ -126,6 +125,7 @@ void CoordinatorState::drop(ConnId conn, const std::string& reason) {
     b = arrived.empty() ? barriers_.erase(b) : std::next(b);
   }
   std::erase_if(member_waiters_, [&](const MemberWaiter& w) { return w.conn == conn; });
+  std::erase_if(followers_, [&](const Follower& w) { return w.conn == conn; });
   if (!c.registered) return;
   Json left = wire::make(Kind::member_left);
   left["member"] = wire::member_to_json(c.member);
@@ -392,6 +392,14 @@ void CoordinatorState::expire_waiters(Clock::time_point now) {
                       " members live)"));
     }
   std::erase_if(member_waiters_, [&](const MemberWaiter& w) { return w.deadline <= now; });
+  for (const auto& w : followers_)
+    if (w.deadline <= now) {
+      answered(w.conn);
+      reply_error(w.conn, w.request, Errc::timeout,
+                  cat("follow_step ", w.step,
+                      ": no trainer began that step (with a plan) within the requested timeout"));
+    }
+  std::erase_if(followers_, [&](const Follower& w) { return w.deadline <= now; });
 }
 
 }  // namespace weightsync::control

@@ -17,6 +17,9 @@
 namespace weightsync::control {
 
 using Clock = std::chrono::steady_clock;
+
+// Caps a client-supplied wait so that now + wait cannot overflow.
+Clock::time_point deadline_after(Clock::time_point now, uint64_t timeout_ms);
 using ConnId = uint64_t;
 
 class Outbox {
@@ -74,9 +77,13 @@ class CoordinatorState {
     Outcome outcome = Outcome::pending;
     std::string reason;
   };
+  struct Follower : Waiter {  // a trainer waiting for the leader of `step`
+    int64_t step;
+  };
   struct OpenStep {
     int64_t step = 0;
     std::string plan_id;
+    std::optional<std::vector<int>> replicas;  // elastic replicas: the membership served
     Clock::time_point deadline;
     std::map<uint64_t, Participant> trainers;  // by member id
     std::map<uint64_t, Participant> engines;
@@ -98,6 +105,8 @@ class CoordinatorState {
 
   // Steps.
   wire::Json step_engines_json(const OpenStep& s) const;  // the step's engine members
+  wire::Json step_reply(const OpenStep& s) const;         // begin_step's reply
+  void answer_followers();  // the followers of the open step (or of others: errors)
   void begin_step(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body,
                   Clock::time_point now);
   void record_sent(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
@@ -122,6 +131,7 @@ class CoordinatorState {
   std::multimap<std::string, Waiter> store_waiters_;
   std::map<std::string, Barrier> barriers_;
   std::vector<MemberWaiter> member_waiters_;
+  std::vector<Follower> followers_;
   std::optional<OpenStep> open_step_;
   std::optional<int64_t> last_decided_;
   std::map<int, int64_t> versions_;  // engine rank -> committed step

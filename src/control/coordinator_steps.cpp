@@ -27,6 +27,34 @@ Json CoordinatorState::step_engines_json(const OpenStep& s) const {
   return list;
 }
 
+Json CoordinatorState::step_reply(const OpenStep& s) const {
+  Json r{{"engines", step_engines_json(s)}, {"plan_id", s.plan_id}};
+  if (s.replicas) r["replicas"] = *s.replicas;
+  return r;
+}
+
+// Trainers that follow the step's leader (elastic replicas) get the open
+// step's plan and membership; those waiting for another step, an error.
+void CoordinatorState::answer_followers() {
+  std::vector<Follower> waiting;
+  waiting.swap(followers_);
+  for (const Follower& f : waiting) {
+    answered(f.conn);
+    const OpenStep& s = *open_step_;
+    const auto c = conns_.find(f.conn);
+    if (c == conns_.end()) continue;
+    if (f.step != s.step)
+      reply_error(
+          f.conn, f.request, Errc::protocol,
+          cat(who(c->second.member), " follows step ", f.step, " but step ", s.step, " began"));
+    else if (!s.trainers.count(c->second.member.id))
+      reply_error(f.conn, f.request, Errc::protocol,
+                  cat(who(c->second.member), " joined after step ", s.step, " began"));
+    else
+      reply(f.conn, f.request, step_reply(s));
+  }
+}
+
 void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const Json& body,
                                   Clock::time_point now) {
   const int64_t step = body.at("step").get<int64_t>();
@@ -34,6 +62,19 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
   if (c.member.role != Role::trainer)
     return reply_error(conn, id, Errc::protocol,
                        cat("begin_step from ", who(c.member), ": only trainers begin steps"));
+  // An empty plan id follows the step's leader (elastic replicas).
+  const bool follow = plan_id.empty();
+  std::optional<std::vector<int>> replicas;
+  try {
+    replicas = wire::replicas_from_json(body);
+  } catch (const Error& e) {
+    return reply_error(conn, id, Errc::invalid_argument,
+                       cat("begin_step ", step, " from ", who(c.member), ": ", e.what()));
+  }
+  if (follow && replicas)
+    return reply_error(conn, id, Errc::invalid_argument,
+                       cat("begin_step ", step, " from ", who(c.member),
+                           ": replicas without a plan id (a follower takes the leader's)"));
   if (open_step_) {
     OpenStep& s = *open_step_;
     if (s.step != step)
@@ -44,36 +85,52 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
     if (p == s.trainers.end())
       return reply_error(conn, id, Errc::protocol,
                          cat(who(c.member), " joined after step ", step, " began"));
-    if (plan_id != s.plan_id) {
-      const std::string why = cat(who(c.member), " began step ", step, " with plan '", plan_id,
-                                  "' but the step uses plan '", s.plan_id, "'");
+    if (follow) return reply(conn, id, step_reply(s));
+    if (plan_id != s.plan_id || replicas != s.replicas) {
+      const auto list = [](const std::optional<std::vector<int>>& r) {
+        return r ? cat(" for replicas ", Json(*r).dump()) : std::string();
+      };
+      const std::string why =
+          cat(who(c.member), " began step ", step, " with plan '", plan_id, "'", list(replicas),
+              " but the step uses plan '", s.plan_id, "'", list(s.replicas));
       p->second.outcome = Outcome::failed;
       p->second.reason = why;
       reply_error(conn, id, Errc::mismatch, why);
       return decide();
     }
-    return reply(conn, id, Json{{"engines", step_engines_json(s)}});
+    return reply(conn, id, step_reply(s));
   }
   if (last_decided_ && step <= *last_decided_)
     return reply_error(conn, id, Errc::protocol,
                        cat("begin_step ", step, ": steps must increase (step ", *last_decided_,
                            " was already decided)"));
+  if (follow) {
+    if (!admit(conn, id, "begin_step")) return;
+    const uint64_t ms = body.contains("timeout_ms") ? wire::get_u64(body, "timeout_ms") : 0;
+    followers_.push_back(Follower{{conn, id, deadline_after(now, ms)}, step});
+    return;
+  }
   OpenStep s;
   s.step = step;
   s.plan_id = plan_id;
+  s.replicas = replicas;
   s.deadline = now + options_.step_timeout;
   for (const auto& [cid, other] : conns_) {
     if (!other.registered) continue;
     if (other.member.role == Role::trainer)
       s.trainers[other.member.id] = {cid, other.member, Outcome::pending, {}};
-    if (other.member.role == Role::engine)
+    // Elastic replicas: only the engines of the replicas served take part.
+    if (other.member.role == Role::engine &&
+        (!replicas || std::binary_search(replicas->begin(), replicas->end(), other.member.replica)))
       s.engines[other.member.id] = {cid, other.member, Outcome::pending, {}};
   }
   open_step_ = std::move(s);
-  reply(conn, id, Json{{"engines", step_engines_json(*open_step_)}});
+  reply(conn, id, step_reply(*open_step_));
+  answer_followers();
   Json announce = wire::make(Kind::step_begin);
   announce["step"] = step;
   announce["plan_id"] = plan_id;
+  if (replicas) announce["replicas"] = *replicas;
   for (ConnId e : registered_conns(Role::engine)) outbox_.send(e, announce);
   for (ConnId o : registered_conns(Role::observer)) outbox_.send(o, announce);
 }

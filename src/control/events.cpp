@@ -2,12 +2,30 @@
 // the error model only), so the fuzz target can build it.
 #include "protocol.h"
 
+#include <limits>
+
 namespace weightsync::control::wire {
 
 std::vector<Member> members_from_json(const Json& list) {
   if (!list.is_array()) fail(Errc::protocol, "members must be an array");
   std::vector<Member> out;
   for (const Json& m : list) out.push_back(wire::member_from_json(m));
+  return out;
+}
+
+std::optional<std::vector<int>> replicas_from_json(const Json& body) {
+  const auto it = body.find("replicas");
+  if (it == body.end()) return std::nullopt;
+  if (!it->is_array()) fail(Errc::protocol, "replicas must be an array");
+  std::vector<int> out;
+  for (const Json& r : *it) {
+    if (!r.is_number_integer() || r.get<int64_t>() < 0 ||
+        r.get<int64_t>() > std::numeric_limits<int>::max() ||
+        (!out.empty() && r.get<int64_t>() <= out.back()))
+      fail(Errc::protocol, "replicas must be ascending distinct integers in [0, 2^31), got ",
+           it->dump());
+    out.push_back(r.get<int>());
+  }
   return out;
 }
 
@@ -38,7 +56,8 @@ Event event_from_message(const wire::Message& m) {
   const Json& b = m.body;
   switch (m.kind) {
     case Kind::step_begin:
-      return StepBegin{b.at("step").get<int64_t>(), b.at("plan_id").get<std::string>()};
+      return StepBegin{b.at("step").get<int64_t>(), b.at("plan_id").get<std::string>(),
+                       replicas_from_json(b)};
     case Kind::commit:
       return Commit{b.at("step").get<int64_t>()};
     case Kind::abort:

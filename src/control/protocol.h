@@ -108,6 +108,10 @@ Member member_from_json(const Json& json);  // Errc::protocol on a malformed mem
 // malformed beyond what parse_message checks).
 Event event_from_message(const Message& message);  // step_begin, commit, abort, ...
 std::vector<Member> members_from_json(const Json& list);
+// Elastic replicas: the "replicas" field of begin_step, its reply and
+// step_begin (absent: nullopt); Errc::protocol unless an array of ascending
+// distinct integers in [0, 2^31).
+std::optional<std::vector<int>> replicas_from_json(const Json& body);
 
 // Errc from its name (errc_name); Errc::protocol for an unknown name.
 Errc errc_from_name(std::string_view name) noexcept;
