@@ -11,8 +11,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 
 namespace weightsync {
 namespace {
@@ -52,6 +54,16 @@ struct Subscriber::Impl {
   std::unique_ptr<char[]> arena_host;
   gpu::Memory arena_device;
   std::string weights_error;  // the step's first failure of on_weights
+  bool ready = false;         // ensure_ready done
+  // What later plans and pipelines are made from (elastic replicas: a plan
+  // per membership).
+  PlanOptions plan_options;
+  bool elastic = false;
+  WireOptions wire;
+  pipeline::RankMemory memory;
+  SlotMemory slots = SlotMemory::host;
+  int slot_device = -1;
+  std::string adopt_error;  // elastic: why the step's plan could not be made
   std::atomic<int64_t> version{-1};
   std::atomic<bool> stopping{false};
   int64_t current_step = -1;
@@ -60,6 +72,10 @@ struct Subscriber::Impl {
   const EngineRankLayout& rank_layout() const { return engine.rank_layout(global); }
   std::string key(const std::string& what) const { return opt.job + "/" + what; }
   void ensure_ready();
+  void build_receiver(const Plan& p);
+  // The plan for `replicas` and a receive pipeline for it, unless the
+  // current plan is for them already.
+  void use_plan(const std::vector<int>& replicas);
   pipeline::RankMemory weights_memory() const;
   void open_arena(const Plan& plan);
   void deliver(size_t k);
@@ -74,7 +90,7 @@ struct Subscriber::Impl {
 };
 
 void Subscriber::Impl::ensure_ready() {
-  if (plan) return;
+  if (ready) return;
   const auto& ps = rank_layout().params;
   const std::string who = cat("engine rank ", global);
   for (size_t i = 0; i < ps.size(); ++i) {
@@ -105,22 +121,64 @@ void Subscriber::Impl::ensure_ready() {
                                  params, [&](size_t i) { return ps[i].name; }, spec.who);
   spec.connect_timeout = opt.connect_timeout;
   pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
-  if (on_weights) open_arena(*dp.plan);
-  std::unique_ptr<engine::Fp8Staging> quant;
-  if (engine::has_fp8(rank_layout()))
-    quant = std::make_unique<engine::Fp8Staging>(*dp.plan, dp.plan->engine_template(global),
-                                                 rank_layout(), params, who);
-  auto receiver = std::make_unique<engine::ReceivePipeline>(
-      *dp.plan, global, quant ? quant->targets() : params, opt.staging, dp.memory, dp.wire,
-      dp.transport->capabilities());
-  receiver->prepare(*dp.transport, dp.slots, dp.slot_device);
-  if (on_weights) receiver->on_bucket([this](size_t k) { deliver(k); });
-  pipeline::connect_peers(*dp.transport);
   trainer = std::move(dp.trainer);
   transport = std::move(dp.transport);
+  wire = dp.wire;
+  memory = dp.memory;
+  slots = dp.slots;
+  slot_device = dp.slot_device;
+  plan_options = dp.options;
+  elastic = dp.elastic;
+  if (elastic) {
+    // The plan of the membership the next step most likely serves: the
+    // replicas with a live engine, this one among them (a step that serves
+    // other ones makes its own plan).
+    std::set<int> guess{opt.replica};
+    for (const auto& m : client->members())
+      if (m.role == control::Role::engine && m.replica >= 0 && m.replica < engine.num_replicas())
+        guess.insert(m.replica);
+    use_plan(std::vector<int>(guess.begin(), guess.end()));
+  } else {
+    build_receiver(*dp.plan);
+    plan = std::move(dp.plan);
+  }
+  // Elastic: engines only ever talk with trainers, and other replicas come and go.
+  pipeline::connect_peers(*transport, elastic ? static_cast<int>(trainer->mesh.world()) : 0);
+  if (elastic) {
+    // Ready for steps: trainer rank 0 may now include this rank's replica.
+    const std::string id = std::to_string(client->member_id());
+    client->set(pipeline::ready_key(opt.job, global), std::vector<uint8_t>(id.begin(), id.end()));
+  }
+  ready = true;
+}
+
+void Subscriber::Impl::build_receiver(const Plan& p) {
+  pipeline.reset();  // its slots first
+  fp8.reset();
+  const std::string who = cat("engine rank ", global);
+  if (on_weights) open_arena(p);
+  std::unique_ptr<engine::Fp8Staging> quant;
+  if (engine::has_fp8(rank_layout()))
+    quant = std::make_unique<engine::Fp8Staging>(p, p.engine_template(global), rank_layout(),
+                                                 params, who);
+  auto receiver = std::make_unique<engine::ReceivePipeline>(
+      p, global, quant ? quant->targets() : params, opt.staging, memory, wire,
+      transport->capabilities());
+  receiver->prepare(*transport, slots, slot_device);
+  if (on_weights) receiver->on_bucket([this](size_t k) { deliver(k); });
   pipeline = std::move(receiver);
   fp8 = std::move(quant);
-  plan = std::move(dp.plan);  // last: a plan means the rank is ready
+}
+
+void Subscriber::Impl::use_plan(const std::vector<int>& replicas) {
+  const std::vector<int32_t> want(replicas.begin(), replicas.end());
+  if (plan && plan->options().replicas == want) return;
+  PlanOptions o = plan_options;
+  o.replicas = want;
+  plan.reset();
+  Plan p = make_plan(*trainer, engine, Topology{}, o);
+  build_receiver(p);
+  plan = std::move(p);
 }
 
 pipeline::RankMemory Subscriber::Impl::weights_memory() const {
@@ -222,7 +280,11 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   const std::string begin_error = run_hook(on_begin, "on_begin", begin.step);
   weights_error.clear();
   engine::ReceiveReport report;
-  if (begin.plan_id != plan->plan_id_hex()) {
+  if (!adopt_error.empty() || !plan || !pipeline) {
+    report.error = adopt_error.empty()
+                       ? cat("engine rank ", global, ": no plan for step ", begin.step)
+                       : adopt_error;
+  } else if (begin.plan_id != plan->plan_id_hex()) {
     report.error = cat("engine rank ", global, ": step ", begin.step, " uses plan ", begin.plan_id,
                        " but this engine computed plan ", plan->plan_id_hex(),
                        " (layouts or plan options differ)");
@@ -337,16 +399,19 @@ Subscriber::Subscriber(SubscriberOptions options) : impl_(std::make_unique<Impl>
 Subscriber::~Subscriber() {
   if (!impl_) return;
   impl_->pipeline.reset();
-  impl_->transport.reset();
+  impl_->fp8.reset();
+  // Leave first: the trainers stop counting on this rank at once (the next
+  // step's membership), while the transport's teardown may take a while.
   try {
     if (impl_->client) impl_->client->leave();
   } catch (const Error&) {
   }
+  impl_->transport.reset();
 }
 
 void Subscriber::register_param(const std::string& name, const TensorView& param) {
   Impl& m = *impl_;
-  if (m.plan)
+  if (m.ready)
     fail(Errc::invalid_argument, "engine rank ", m.global, ": register_param('", name,
          "') after the first step");
   auto it = m.index.find(name);
@@ -389,7 +454,7 @@ void Subscriber::on_end(std::function<void(int64_t)> hook) {
 }
 
 void Subscriber::on_weights(WeightsHook hook) {
-  if (impl_->plan)
+  if (impl_->ready)
     fail(Errc::invalid_argument, "engine rank ", impl_->global,
          ": on_weights must be set before the first step");
   impl_->on_weights = std::move(hook);
@@ -411,7 +476,23 @@ std::optional<StepOutcome> Subscriber::run_step(std::chrono::milliseconds wait) 
       if (e.code() == Errc::timeout) return std::nullopt;
       throw;
     }
-    if (auto* begin = std::get_if<control::StepBegin>(&*ev)) return m.run_one(*begin);
+    if (auto* begin = std::get_if<control::StepBegin>(&*ev)) {
+      m.adopt_error.clear();
+      if (begin->replicas) {
+        // Elastic replicas: a step that does not serve this rank's replica
+        // is not its business (it keeps its version); one that does brings
+        // its membership's plan.
+        if (!std::binary_search(begin->replicas->begin(), begin->replicas->end(), m.opt.replica))
+          continue;
+        try {
+          m.use_plan(*begin->replicas);
+        } catch (const Error& e) {
+          m.adopt_error = cat("engine rank ", m.global, ": making the plan of step ", begin->step,
+                              " failed: ", e.what());
+        }
+      }
+      return m.run_one(*begin);
+    }
     // Membership changes and decisions of steps already handled need nothing here.
   }
 }

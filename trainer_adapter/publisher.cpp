@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <thread>
+
 namespace weightsync {
 namespace {
 
@@ -42,7 +44,7 @@ void Publisher::Impl::require_registered(const char* what) const {
 }
 
 void Publisher::Impl::ensure_ready() {
-  if (plan) return;
+  if (ready) return;
   require_registered("the first push");
   pipeline::SetupSpec spec;
   spec.who = cat("trainer rank ", opt.rank);
@@ -60,19 +62,113 @@ void Publisher::Impl::ensure_ready() {
       tensors, [&](size_t i) { return opt.layout.params[i].name; }, spec.who);
   spec.connect_timeout = opt.connect_timeout;
   pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
-  auto sender = std::make_unique<trainer::SendPipeline>(*dp.plan, opt.rank, tensors, dp.wire,
-                                                        dp.transport->capabilities());
-  sender->prepare(*dp.transport, dp.slots, dp.slot_device, dp.memory,
-                  trainer::Producer{opt.producer_stream, opt.producer_event});
-  // Endpoints now rather than inside the first step's timing.
-  pipeline::connect_peers(*dp.transport);
   const auto engines = static_cast<size_t>(dp.engine.world());
   engine = std::move(dp.engine);
   transport = std::move(dp.transport);
-  pipeline = std::move(sender);
-  plan = std::move(dp.plan);  // last: a plan means the rank is ready
+  wire = dp.wire;
+  memory = dp.memory;
+  slots = dp.slots;
+  slot_device = dp.slot_device;
+  plan_options = dp.options;
+  elastic = dp.elastic;
+  min_replicas = dp.min_replicas;
+  if (dp.plan) build_sender(*dp.plan);
+  // Endpoints now rather than inside the first step's timing (elastic: the
+  // trainers; engines as their replicas join).
+  pipeline::connect_peers(*transport, elastic ? trainer_world() : 0);
+  plan = std::move(dp.plan);
   dead.assign(engines, false);
   engine_member.assign(engines, 0);
+  ready = true;
+}
+
+void Publisher::Impl::build_sender(const Plan& p) {
+  pipeline.reset();  // its slots first
+  auto sender = std::make_unique<trainer::SendPipeline>(p, opt.rank, tensors, wire,
+                                                        transport->capabilities());
+  sender->prepare(*transport, slots, slot_device, memory,
+                  trainer::Producer{opt.producer_stream, opt.producer_event});
+  pipeline = std::move(sender);
+}
+
+void Publisher::Impl::use_plan(const std::vector<int>& replicas) {
+  const std::vector<int32_t> want(replicas.begin(), replicas.end());
+  if (plan && plan->options().replicas == want) return;
+  PlanOptions o = plan_options;
+  o.replicas = want;
+  plan.reset();
+  pipeline.reset();
+  Plan p = make_plan(opt.layout, *engine, Topology{}, o);
+  build_sender(p);
+  plan = std::move(p);
+}
+
+std::vector<int> Publisher::Impl::choose_replicas(int64_t step, Clock::time_point deadline) {
+  const EngineLayout& e = *engine;
+  // An engine rank is ready once it published its member id under its ready
+  // key (after preparing); a new process for the rank must publish its own.
+  auto is_ready = [&](int g, uint64_t id) {
+    if (auto it = ready_member.find(g); it != ready_member.end() && it->second == id) return true;
+    try {
+      const auto v = client->get(pipeline::ready_key(opt.job, g), Millis(0));
+      if (std::string(v.begin(), v.end()) != std::to_string(id)) return false;
+    } catch (const Error& err) {
+      if (err.code() != Errc::timeout) throw;
+      return false;
+    }
+    ready_member[g] = id;
+    return true;
+  };
+  while (true) {
+    std::map<int, control::Member> live;
+    for (const auto& m : client->members())
+      if (m.role == control::Role::engine) live[m.rank] = m;
+    std::vector<int> chosen;
+    for (int r = 0; r < e.num_replicas(); ++r) {
+      const int tp = e.group_of(e.global_rank(r, 0)).config.tp;
+      bool all = true;
+      for (int k = 0; k < tp && all; ++k) {
+        const int g = e.global_rank(r, k);
+        const auto it = live.find(g);
+        all = it != live.end() && it->second.replica == r && is_ready(g, it->second.id);
+      }
+      if (all) chosen.push_back(r);
+    }
+    if (static_cast<int>(chosen.size()) >= min_replicas) return chosen;
+    if (Clock::now() >= deadline)
+      fail(Errc::timeout, "trainer rank 0: step ", step, ": ", chosen.size(),
+           " engine replicas ready ", nlohmann::json(chosen).dump(), " of the ", e.num_replicas(),
+           " slots, fewer than min_replicas ", min_replicas, " within the step timeout");
+    std::this_thread::sleep_for(Millis(50));
+  }
+}
+
+control::StepStart Publisher::Impl::begin(int64_t step, Clock::time_point deadline) {
+  if (!elastic) {
+    control::StepStart s;
+    s.plan_id = plan->plan_id_hex();
+    s.engines = client->begin_step(step, s.plan_id, wait_until(deadline));
+    return s;
+  }
+  if (opt.rank != 0) return client->follow_step(step, wait_until(deadline));
+  // Rank 0 leads: the membership, its plan, then the step.
+  const std::vector<int> chosen = choose_replicas(step, deadline);
+  use_plan(chosen);
+  return client->begin_step(step, plan->plan_id_hex(), chosen, wait_until(deadline));
+}
+
+// Elastic replicas: the leader's plan (made here unless this rank has it),
+// which must be the one it began the step with.
+void Publisher::Impl::adopt(int64_t step, const control::StepStart& start) {
+  if (!elastic) return;
+  if (!start.replicas)
+    fail(Errc::protocol, "trainer rank ", opt.rank, ": step ", step,
+         " began without a membership, but this job's replicas are elastic");
+  use_plan(*start.replicas);
+  if (plan->plan_id_hex() != start.plan_id)
+    fail(Errc::mismatch, "trainer rank ", opt.rank, ": step ", step, " uses plan ", start.plan_id,
+         " for replicas ", nlohmann::json(*start.replicas).dump(), " but this rank computed plan ",
+         plan->plan_id_hex(), " (layouts or plan options differ)");
 }
 
 // The step's engines, as the coordinator saw them when it began: ranks not
@@ -89,6 +185,9 @@ void Publisher::Impl::admit(const std::vector<control::Member>& step_engines) {
       dead[g] = true;
       continue;
     }
+    // Served by this step: unless its connection failed (a rank absent from
+    // earlier steps, e.g. an elastic replica that joined, is served now).
+    dead[g] = transport->peer_failed(trainer_world() + static_cast<int>(g));
     if (engine_member[g] != 0 && engine_member[g] != now[g]) {
       try {
         transport->reconnect(trainer_world() + static_cast<int>(g));
@@ -134,19 +233,24 @@ PushResult Publisher::Impl::push(int64_t step) {
   early_result.reset();
   current_step = step;  // first: a late result of an earlier step is ignored
   poll();               // membership news since the last step (engines that left are skipped)
+  control::StepStart begun;
   {
     TraceSpan span(opt.tracer, "begin", "control");
     const auto t = Clock::now();
-    admit(client->begin_step(step, plan->plan_id_hex(), wait_until(deadline)));
+    begun = begin(step, deadline);
     out.phases.begin = seconds_since(t);
   }
   try {
+    adopt(step, begun);
+    admit(begun.engines);
+    out.plan_id = plan->plan_id_hex();
+    out.replicas = begun.replicas.value_or(std::vector<int>{});
     out.bytes_sent = pipeline->run(
         step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
     out.bytes_direct = pipeline->bytes_direct();
     client->sent(step, true, {}, wait_until(deadline));
   } catch (const Error& e) {
-    pipeline->cancel_all();
+    if (pipeline) pipeline->cancel_all();
     if (!early_result) {
       try {
         // Tell the coordinator, briefly: the step has failed already (a
@@ -183,6 +287,9 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (m.opt.rank < 0 || m.opt.rank >= world)
     fail(Errc::invalid_argument, "publisher: rank ", m.opt.rank, " outside the trainer world of ",
          world, " (mesh ", shape_str(m.opt.layout.mesh.shape), ")");
+  if (m.opt.elastic && m.opt.min_replicas < 1)
+    fail(Errc::invalid_argument, "publisher: min_replicas ", m.opt.min_replicas,
+         " must be at least 1");
   if (m.opt.bucket_bytes < 1024)
     fail(Errc::invalid_argument, "publisher: bucket_bytes ", m.opt.bucket_bytes,
          " is below the minimum of 1024");
@@ -211,10 +318,11 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (m.opt.rank == 0) {
     // The engines plan from the same inputs: the layout and the plan options.
     m.client->set(m.key("layout/trainer"), bytes_of(m.opt.layout.to_json().dump()));
-    const nlohmann::json po = {{"mode", plan_mode_name(m.opt.mode)},
-                               {"bucket_bytes", m.opt.bucket_bytes},
-                               {"fp8_site", fp8_site_name(m.opt.fp8_site)},
-                               {"wire", m.opt.wire.to_json()}};
+    nlohmann::json po = {{"mode", plan_mode_name(m.opt.mode)},
+                         {"bucket_bytes", m.opt.bucket_bytes},
+                         {"fp8_site", fp8_site_name(m.opt.fp8_site)},
+                         {"wire", m.opt.wire.to_json()}};
+    if (m.opt.elastic) po["elastic"] = {{"min_replicas", m.opt.min_replicas}};
     m.client->set(m.key("plan_options"), bytes_of(po.dump()));
   }
 }
@@ -232,7 +340,7 @@ Publisher::~Publisher() {
 
 void Publisher::register_tensor(const std::string& name, const TensorView& tensor) {
   Impl& m = *impl_;
-  if (m.plan)
+  if (m.ready)
     fail(Errc::invalid_argument, "trainer rank ", m.opt.rank, ": register_tensor('", name,
          "') after the first push");
   auto it = m.index.find(name);

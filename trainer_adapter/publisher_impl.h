@@ -5,6 +5,7 @@
 #include <weightsync/control.h>
 #include <weightsync/publisher.h>
 
+#include "pipeline/setup.h"
 #include "publisher_pipeline.h"
 
 #include <map>
@@ -26,8 +27,19 @@ struct Publisher::Impl {
   std::unique_ptr<Transport> transport;
   std::optional<Plan> plan;
   std::unique_ptr<trainer::SendPipeline> pipeline;
-  std::vector<bool> dead;               // engine ranks dropped (died or failed)
-  std::vector<uint64_t> engine_member;  // member id of each engine rank's process (0: none yet)
+  bool ready = false;  // ensure_ready done
+  // What later plans and pipelines are made from (elastic replicas: a plan
+  // per membership).
+  PlanOptions plan_options;
+  bool elastic = false;
+  int min_replicas = 1;
+  WireOptions wire;
+  pipeline::RankMemory memory;
+  SlotMemory slots = SlotMemory::host;
+  int slot_device = -1;
+  std::map<int, uint64_t> ready_member;  // engine rank -> member id seen ready (rank 0)
+  std::vector<bool> dead;                // engine ranks dropped (died or failed)
+  std::vector<uint64_t> engine_member;   // member id of each engine rank's process (0: none yet)
   std::optional<control::StepResult> early_result;
   int64_t current_step = -1;
   int64_t saves = 0;  // save_hf calls so far: every rank counts alike (a collective)
@@ -37,6 +49,17 @@ struct Publisher::Impl {
   std::string key(const std::string& what) const { return opt.job + "/" + what; }
 
   void ensure_ready();
+  // The plan for `replicas` and a send pipeline for it, unless the current
+  // plan is for them already.
+  void use_plan(const std::vector<int>& replicas);
+  // Rank 0, elastic: the replicas whose every rank is ready, once at least
+  // min_replicas are (Errc::timeout at `deadline`).
+  std::vector<int> choose_replicas(int64_t step, std::chrono::steady_clock::time_point deadline);
+  void build_sender(const Plan& p);
+  // Begins `step`: static, elastic leader, or elastic follower; then adopt
+  // takes the leader's plan (elastic).
+  control::StepStart begin(int64_t step, std::chrono::steady_clock::time_point deadline);
+  void adopt(int64_t step, const control::StepStart& start);
   void poll();
   void admit(const std::vector<control::Member>& step_engines);
   PushResult push(int64_t step);

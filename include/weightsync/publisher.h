@@ -60,6 +60,18 @@ struct PublisherOptions {
   // FP8 engines: quantize on the trainer ranks where they hold whole blocks
   // (FP8 on the wire, plan.h) or always on the engines. Rank 0's holds.
   Fp8Site fp8_site = Fp8Site::sender;
+  // Elastic engine replicas (DESIGN.md "Elastic replicas"); rank 0's hold.
+  // Off: the engine config's replicas are the job's, all awaited before the
+  // first push, and the plan covers them all (absent ones skipped). On: they
+  // are slots that replicas fill and leave between steps. Before each push
+  // trainer rank 0 picks the replicas whose every rank is ready (registered
+  // and prepared), waits until at least min_replicas are, and begins the
+  // step with the plan for them; the other ranks follow its choice. Every
+  // process recomputes the plan when the membership changes (its id changes
+  // with it), and a replica new to a step receives the whole version before
+  // it serves. Not with NCCL (a communicator is fixed).
+  bool elastic = false;
+  int min_replicas = 1;
   // How buckets travel (wire.h): per-bucket checksums (off by default) and
   // the smallest item sent zero-copy. Rank 0's settings hold for everyone.
   WireOptions wire;
@@ -95,6 +107,8 @@ struct PushResult {
   uint64_t bytes_direct = 0;  // of those, sent straight from the registered tensors (zero copy)
   double seconds = 0;         // push(), call to return
   PushPhases phases;
+  std::string plan_id;        // the step's plan
+  std::vector<int> replicas;  // elastic replicas: the step's membership (else empty)
 };
 
 // Publisher::save_hf (docs/checkpoints.md). Every rank passes the same
@@ -186,6 +200,7 @@ class Publisher {
   LoadReport load_hf(const std::string& dir);
 
   // The plan (computed on the first push; Errc::invalid_argument before).
+  // Elastic replicas: the last push's plan.
   const Plan& plan() const;
   int rank() const;
   // Bytes of staging memory this publisher allocated (about 2 x bucket).

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <limits>
 
 namespace weightsync::pipeline {
@@ -76,12 +77,33 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
   const nlohmann::json po = fetch_json(client, spec, "plan_options", deadline);
   dp.wire = WireOptions::from_json(po.is_object() ? po.value("wire", nlohmann::json::object())
                                                   : nlohmann::json::object());
-  const PlanOptions options = spec.plan ? *spec.plan : plan_options_of(po, spec);
-  client.wait_members(static_cast<int>(dp.trainer.mesh.world()), dp.engine.world(),
+  dp.options = spec.plan ? *spec.plan : plan_options_of(po, spec);
+  // Elastic replicas: rank 0's word, which every process follows.
+  if (po.is_object() && po.contains("elastic")) {
+    const auto& e = po["elastic"];
+    if (!e.is_object() || !e.contains("min_replicas") || !e["min_replicas"].is_number_integer() ||
+        e["min_replicas"].get<int64_t>() < 1)
+      fail(Errc::format, spec.who, ": the store's '", spec.job,
+           "/plan_options' has an \"elastic\" without an integer \"min_replicas\" >= 1: ",
+           po.dump());
+    dp.elastic = true;
+    dp.min_replicas = e["min_replicas"].get<int>();
+    if (dp.min_replicas > dp.engine.num_replicas())
+      fail(Errc::invalid_argument, spec.who, ": elastic replicas: min_replicas ", dp.min_replicas,
+           " exceeds the engine config's ", dp.engine.num_replicas(), " replica slots");
+  }
+  // Static jobs wait for every engine rank; elastic ones for the trainers
+  // only (engine replicas come and go between steps).
+  client.wait_members(static_cast<int>(dp.trainer.mesh.world()), dp.elastic ? 0 : dp.engine.world(),
                       left_until(deadline));
+  // NCCL's communicator is made once for every rank, which must all be there.
+  if (dp.elastic && spec.transport.find("nccl") != std::string::npos)
+    fail(Errc::unsupported, spec.who, ": elastic replicas need a transport that takes new ",
+         "processes in (ucx, cuda_ipc), not '", spec.transport,
+         "': an NCCL communicator is fixed at its creation");
   use_device(spec.memory);
   dp.transport = open_transport(client, spec, dp, deadline);
-  dp.plan = make_plan(dp.trainer, dp.engine, Topology{}, options);
+  if (!dp.elastic) dp.plan = make_plan(dp.trainer, dp.engine, Topology{}, dp.options);
   // Up front: slots the transport cannot reach would fail deep inside a step.
   const Capabilities caps = dp.transport->capabilities();
   if (spec.memory.any)
@@ -141,9 +163,14 @@ DataPath open_data_path(control::Client& client, const SetupSpec& spec) {
   }
 }
 
-void connect_peers(Transport& transport) {
-  for (int peer = 0; peer < transport.world(); ++peer)
+void connect_peers(Transport& transport, int below) {
+  const int end = below > 0 ? std::min(below, transport.world()) : transport.world();
+  for (int peer = 0; peer < end; ++peer)
     if (peer != transport.rank()) transport.connect(peer);
+}
+
+std::string ready_key(const std::string& job, int global_engine_rank) {
+  return cat(job, "/ready/", global_engine_rank);
 }
 
 void use_device(const RankMemory& memory) {

@@ -59,8 +59,14 @@ struct SetupSpec {
 struct DataPath {
   TrainerLayout trainer;
   EngineLayout engine;
+  // Static jobs: the plan for every replica. Elastic replicas (trainer rank
+  // 0's plan options say "elastic"): none; each step's plan follows its
+  // membership, made from `options` with PlanOptions::replicas set.
   std::optional<Plan> plan;
-  WireOptions wire;  // trainer rank 0's: every rank follows them
+  PlanOptions options;
+  bool elastic = false;
+  int min_replicas = 1;  // elastic: a step begins once this many replicas are ready
+  WireOptions wire;      // trainer rank 0's: every rank follows them
   std::unique_ptr<Transport> transport;
   int transport_rank = 0;
   RankMemory memory;
@@ -72,8 +78,14 @@ struct DataPath {
 // weightsync::Error naming `who` (malformed JSON in the store included).
 DataPath open_data_path(control::Client& client, const SetupSpec& spec);
 
-// Eager endpoints to every other rank, so that the first step times only the sync.
-void connect_peers(Transport& transport);
+// Eager endpoints to every other rank (`below` > 0: to ranks below it only,
+// e.g. the trainers where engine replicas come and go), so that the first
+// step times only the sync.
+void connect_peers(Transport& transport, int below = 0);
+
+// Elastic replicas: the key under which an engine rank says it is ready to
+// take part in steps (its value: the member id of its process).
+std::string ready_key(const std::string& job, int global_engine_rank);
 
 // Where later GPU work of this thread goes: the rank's device (no-op for host memory).
 void use_device(const RankMemory& memory);

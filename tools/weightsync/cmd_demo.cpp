@@ -18,6 +18,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <sstream>
 
 namespace weightsync::cli {
 namespace {
@@ -63,9 +65,17 @@ constexpr const char* kUsage =
     "  --step-gap S         trainers pause S seconds between steps, as training would\n"
     "                       (default 0; 1 with --restart)\n"
     "  --engine-transport G:NAME  engine rank G uses transport NAME (e.g. a fault\n"
-    "                       wrapper corrupting what it receives)\n\n"
+    "                       wrapper corrupting what it receives)\n"
+    "  --elastic            elastic replicas: the engine config's replicas are slots\n"
+    "                       that replicas join and leave between steps; each step\n"
+    "                       serves the replicas ready when it begins (its own plan)\n"
+    "  --min-replicas N     elastic: a step waits for N ready replicas (default 1)\n"
+    "  --join R:STEP[,...]  elastic: replica R's processes start once the step\n"
+    "                       before STEP was decided (scale out)\n"
+    "  --leave R:STEP[,...] elastic: replica R's processes leave after STEP (scale in)\n\n"
     "Exit code 0 only if every engine rank committed every step and matched the\n"
-    "reference after each one.\n";
+    "reference after each one (elastic: every rank of each step's replicas, and\n"
+    "every replica that joined served).\n";
 
 int parse_int(const std::string& text, const char* option) {
   int v = 0;
@@ -181,14 +191,46 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   if (job.step_gap_ms < 0) fail(Errc::invalid_argument, "--step-gap must be >= 0");
   if (job.restart_killed && job.kill.role != "engine")
     fail(Errc::invalid_argument, "--restart needs --kill engine:RANK:STEP");
+  job.elastic = args.flag("elastic");
+  job.min_replicas = static_cast<int>(args.get_int("min-replicas", 1));
+  const int slots = make_engine_layout(EngineSpec::load(job.engine)).num_replicas();
+  auto replica_steps = [&](const char* option, std::map<int, int>& out) {
+    const auto text = args.get(option);
+    if (!text) return;
+    if (!job.elastic) fail(Errc::invalid_argument, "--", option, " needs --elastic");
+    std::stringstream list(*text);
+    for (std::string item; std::getline(list, item, ',');) {
+      const auto colon = item.find(':');
+      if (colon == std::string::npos)
+        fail(Errc::invalid_argument, "--", option, " expects R:STEP[,R:STEP...], got '", *text,
+             "'");
+      const int r = parse_int(item.substr(0, colon), "replica");
+      const int step = parse_int(item.substr(colon + 1), "step");
+      if (r < 0 || r >= slots || step < 2 || step > job.steps)
+        fail(Errc::invalid_argument, "--", option, " ", item, ": replica must be in 0..", slots - 1,
+             " and step in 2..", job.steps);
+      out[r] = step;
+    }
+  };
+  replica_steps("join", job.join);
+  replica_steps("leave", job.leave);
+  if (job.elastic && (job.min_replicas < 1 || job.min_replicas > slots))
+    fail(Errc::invalid_argument, "--min-replicas must be in 1..", slots, " (the replica slots)");
   return job;
 }
 
 int run_demo(const std::vector<std::string>& argv) {
-  Args args(argv, {"staging", "checksums", "restart", "no-verify", "json"},
-            {"checkpoint", "trainer", "engine", "steps", "mode", "dump", "transport",
-             "bucket-bytes", "timeout", "trace", "summary", "work-dir", "kill", "engine-transport",
-             "step-gap", "device", "fp8-site"});
+  Args args(argv, {"staging", "checksums", "restart", "no-verify", "json", "elastic"},
+            {"checkpoint", "trainer",
+             "engine",     "steps",
+             "mode",       "dump",
+             "transport",  "bucket-bytes",
+             "timeout",    "trace",
+             "summary",    "work-dir",
+             "kill",       "engine-transport",
+             "step-gap",   "device",
+             "fp8-site",   "min-replicas",
+             "join",       "leave"});
   std::optional<demo::ModelFiles> model;
   const demo::JobSpec job = job_from_args(args, model);
   if (!args.flag("json")) {
@@ -209,10 +251,13 @@ int run_demo(const std::vector<std::string>& argv) {
     demo::print_summary(std::cout, summary);
     if (job.trace) std::cout << "trace: " << args.require("trace") << "\n";
     if (!job.dump_dir.empty()) std::cout << "dumped engine params to " << job.dump_dir << "\n";
-    std::cout << (summary["ok"].get<bool>()
-                      ? "OK: every engine rank committed every step and matched the reference "
-                        "bit for bit\n"
-                      : "FAILED (logs in " + job.work_dir + ")\n");
+    const char* good =
+        job.elastic ? "OK: every rank of each step's replicas committed it and matched the "
+                      "reference bit for bit; every replica that joined served\n"
+                    : "OK: every engine rank committed every step and matched the reference bit "
+                      "for bit\n";
+    std::cout << (summary["ok"].get<bool>() ? std::string(good)
+                                            : "FAILED (logs in " + job.work_dir + ")\n");
   }
   const bool ok = summary["ok"].get<bool>();
   if (ok && !args.has("work-dir")) std::filesystem::remove_all(job.work_dir);

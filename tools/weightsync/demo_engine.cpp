@@ -200,7 +200,10 @@ SubscriberOptions subscriber_options(const JobSpec& job, const EngineSpec& spec,
 // Runs steps until the last one, or until the trainers are gone; checks the
 // params after every committed step. Fills stats["steps"] and ["checks"].
 bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl,
-                 std::vector<Param>& params, nlohmann::json& stats, Clock::time_point started) {
+                 std::vector<Param>& params, nlohmann::json& stats, Clock::time_point started,
+                 int replica) {
+  // Elastic replicas: this replica leaves (scale in) after that step.
+  const auto leave = job.leave.find(replica);
   nlohmann::json steps = nlohmann::json::array(), checks = nlohmann::json::array();
   bool ok = true;
   const auto deadline = Clock::now() + Millis(job.timeout_ms) * (job.steps + 1);
@@ -220,6 +223,10 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
       ok &= checks.back()["ok"].get<bool>();
     }
     if (o->step >= job.steps) break;
+    if (leave != job.leave.end() && o->step >= leave->second) {
+      stats["left_after_step"] = o->step;
+      break;
+    }
   }
   stats["steps"] = steps;
   stats["checks"] = checks;
@@ -252,7 +259,7 @@ int run_engine_worker(const JobSpec& job, int global) {
     auto observer = observer_client(job, Millis(job.timeout_ms));
     stats["raw"] = run_raw_rounds(job, sub.plan(), *observer, "engine", global);
   }
-  bool ok = serve_steps(job, sub, rl, params, stats, started);
+  bool ok = serve_steps(job, sub, rl, params, stats, started, replica);
   stats["version"] = sub.version();
   // With staging, whatever happened, the params are exactly the version held.
   if (job.verify && job.staging) {

@@ -7,6 +7,23 @@
 
 namespace weightsync::demo {
 
+namespace {
+
+// {replica: step} as [[replica, step], ...] (JSON keys are strings).
+nlohmann::json join_pairs(const std::map<int, int>& m) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [replica, step] : m) out.push_back({replica, step});
+  return out;
+}
+
+std::map<int, int> pairs_map(const nlohmann::json& j) {
+  std::map<int, int> out;
+  for (const auto& p : j) out[p.at(0).get<int>()] = p.at(1).get<int>();
+  return out;
+}
+
+}  // namespace
+
 nlohmann::json JobSpec::to_json() const {
   return {
       {"checkpoint", checkpoint},
@@ -31,7 +48,11 @@ nlohmann::json JobSpec::to_json() const {
       {"raw_rounds", raw_rounds},
       {"restart_killed", restart_killed},
       {"step_gap_ms", step_gap_ms},
-      {"device", device}};
+      {"device", device},
+      {"elastic", elastic},
+      {"min_replicas", min_replicas},
+      {"join", join_pairs(join)},
+      {"leave", join_pairs(leave)}};
 }
 
 JobSpec JobSpec::from_json(const nlohmann::json& j) {
@@ -62,6 +83,10 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.restart_killed = j.value("restart_killed", false);
     s.step_gap_ms = j.value("step_gap_ms", int64_t{0});
     s.device = j.value("device", std::string("cpu"));
+    s.elastic = j.value("elastic", false);
+    s.min_replicas = j.value("min_replicas", 1);
+    if (j.contains("join")) s.join = pairs_map(j["join"]);
+    if (j.contains("leave")) s.leave = pairs_map(j["leave"]);
     return s;
   } catch (const nlohmann::json::exception& e) {
     fail(Errc::format, "job file: ", e.what());

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,13 @@ struct JobSpec {
   int64_t step_gap_ms = 0;      // trainers pause this long before each step after the first
   int raw_rounds = 0;           // bench: plain transport transfers of the plan's link bytes
   std::string device = "cpu";   // where every rank's tensors live: "cpu" or "cuda" (demo_device.h)
+  // Elastic replicas (PublisherOptions::elastic): the engine config's
+  // replicas are slots; `join` (replica -> step) starts a replica's processes
+  // once the step before that one was decided, `leave` (replica -> step)
+  // makes them leave after that step.
+  bool elastic = false;
+  int min_replicas = 1;
+  std::map<int, int> join, leave;
 
   nlohmann::json to_json() const;
   static JobSpec from_json(const nlohmann::json& j);

@@ -101,13 +101,14 @@ void ProcessGroup::kill_all() {
 
 std::vector<ChildResult> ProcessGroup::wait_all(
     std::chrono::milliseconds timeout, std::chrono::milliseconds grace,
-    const std::function<void(const ChildResult&)>& on_exit) {
+    const std::function<void(const ChildResult&)>& on_exit, const std::function<void()>& on_tick) {
   using Clock = std::chrono::steady_clock;
   auto deadline = Clock::now() + timeout;
   bool failed = false;
   std::vector<bool> reported;
   while (std::count(running_.begin(), running_.end(), true) > 0) {
     reap(false);
+    if (on_tick) on_tick();
     reported.resize(children_.size(), false);
     for (size_t i = 0; on_exit && i < children_.size(); ++i) {
       if (running_[i] || reported[i]) continue;

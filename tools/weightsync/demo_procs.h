@@ -51,8 +51,9 @@ class ProcessGroup {
   // spawn more children, which are then waited for too).
   std::vector<ChildResult> wait_all(
       std::chrono::milliseconds timeout, std::chrono::milliseconds grace = std::chrono::seconds(10),
-      const std::function<void(const ChildResult&)>& on_exit = nullptr);
-  void kill_all();  // SIGKILL to every running child
+      const std::function<void(const ChildResult&)>& on_exit = nullptr,
+      const std::function<void()>& on_tick = nullptr);  // every few ms (may spawn too)
+  void kill_all();                                      // SIGKILL to every running child
   bool timed_out() const { return timed_out_; }
 
  private:

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <ostream>
 #include <random>
 #include <thread>
@@ -83,7 +84,30 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
                 {"worker", "--job", job_path, "--role", job.kill.role, "--rank",
                  std::to_string(job.kill.rank), "--restarted"});
   };
-  for (int g = 0; g < engines; ++g) spawn("engine", g);
+  // Elastic replicas: those that join later start once the step before
+  // their join step was decided (some engine committed it).
+  const EngineLayout layout = make_engine_layout(EngineSpec::load(job.engine));
+  auto replica_of = [&](int g) {
+    const EngineGroup& grp = layout.group_of(g);
+    return grp.first_replica + (g - grp.first_rank) / grp.config.tp;
+  };
+  std::map<int, int> joins = job.join;
+  auto on_tick = [&] {
+    if (joins.empty()) return;
+    int64_t decided = -1;
+    for (int g = 0; g < engines; ++g) decided = std::max(decided, coordinator.committed_version(g));
+    for (auto it = joins.begin(); it != joins.end();) {
+      if (decided < it->second - 1) {
+        ++it;
+        continue;
+      }
+      for (int g = 0; g < engines; ++g)
+        if (replica_of(g) == it->first) spawn("engine", g);
+      it = joins.erase(it);
+    }
+  };
+  for (int g = 0; g < engines; ++g)
+    if (!job.join.count(replica_of(g))) spawn("engine", g);
   for (int t = 0; t < trainers; ++t) spawn("trainer", t);
   // Setup, every step, and the teardown each get the per-step timeout.
   const auto budget = std::chrono::milliseconds(job.timeout_ms) * (job.steps + 3);
@@ -92,7 +116,7 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
   std::thread side_thread;
   if (side) side_thread = std::thread([&] { side(job.coordinator, job.token, stop); });
   try {
-    run.children = group.wait_all(budget, std::chrono::seconds(10), on_exit);
+    run.children = group.wait_all(budget, std::chrono::seconds(10), on_exit, on_tick);
   } catch (...) {
     stop = true;
     if (side_thread.joinable()) side_thread.join();
@@ -115,6 +139,11 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
 }
 
 nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
+  const EngineLayout layout = make_engine_layout(EngineSpec::load(job.engine));
+  auto replica_of = [&](int g) {
+    const EngineGroup& grp = layout.group_of(g);
+    return grp.first_replica + (g - grp.first_rank) / grp.config.tp;
+  };
   nlohmann::json out = {{"trainers", run.trainers.size()}, {"engines", run.engines.size()}};
   bool ok = !run.timed_out;
   nlohmann::json children = nlohmann::json::array();
@@ -168,8 +197,26 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
                      {"apply", apply}, {"commit", commit}};
     row["committed"] = committed;
     row["verified"] = verified;
-    ok &= committed.size() == run.engines.size();
-    if (job.verify) ok &= verified.size() == run.engines.size();
+    if (job.elastic) {
+      // The step's membership, as trainer rank 0 chose it: exactly its
+      // replicas' ranks commit and verify, and there are enough of them.
+      nlohmann::json replicas = nlohmann::json::array(), expected = nlohmann::json::array();
+      for (const auto& t : run.trainers)
+        if (const auto* st = step_of(t, s); st && st->value("ok", false)) {
+          replicas = st->value("replicas", nlohmann::json::array());
+          row["plan_id"] = st->value("plan_id", std::string());
+          break;
+        }
+      for (int g = 0; g < static_cast<int>(run.engines.size()); ++g)
+        for (const auto& r : replicas)
+          if (r.get<int>() == replica_of(g)) expected.push_back(g);
+      row["replicas"] = replicas;
+      ok &= static_cast<int>(replicas.size()) >= job.min_replicas && committed == expected;
+      if (job.verify) ok &= verified == expected;
+    } else {
+      ok &= committed.size() == run.engines.size();
+      if (job.verify) ok &= verified.size() == run.engines.size();
+    }
     steps.push_back(row);
   }
   out["steps"] = steps;
@@ -180,6 +227,29 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
   }
   out["engine_versions"] = versions;
   out["engine_ok"] = engine_ok;
+  if (job.elastic) {
+    // Each replica that joined served: its ranks committed a step (from
+    // their own start, first_commit_s; ready_s: registered and prepared).
+    nlohmann::json joined = nlohmann::json::array();
+    for (const auto& [replica, step] : job.join) {
+      nlohmann::json j = {{"replica", replica}, {"join_step", step}};
+      double first = 0, ready = 0;
+      bool served = true;
+      for (size_t g = 0; g < run.engines.size(); ++g) {
+        if (replica_of(static_cast<int>(g)) != replica) continue;
+        const auto& e = run.engines[g];
+        served &= e.is_object() && e.contains("first_commit_s");
+        if (!served) break;
+        first = std::max(first, e["first_commit_s"].get<double>());
+        ready = std::max(ready, e.value("ready_s", 0.0));
+      }
+      j["served"] = served;
+      if (served) j["ready_s"] = ready, j["first_commit_s"] = first;
+      ok &= served;
+      joined.push_back(j);
+    }
+    out["joined"] = joined;
+  }
   out["ok"] = ok;
   return out;
 }
@@ -200,6 +270,19 @@ void print_summary(std::ostream& out, const nlohmann::json& summary) {
         << ", send/wire " << p["wire"].get<double>() * 1e3 << ", receive wait "
         << p["receive_wait"].get<double>() * 1e3 << ", apply " << p["apply"].get<double>() * 1e3
         << ", commit " << p["commit"].get<double>() * 1e3 << "\n";
+    if (row.contains("replicas"))
+      out << "  elastic: replicas " << row["replicas"].dump() << ", plan "
+          << row.value("plan_id", std::string()) << "\n";
+  }
+  for (const auto& j : summary.value("joined", nlohmann::json::array())) {
+    out << "replica " << j["replica"].get<int>() << " joined at step " << j["join_step"].get<int>()
+        << ": ";
+    if (j["served"].get<bool>())
+      out << std::setprecision(2) << "ready " << j["ready_s"].get<double>()
+          << " s after its processes started, first committed version at "
+          << j["first_commit_s"].get<double>() << " s\n";
+    else
+      out << "never served\n";
   }
   for (const auto& c : summary["children"]) {
     if (c["status"] == "exit 0") continue;

@@ -46,6 +46,8 @@ nlohmann::json push_json(const PushResult& r) {
           {"bytes_sent", r.bytes_sent},
           {"bytes_direct", r.bytes_direct},
           {"committed", r.committed},
+          {"plan_id", r.plan_id},
+          {"replicas", r.replicas},
           {"failed", failed},
           {"phases",
            {{"begin", r.phases.begin},
@@ -108,6 +110,8 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.bucket_bytes = job.bucket_bytes;
   opt.fp8_site = parse_fp8_site(job.fp8_site);
   opt.wire.checksums = job.checksums;
+  opt.elastic = job.elastic;
+  opt.min_replicas = job.min_replicas;
   opt.connect_timeout = timeout;
   opt.step_timeout = timeout;
   opt.tracer = tracer.get();
