@@ -198,7 +198,7 @@ class Client final : public Store {
   // `wait` bounds how long they wait for the coordinator's reply (a step's
   // deadline); zero: ClientOptions::request_timeout.
   std::vector<Member> begin_step(int64_t step, const std::string& plan_id, Millis wait = Millis(0));
-  // Elastic replicas (DESIGN.md): trainer rank 0 leads, beginning the step
+  // Elastic replicas (docs/elastic.md): trainer rank 0 leads, beginning the step
   // with its plan for `replicas`, the global replica indices it serves
   // (ascending); only their engine ranks take part, and the engines learn the
   // list from StepBegin. The other trainers follow: follow_step waits (up to

@@ -65,7 +65,7 @@ struct PlanOptions {
   PlanMode mode = PlanMode::p2p;
   int64_t bucket_bytes = int64_t{256} << 20;  // 1 KiB .. 4 GiB - 1
   Fp8Site fp8_site = Fp8Site::sender;
-  // Elastic replicas (DESIGN.md "Elastic replicas"): the global replica
+  // Elastic replicas (docs/elastic.md): the global replica
   // indices the plan serves, ascending, each once; the engine ranks of the
   // others receive nothing. Empty: every replica. A list (even of every
   // replica) is part of the plan id: a plan for one membership is never

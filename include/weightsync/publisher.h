@@ -60,7 +60,7 @@ struct PublisherOptions {
   // FP8 engines: quantize on the trainer ranks where they hold whole blocks
   // (FP8 on the wire, plan.h) or always on the engines. Rank 0's holds.
   Fp8Site fp8_site = Fp8Site::sender;
-  // Elastic engine replicas (DESIGN.md "Elastic replicas"); rank 0's hold.
+  // Elastic engine replicas (docs/elastic.md); rank 0's hold.
   // Off: the engine config's replicas are the job's, all awaited before the
   // first push, and the plan covers them all (absent ones skipped). On: they
   // are slots that replicas fill and leave between steps. Before each push

@@ -42,8 +42,10 @@ class PyPublisher : public Handle<Publisher> {
             const std::string& transport, const std::string& mode, int64_t bucket_bytes,
             bool checksums, const std::string& token, const std::string& job,
             double connect_timeout, double step_timeout, uintptr_t producer_stream,
-            uintptr_t producer_event, const std::string& fp8_site) {
+            uintptr_t producer_event, const std::string& fp8_site, bool elastic, int min_replicas) {
     PublisherOptions o;
+    o.elastic = elastic;
+    o.min_replicas = min_replicas;
     o.fp8_site = parse_fp8_site(fp8_site);
     o.producer_stream = reinterpret_cast<void*>(producer_stream);
     o.producer_event = reinterpret_cast<void*>(producer_event);
@@ -114,6 +116,8 @@ void bind_publisher(nb::module_& m) {
       .def_ro("bytes_sent", &PushResult::bytes_sent)
       .def_ro("bytes_direct", &PushResult::bytes_direct)
       .def_ro("seconds", &PushResult::seconds)
+      .def_ro("plan_id", &PushResult::plan_id)
+      .def_ro("replicas", &PushResult::replicas)
       .def_prop_ro("phases", [](const PushResult& r) { return push_phases(r.phases); })
       .def("__repr__", [](const PushResult& r) {
         return cat("PushResult(step=", r.step, ", committed=", r.committed.size(),

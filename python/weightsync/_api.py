@@ -185,7 +185,7 @@ class Publisher:
                  checksums: bool = False, token: Optional[str] = None, job: str = "weightsync",
                  connect_timeout: float = 60.0, step_timeout: float = 120.0,
                  producer_stream: Any = None, producer_event: Any = None,
-                 fp8_site: str = "sender"):
+                 fp8_site: str = "sender", elastic: bool = False, min_replicas: int = 1):
         """CUDA tensors: a push reads them once the work before `producer_event`
         (a torch.cuda.Event recorded after the optimizer step) is done, else
         all work queued on `producer_stream` (a torch.cuda.Stream), else the
@@ -193,7 +193,13 @@ class Publisher:
 
         FP8 engine configs: `fp8_site="sender"` quantizes on the trainer ranks
         where they hold whole 128 x 128 blocks (FP8 on the wire, p2p mode),
-        "engine" always on the engine ranks; both give the same bytes."""
+        "engine" always on the engine ranks; both give the same bytes.
+
+        `elastic=True` (docs/elastic.md; rank 0's holds): the engine config's
+        replicas are slots that replicas join and leave between steps; each
+        push serves the replicas ready when it begins (at least `min_replicas`,
+        waited for), with the plan for them. PushResult.replicas and .plan_id
+        say which."""
         layout_text, _ = load_json(layout, "trainer layout")
         engine_text, engine_base = load_json(engine, "engine config") if engine is not None \
             else (None, os.getcwd())
@@ -202,7 +208,8 @@ class Publisher:
                         transport, mode, bucket_bytes, checksums, token or "", job,
                         connect_timeout, step_timeout,
                         _cuda_handle(producer_stream, "cuda_stream", "producer_stream"),
-                        _cuda_handle(producer_event, "cuda_event", "producer_event"), fp8_site)
+                        _cuda_handle(producer_event, "cuda_event", "producer_event"), fp8_site,
+                        elastic, min_replicas)
         # The params this rank holds: pipeline stages repeat local layer names.
         names = _core.rank_param_names(layout_text, rank)
         self._registry = _Registry(f"trainer rank {rank}", names)

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 
 namespace weightsync::test {
@@ -91,6 +92,37 @@ TEST_F(PlanCli, JsonSummaryMatchesOwnByteCount) {
   // The same inputs give the same id in another process.
   const CliRun again = run_cli("plan " + files() + " --json");
   EXPECT_EQ(nlohmann::json::parse(again.out)["plan_id"], j["plan_id"]);
+}
+
+// Elastic replicas: --replicas plans for a membership; its id is that
+// membership's, the library computes the same plan, and others differ.
+TEST_F(PlanCli, ReplicasPlanForAMembership) {
+  const auto [trainer, engine] = write("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 3, false);
+  std::set<std::string> ids;
+  for (const std::string list : {"", "1", "0,2", "0,1,2"}) {
+    const CliRun r = run_cli("plan " + files() + " --json --verify" +
+                             (list.empty() ? "" : " --replicas " + list));
+    ASSERT_EQ(r.status, 0) << r.out;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    EXPECT_TRUE(j["verified"].get<bool>());
+    ids.insert(j["plan_id"].get<std::string>());
+    if (list.empty()) {
+      EXPECT_FALSE(j.contains("replicas"));
+      continue;
+    }
+    PlanOptions options;
+    std::stringstream in(list);
+    for (std::string x; std::getline(in, x, ',');) options.replicas.push_back(std::stoi(x));
+    EXPECT_EQ(j["replicas"], nlohmann::json(options.replicas));
+    const Plan plan = make_plan(trainer, engine, Topology{}, options);
+    EXPECT_EQ(j["plan_id"], plan.plan_id_hex()) << list;
+    EXPECT_EQ(j["bytes_total"].get<int64_t>(), plan.stats().bytes_total);
+  }
+  EXPECT_EQ(ids.size(), 4u);
+  const CliRun bad = run_cli("plan " + files() + " --replicas 3 2>&1");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("replicas must be ascending distinct indices in 0..2"), std::string::npos)
+      << bad.out;
 }
 
 TEST_F(PlanCli, BroadcastAndItemsLines) {

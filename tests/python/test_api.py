@@ -49,13 +49,18 @@ def reference(tmp_path, engine: dict, tensors: dict, rank: int = 0) -> dict:
 class EngineThread:
     """A Subscriber serving on its own thread until `steps` outcomes."""
 
-    def __init__(self, coord, engine, steps: int, hooks=None, **kw):
-        self.sub = ws.Subscriber(coordinator=coord.address, engine=engine, replica=0, rank=0, **kw)
+    def __init__(self, coord, engine, steps: int, hooks=None, replica: int = 0,
+                 prepare: bool = False, **kw):
+        self.replica = replica
+        self.sub = ws.Subscriber(coordinator=coord.address, engine=engine, replica=replica, rank=0,
+                                 **kw)
         self.params = wst.allocate_engine_params(engine)
         for name, t in self.params.items():
             self.sub.register(name, t)
         if hooks:
             hooks(self.sub)
+        if prepare:
+            self.sub.prepare()
         self.outcomes, self.error = [], None
         self.thread = threading.Thread(target=self._run, args=(steps,))
         self.thread.start()
@@ -150,6 +155,51 @@ def test_fp8_engine_from_bf16_trainer_at_either_site(tmp_path, site):
     else:
         assert fp8["params_quantized_by_sender"] == 0 and fp8["params_quantized_by_engine"] > 0
         assert fp8["wire_bytes"] == fp8["wire_bytes_engine_site"]
+
+
+def test_elastic_replicas_join_and_leave_between_pushes(tmp_path):
+    """Elastic replicas: the engine config's two replicas are slots. Replica 0
+    serves alone, replica 1 joins (prepared: ready) and the next push serves
+    both with another plan, replica 0 leaves and the next serves replica 1
+    alone; each served replica equals `weightsync materialize` of the version."""
+    config = model_config("tiny-llama") + "/config.json"
+    layout = json.loads(cli("trainer-layout", "--hf-config", config, "--mesh", "fsdp=1").stdout)
+    engine = {"framework": "vllm", "hf_config": config, "tp": 1, "replicas": 2, "dtype": "BF16"}
+    coord = ws.Coordinator()
+    try:
+        tensors = trainer_tensors(layout, 5)
+        with ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
+                          bucket_bytes=64 << 10, elastic=True) as pub:
+            for name, t in tensors.items():
+                pub.register(name, t)
+            # Elastic: the trainer sets up without waiting for any engine.
+            pub.prepare()
+            first = EngineThread(coord, engine, 2, replica=0, prepare=True)
+            results, joined = [], None
+            for step in (1, 2, 3):
+                for t in tensors.values():
+                    t.add_(0.25 * step)
+                if step == 2:
+                    joined = EngineThread(coord, engine, 2, replica=1, prepare=True)
+                if step == 3:
+                    first.join()  # replica 0 served its two steps and leaves
+                results.append(pub.push(step))
+                ref = reference(tmp_path, engine, tensors)
+                served = [e for e in (first, joined) if e is not None
+                          and e.replica in results[-1].replicas]
+                for e in served:
+                    while len(e.outcomes) < sum(e.replica in r.replicas for r in results):
+                        time.sleep(0.01)
+                    assert e.outcomes[-1].committed and e.outcomes[-1].step == step
+                    for name, t in e.params.items():
+                        assert torch.equal(t, ref[name]), (step, e.replica, name)
+            joined.join()
+    finally:
+        coord.close()
+    assert [r.replicas for r in results] == [[0], [0, 1], [1]]
+    assert [r.committed for r in results] == [[0], [0, 1], [1]]
+    assert len({r.plan_id for r in results}) == 3, "one plan per membership"
+    assert first.version == 2 and joined.version == 3
 
 
 def test_push_async_is_a_future_and_hooks_see_steps(setup):

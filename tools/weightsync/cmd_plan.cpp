@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <sstream>
 
 namespace weightsync::cli {
 namespace {
@@ -17,7 +18,7 @@ namespace {
 const char* kUsage =
     "usage: weightsync plan --trainer T.json --engine E.json [--topology X.json]\n"
     "                       [--mode p2p|broadcast] [--bucket-bytes N] [--json] [--items]\n"
-    "                       [--fp8-site sender|engine]\n"
+    "                       [--fp8-site sender|engine] [--replicas R,R,...]\n"
     "                       [--verify]\n\n"
     "Plans moving the trainer's weights (layout T.json) into every rank of the engine\n"
     "(config E.json): which trainer rank sends which HF boxes to which engine rank, in\n"
@@ -32,6 +33,9 @@ const char* kUsage =
     "              whole 128 x 128 blocks (sender, default; FP8 on the wire, p2p only)\n"
     "              or on the engine ranks (engine). The summary's \"fp8\" object gives\n"
     "              the params quantized on each side and the wire bytes in both forms.\n"
+    "  --replicas  elastic replicas (docs/elastic.md): plan for these global replica\n"
+    "              indices only (the step's membership); the others receive nothing,\n"
+    "              and the plan id is that membership's.\n"
     "  --json      print one JSON object: plan_id, mode, bytes_total,\n"
     "              bytes_per_engine_rank {min,max}, bytes_per_trainer_rank {min,max},\n"
     "              buckets, predicted_s, lower_bound_s, plan_s, ...\n"
@@ -70,7 +74,7 @@ void print_summary(std::ostream& out, const Plan& plan, const nlohmann::json& j)
 
 int run_plan(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "items", "verify"},
-            {"trainer", "engine", "topology", "mode", "bucket-bytes", "fp8-site"});
+            {"trainer", "engine", "topology", "mode", "bucket-bytes", "fp8-site", "replicas"});
   if (!args.positional().empty())
     fail(Errc::invalid_argument, "plan: unexpected argument '", args.positional()[0], "'");
   if (args.flag("items") && args.flag("json"))
@@ -84,6 +88,18 @@ int run_plan(const std::vector<std::string>& argv) {
   options.mode = parse_plan_mode(args.get_or("mode", "p2p"));
   options.bucket_bytes = args.get_int("bucket-bytes", options.bucket_bytes);
   options.fp8_site = parse_fp8_site(args.get_or("fp8-site", "sender"));
+  if (auto list = args.get("replicas")) {
+    std::stringstream in(*list);
+    for (std::string r; std::getline(in, r, ',');) {
+      try {
+        size_t used = 0;
+        options.replicas.push_back(std::stoi(r, &used));
+        if (used != r.size()) throw std::invalid_argument(r);
+      } catch (const std::exception&) {
+        fail(Errc::invalid_argument, "--replicas expects integers R,R,..., got '", *list, "'");
+      }
+    }
+  }
   const Plan plan = make_plan(trainer, engine, topology, options);
   nlohmann::json j = plan.summary_json();
   j["topology"] = topology.name;

@@ -211,7 +211,10 @@ void UcxTransport::close_endpoints() {
     if (!p.ep) continue;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = p.failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    // Nothing sent over it, nothing to flush: no wait for the peer (an
+    // engine leaving between steps need not wait for trainers that are not
+    // progressing their workers).
+    param.flags = p.failed || !p.sent ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
     if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
     p.ep = nullptr;
@@ -296,6 +299,7 @@ ucp_ep_h UcxTransport::endpoint(int peer) {
   }
   check(status, cat("ucx transport: connecting to rank ", peer));
   p.address = std::move(address);
+  p.sent = false;
   return p.ep;
 }
 
@@ -371,6 +375,7 @@ std::unique_ptr<Request> UcxTransport::send(int peer, Tag tag, const Buffer& buf
   check_post(peer, tag, buffer, "send to");
   check_alive(peer, "send to");
   ucp_ep_h ep = endpoint(peer);
+  peers_[peer].sent = true;
   UcxOp* op = new_op(Request::Kind::send, peer, tag, buffer.bytes);
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;

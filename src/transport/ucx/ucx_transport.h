@@ -50,6 +50,7 @@ struct UcxPeer {
   ucp_ep_h ep = nullptr;
   bool failed = false;
   bool failure_handled = false;
+  bool sent = false;                   // a send was posted over `ep` (its close then flushes)
   std::string failure;                 // why, for messages
   std::vector<uint8_t> address;        // the worker address the endpoint was made for
   std::vector<uint8_t> stale_address;  // after reconnect(): the old process's address
