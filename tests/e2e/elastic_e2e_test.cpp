@@ -103,28 +103,28 @@ TEST(E2EElastic, ReplicasJoinAndLeaveBetweenStepsBroadcast) {
 TEST(E2EElastic, AReplacedNodeRejoinsUnderTheMembershipsPlan) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-llama", "fsdp=2", 2, 2);
-  const Demo d = run_elastic(m, {"--steps", "6", "--bucket-bytes", "4096", "--step-gap", "1.5",
+  const Demo d = run_elastic(m, {"--steps", "8", "--bucket-bytes", "4096", "--step-gap", "1.5",
                                  "--kill", "engine:1:2", "--restart"});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;
   const auto& steps = d.summary["steps"];
-  ASSERT_EQ(steps.size(), 6u);
+  ASSERT_EQ(steps.size(), 8u);
   EXPECT_EQ(ints(steps[0]["replicas"]), (std::vector<int>{0, 1}));
   EXPECT_FALSE(has(ints(steps[1]["committed"]), 1)) << "rank 1 killed mid-step 2";
   EXPECT_TRUE(has(ints(steps[1]["committed"]), 2) && has(ints(steps[1]["committed"]), 3));
   // Later steps serve replica 0 once its new process for rank 1 is ready (it
   // sits out before): whenever served, both its ranks commit, bit for bit.
-  for (size_t s = 2; s < 6; ++s) {
+  for (size_t s = 2; s < 8; ++s) {
     const std::vector<int> replicas = ints(steps[s]["replicas"]);
     const std::vector<int> want =
         has(replicas, 0) ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{2, 3};
     EXPECT_EQ(ints(steps[s]["committed"]), want) << "step " << s + 1;
     EXPECT_EQ(ints(steps[s]["verified"]), want) << "step " << s + 1;
   }
-  EXPECT_EQ(ints(steps[5]["replicas"]), (std::vector<int>{0, 1})) << d.run.output;
-  EXPECT_EQ(ints(steps[5]["committed"]), (std::vector<int>{0, 1, 2, 3}));
-  EXPECT_EQ(ints(steps[5]["verified"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[7]["replicas"]), (std::vector<int>{0, 1})) << d.run.output;
+  EXPECT_EQ(ints(steps[7]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[7]["verified"]), (std::vector<int>{0, 1, 2, 3}));
   for (int g = 0; g < 4; ++g)
-    EXPECT_EQ(d.summary["engine_versions"][static_cast<size_t>(g)].get<int>(), 6) << g;
+    EXPECT_EQ(d.summary["engine_versions"][static_cast<size_t>(g)].get<int>(), 8) << g;
 }
 
 TEST(E2EElastic, OptionsAreChecked) {

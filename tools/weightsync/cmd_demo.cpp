@@ -252,10 +252,14 @@ int run_demo(const std::vector<std::string>& argv) {
     if (job.trace) std::cout << "trace: " << args.require("trace") << "\n";
     if (!job.dump_dir.empty()) std::cout << "dumped engine params to " << job.dump_dir << "\n";
     const char* good =
-        job.elastic ? "OK: every rank of each step's replicas committed it and matched the "
-                      "reference bit for bit; every replica that joined served\n"
-                    : "OK: every engine rank committed every step and matched the reference bit "
-                      "for bit\n";
+        !job.verify   ? (job.elastic ? "OK: every rank of each step's replicas committed it (not "
+                                       "checked: --no-verify); every replica that joined served\n"
+                                     : "OK: every engine rank committed every step (not checked: "
+                                       "--no-verify)\n")
+        : job.elastic ? "OK: every rank of each step's replicas committed it and matched the "
+                        "reference bit for bit; every replica that joined served\n"
+                      : "OK: every engine rank committed every step and matched the reference "
+                        "bit for bit\n";
     std::cout << (summary["ok"].get<bool>() ? std::string(good)
                                             : "FAILED (logs in " + job.work_dir + ")\n");
   }

@@ -249,9 +249,13 @@ int run_engine_worker(const JobSpec& job, int global) {
   Subscriber sub(subscriber_options(job, spec, layout, global, tracer.get()));
   for (size_t i = 0; i < params.size(); ++i)
     sub.register_param(rl.params[i].name, params[i].data.view());
+  const auto prepare_start = Clock::now();
   sub.prepare();
 
   nlohmann::json stats = {{"role", "engine"}, {"rank", global}, {"replica", replica}};
+  // Subscriber::prepare alone: transport, plan, pipeline (ready_s adds the
+  // process start and this worker's reference for its checks).
+  stats["prepare_s"] = std::chrono::duration<double>(Clock::now() - prepare_start).count();
   // From the process's start to registered, params allocated, plan made and
   // the pipeline prepared.
   stats["ready_s"] = std::chrono::duration<double>(Clock::now() - started).count();
