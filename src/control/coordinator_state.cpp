@@ -191,13 +191,13 @@ void CoordinatorState::handle_request(ConnId conn, Conn& c, const wire::Message&
                     options_.max_frame_bytes);
     case Kind::kv_get:
       return kv_get(conn, id, "k:" + b.at("key").get<std::string>(),
-                    deadline_after(now, wire::get_u64(b, "timeout_ms")));
+                    deadline_after(now, wire::get_u64(b, "timeout_ms")), now);
     case Kind::plan_put:
       return kv_set(conn, id, "p:" + b.at("plan_id").get<std::string>(), wire::get_bytes(b, "blob"),
                     options_.max_plan_bytes);
     case Kind::plan_get:
       return kv_get(conn, id, "p:" + b.at("plan_id").get<std::string>(),
-                    deadline_after(now, wire::get_u64(b, "timeout_ms")));
+                    deadline_after(now, wire::get_u64(b, "timeout_ms")), now);
     case Kind::barrier:
       return barrier(conn, id, b, now);
     case Kind::wait_members: {
@@ -259,9 +259,14 @@ void CoordinatorState::kv_set(ConnId conn, uint64_t id, const std::string& key,
 }
 
 void CoordinatorState::kv_get(ConnId conn, uint64_t id, const std::string& key,
-                              Clock::time_point deadline) {
+                              Clock::time_point deadline, Clock::time_point now) {
   auto it = store_.find(key);
   if (it != store_.end()) return reply(conn, id, Json{{"value", wire::base64_encode(it->second)}});
+  // A zero timeout asks whether the key is there now (e.g. trainer rank 0
+  // polling engines' ready keys): answered at once, not at the next tick.
+  if (deadline <= now)
+    return reply_error(conn, id, Errc::timeout,
+                       cat(key[0] == 'p' ? "plan '" : "key '", key.substr(2), "' is not set"));
   if (!admit(conn, id, key.substr(2))) return;
   store_waiters_.emplace(key, Waiter{conn, id, deadline});
 }

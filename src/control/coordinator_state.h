@@ -100,7 +100,8 @@ class CoordinatorState {
   void handle_request(ConnId conn, Conn& c, const wire::Message& m, Clock::time_point now);
   void kv_set(ConnId conn, uint64_t id, const std::string& key, std::vector<uint8_t> value,
               size_t limit);
-  void kv_get(ConnId conn, uint64_t id, const std::string& key, Clock::time_point deadline);
+  void kv_get(ConnId conn, uint64_t id, const std::string& key, Clock::time_point deadline,
+              Clock::time_point now);
   void barrier(ConnId conn, uint64_t id, const wire::Json& body, Clock::time_point now);
 
   // Steps.

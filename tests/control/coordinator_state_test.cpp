@@ -56,6 +56,21 @@ class StateTest : public ::testing::Test {
   uint64_t next_id_ = 100;
 };
 
+// A get with a zero timeout (trainer rank 0 polling engines' ready keys) is
+// answered at once, without waiting for a tick of the clock.
+TEST_F(StateTest, ZeroTimeoutGetIsAnsweredAtOnce) {
+  join(1, "trainer", 0, 1);
+  request(1, "kv_get", {{"key", "ready/3"}, {"timeout_ms", 0}});
+  ASSERT_EQ(out_.sent[1].size(), 1u) << "no answer before any tick";
+  EXPECT_EQ(out_.sent[1][0].at("kind"), "error");
+  EXPECT_EQ(out_.sent[1][0].at("code"), "timeout");
+  out_.take(1);
+  request(1, "kv_get", {{"key", "ready/3"}, {"timeout_ms", 5}});
+  EXPECT_TRUE(out_.take(1).empty()) << "a nonzero timeout still waits";
+  request(1, "kv_set", {{"key", "ready/3"}, {"value", wire::base64_encode({'7'})}});
+  EXPECT_EQ(out_.take(1), (std::vector<std::string>{"reply", "reply"}));  // the waiter, the set
+}
+
 TEST_F(StateTest, EngineThatAckedOkThenDiedIsNotCommitted) {
   join(1, "trainer", 0, 1);
   join(2, "engine", 0, 2);

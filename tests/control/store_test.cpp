@@ -52,6 +52,10 @@ TEST(ControlStore, GetTimesOutNamingTheKey) {
   // The connection is still fine after a timeout.
   a.set("k", bytes("v"));
   EXPECT_EQ(a.get("k", 1s), bytes("v"));
+  // A zero timeout asks whether the key is there now (StateTest checks that
+  // the answer comes without a tick).
+  EXPECT_EQ(a.get("k", 0ms), bytes("v"));
+  EXPECT_THROW(a.get("absent", 0ms), Error);
 }
 
 TEST(ControlStore, StoreSizeIsCapped) {
