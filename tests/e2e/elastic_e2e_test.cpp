@@ -42,13 +42,15 @@ bool has(const std::vector<int>& v, int x) {
 }
 
 // Three replica slots of tp 2: replicas 0 and 2 start, 1 joins at step 3,
-// 2 leaves after step 4. Step gaps give a joining process time to get ready
-// (on a loaded machine it may join a step later: that is allowed, never
-// earlier than its join step, and never mixed).
+// 2 leaves after step 4. With min_replicas 2 the first step waits for both
+// initial replicas and step 5 for replica 1. Step gaps give a joining process
+// time to get ready (on a loaded machine it may join a step later: that is
+// allowed, never earlier than its join step, and never mixed).
 void scale_out_and_in(const std::string& mode) {
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 3);
-  const Demo d = run_elastic(m, {"--mode", mode, "--steps", "6", "--bucket-bytes", "8192",
-                                 "--step-gap", "1.5", "--join", "1:3", "--leave", "2:4"});
+  const Demo d =
+      run_elastic(m, {"--mode", mode, "--steps", "6", "--bucket-bytes", "8192", "--step-gap", "1.5",
+                      "--join", "1:3", "--leave", "2:4", "--min-replicas", "2"});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;
   EXPECT_EQ(d.run.exit_code, 0) << d.run.output;
   EXPECT_TRUE(d.summary["ok"].get<bool>()) << d.run.output;
@@ -64,7 +66,9 @@ void scale_out_and_in(const std::string& mode) {
     EXPECT_TRUE(has(replicas, 0));
     EXPECT_EQ(has(replicas, 2), s <= 4) << "replica 2 serves until it leaves after step 4";
     if (has(replicas, 1) && !joined_at) joined_at = s;
-    if (joined_at) EXPECT_TRUE(has(replicas, 1)) << "once joined, replica 1 stays";
+    if (joined_at) {
+      EXPECT_TRUE(has(replicas, 1)) << "once joined, replica 1 stays";
+    }
     // Exactly the membership's ranks committed and verified (replica r: ranks 2r, 2r+1).
     std::vector<int> ranks;
     for (int r : replicas) ranks.insert(ranks.end(), {2 * r, 2 * r + 1});
@@ -75,7 +79,9 @@ void scale_out_and_in(const std::string& mode) {
     EXPECT_EQ(id.size(), 16u);
     auto [it, fresh] = plan_of.emplace(replicas, id);
     EXPECT_EQ(it->second, id);
-    if (fresh) EXPECT_TRUE(ids.insert(id).second) << "plan " << id << " reused";
+    if (fresh) {
+      EXPECT_TRUE(ids.insert(id).second) << "plan " << id << " reused";
+    }
   }
   EXPECT_GE(joined_at, 3) << "replica 1 joined before its processes started";
   EXPECT_GE(plan_of.size(), 3u) << "[0,2], [0,1,2] and [0,1]";
@@ -98,21 +104,22 @@ TEST(E2EElastic, ReplicasJoinAndLeaveBetweenStepsBroadcast) {
 }
 
 // A replaced node: engine rank 1 (replica 0) dies mid-step 2 and a new
-// process takes its place; steps go on with replica 1 alone until the new
-// process is ready, then replica 0 is served again and catches up.
+// process takes its place. With min_replicas 2 the next step waits until the
+// new process is ready; replica 0 is then served again under the plan of the
+// full membership and catches up.
 TEST(E2EElastic, AReplacedNodeRejoinsUnderTheMembershipsPlan) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-llama", "fsdp=2", 2, 2);
   const Demo d = run_elastic(m, {"--steps", "8", "--bucket-bytes", "4096", "--step-gap", "1.5",
-                                 "--kill", "engine:1:2", "--restart"});
+                                 "--kill", "engine:1:2", "--restart", "--min-replicas", "2"});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;
   const auto& steps = d.summary["steps"];
   ASSERT_EQ(steps.size(), 8u);
   EXPECT_EQ(ints(steps[0]["replicas"]), (std::vector<int>{0, 1}));
   EXPECT_FALSE(has(ints(steps[1]["committed"]), 1)) << "rank 1 killed mid-step 2";
   EXPECT_TRUE(has(ints(steps[1]["committed"]), 2) && has(ints(steps[1]["committed"]), 3));
-  // Later steps serve replica 0 once its new process for rank 1 is ready (it
-  // sits out before): whenever served, both its ranks commit, bit for bit.
+  // Later steps serve replica 0 once its new process for rank 1 is ready:
+  // whenever served, both its ranks commit, bit for bit.
   for (size_t s = 2; s < 8; ++s) {
     const std::vector<int> replicas = ints(steps[s]["replicas"]);
     const std::vector<int> want =

@@ -116,8 +116,9 @@ TEST(ElasticPlan, RandomLayoutsAndMembershipsCoverEveryServedRank) {
       const bool served = std::find(options.replicas.begin(), options.replicas.end(),
                                     plan.replica_of(g)) != options.replicas.end();
       EXPECT_EQ(plan.serves(g), served);
-      if (options.mode == PlanMode::p2p)
+      if (options.mode == PlanMode::p2p) {
         EXPECT_EQ(sim.bytes_in[static_cast<size_t>(g)], served ? param_bytes(engine, g) : 0);
+      }
     }
   }
 }
