@@ -17,7 +17,8 @@ job="${1:-demo}"
 [ $# -gt 0 ] && shift
 
 packages=(build-essential cmake ninja-build pkg-config git libucx-dev ucx-utils libboost-dev
-  nlohmann-json3-dev libgtest-dev libgmock-dev clang python3 python3-venv python3-dev)
+  nlohmann-json3-dev libgtest-dev libgmock-dev clang python3 python3-venv python3-dev
+  iproute2 iptables)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -1,9 +1,11 @@
 # Real network faults (netns_faults.py): the coordinator, every trainer rank
 # and every engine rank in its own Linux network namespace, joined by veth
 # pairs and a bridge, over UCX TCP; links cut, routes blackholed, rates limited,
-# delay and loss. Needs root (CI runs as root); a scenario that cannot run here
-# (no namespaces, no tc netem in the kernel) exits 77 and shows as skipped,
-# with the reason in its output. One at a time: they time link outages.
+# delay and loss (tc netem, or where the kernel has no sch_netem, a netfilter
+# queue served by nfq_netem.py: this machine's kernel has none). Needs root
+# (CI runs as root) and iptables for the fallback; a scenario that cannot run
+# here (no namespaces, neither netem nor NFQUEUE) exits 77 and shows as
+# skipped, with the reason in its output. One at a time: they time link outages.
 set(_netns_scenarios engine_link_cut engine_link_lost coordinator_partition engine_partition trainer_link_flap trainer_slow_link
     trainer_delay_loss)
 foreach(_s ${_netns_scenarios})

@@ -8,13 +8,15 @@ private /24. The processes are the real `weightsync coordinator` and
 `weightsync worker` (the ranks `weightsync demo` starts), talking over UCX
 TCP on their namespace's eth0; engines check every committed step bit for bit
 against the reference. Faults are made in the kernel: a link set down, a
-route blackholed, delay and loss (tc netem).
+route blackholed, a rate limit (tc tbf), delay and loss (tc netem; where the
+kernel has no sch_netem, netfilter queues the link's packets to nfq_netem.py,
+which holds and drops them in the kernel's path).
 
 usage: netns_faults.py --cli PATH/weightsync --scenario NAME
   scenarios: engine_link_cut, trainer_delay_loss, coordinator_partition,
              trainer_link_flap
 Exit code 0: passed; 77: skipped (the reason on stdout: no root, no network
-namespaces, no netem); anything else: failed. Needs root and iproute2.
+namespaces, neither netem nor NFQUEUE); anything else: failed. Needs root and iproute2.
 Everything created is removed at the end, whatever happens (names carry this
 run's id, so runs side by side do not clash).
 """
@@ -136,6 +138,57 @@ class Host:
         sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", "eth0", "root", "netem",
            *spec)
 
+    def delay_loss(self, method, delay_ms, loss_pct):
+        """`delay_ms` and `loss_pct` % loss on each direction of the link,
+        with tc netem, or (method "nfqueue", for kernels without sch_netem)
+        in a namespace of its own spliced into the link: a bridge there
+        (`wan`) passes the host's frames through netfilter, which queues every
+        IPv4 packet to nfq_netem.py. Packets are held there, after they left
+        the host's TCP stack (held in the host's own netfilter path, they
+        would count against TCP small queues and throttle the sender to a
+        few packets per delay, as no real link does). Returns the nfq_netem
+        process (its counters: stop_delay_loss), else None."""
+        if method == "netem":
+            self.netem("delay", f"{delay_ms}ms", "loss", f"{loss_pct}%")
+            return None
+        wan = f"{self.ns}w"
+        sh("ip", "netns", "add", wan)
+        self.net.namespaces.append(wan)
+        # The host's old link end moves into `wan`; a new pair joins `wan` to the bridge.
+        sh("ip", "link", "set", self.link, "nomaster")
+        sh("ip", "link", "set", self.link, "netns", wan)
+        sh("ip", "-n", wan, "link", "set", self.link, "name", "host")
+        sh("ip", "link", "add", self.link, "type", "veth", "peer", "name", "net", "netns", wan)
+        sh("ip", "link", "set", self.link, "master", self.net.bridge, "up")
+        sh("ip", "-n", wan, "link", "add", "wan", "type", "bridge")
+        for dev in ("host", "net"):
+            sh("ip", "-n", wan, "link", "set", dev, "master", "wan")
+        for dev in ("host", "net", "wan", "lo"):
+            sh("ip", "-n", wan, "link", "set", dev, "up")
+        sh("ip", "netns", "exec", wan, "sysctl", "-q", "-w", "net.bridge.bridge-nf-call-iptables=1")
+        queue = 7
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", wan, sys.executable, NFQ_NETEM, "--queue", str(queue),
+             "--delay-ms", str(delay_ms), "--loss", str(loss_pct / 100.0)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.net.procs.append(server)
+        line = server.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"nfq_netem did not start: {line} {server.stderr.read()[-500:]}")
+        sh("ip", "netns", "exec", wan, iptables(), "-A", "FORWARD", "-j", "NFQUEUE", "--queue-num",
+           str(queue))
+        return server
+
+    @staticmethod
+    def stop_delay_loss(server):
+        """Stops nfq_netem; its counters {"queued", "accepted", "dropped", ...}."""
+        server.send_signal(signal.SIGTERM)
+        out, err = server.communicate(timeout=30)
+        lines = out.strip().splitlines()
+        if server.returncode != 0 or not lines:
+            raise RuntimeError(f"nfq_netem failed (exit {server.returncode}): {err[-500:]}")
+        return json.loads(lines[-1])
+
 
 # Each run records its id and pid here, so that a later run removes what a
 # killed one (a CTest timeout) left behind.
@@ -216,18 +269,52 @@ class Net:
         self.close()
 
 
-def netem_available():
+NFQ_NETEM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nfq_netem.py")
+
+
+def iptables():
+    """The iptables that works in this kernel (nf_tables first, then legacy)."""
+    for name in ("iptables", "iptables-legacy"):
+        path = shutil.which(name)
+        if path and sh(path, "-S", check=False).returncode == 0:
+            return path
+    return None
+
+
+def delay_loss_method():
+    """How this machine can delay and drop a link's packets: "netem" (tc
+    netem), else "nfqueue" (netfilter queue, nfq_netem.py), else Skip with
+    why neither can."""
     name = f"wsq{os.getpid() % 100000}"
     r = sh("ip", "link", "add", name, "type", "veth", "peer", "name", name + "p", check=False)
     if r.returncode != 0:
-        return f"cannot create a veth pair to probe tc netem: {r.stderr.strip()}"
+        raise Skip(f"cannot create a veth pair to probe tc netem: {r.stderr.strip()}")
     try:
         r = sh("tc", "qdisc", "add", "dev", name, "root", "netem", "delay", "1ms", check=False)
-        if r.returncode != 0:
-            return f"tc netem is not available in this kernel ({r.stderr.strip()})"
-        return ""
+        if r.returncode == 0:
+            return "netem"
+        why = f"tc netem is not available in this kernel ({r.stderr.strip()})"
     finally:
         sh("ip", "link", "del", name, check=False)
+    ipt = iptables()
+    if not ipt:
+        raise Skip(f"{why}, and no working iptables for the NFQUEUE fallback")
+    probe = f"wsq{os.getpid() % 100000}"
+    sh("ip", "netns", "add", probe)
+    try:
+        r = sh("ip", "netns", "exec", probe, ipt, "-A", "FORWARD", "-j", "NFQUEUE",
+               "--queue-num", "7", check=False)
+        if r.returncode != 0:
+            raise Skip(f"{why}, and iptables has no NFQUEUE target here ({r.stderr.strip()})")
+        r = sh("ip", "netns", "exec", probe, "sysctl", "-q", "-w",
+               "net.bridge.bridge-nf-call-iptables=1", check=False)
+        if r.returncode != 0:
+            raise Skip(f"{why}, and bridged traffic cannot pass netfilter here (br_netfilter: "
+                       f"{r.stderr.strip()})")
+    finally:
+        sh("ip", "netns", "del", probe, check=False)
+    log(f"{why}: delay and loss through a netfilter queue (nfq_netem.py) instead")
+    return "nfqueue"
 
 
 class Job:
@@ -635,26 +722,40 @@ def scenario_trainer_slow_link(cli, work):
 
 
 def scenario_trainer_delay_loss(cli, work):
-    """50 ms delay and 1 % loss (tc netem) on a trainer's link, both ways:
-    every step completes bit-exactly on every engine, slower."""
-    why = netem_available()
-    if why:
-        raise Skip(why)
-    steps, victim = 4, 0
-    with Net() as net:
-        job = Job(cli, net, work, steps=steps, step_gap_ms=300, timeout_ms=60000)
-        host = job.trainer_hosts[victim]
-        host.netem("delay", "50ms", "loss", "1%")
-        job.start_all()
-        codes = job.wait(list(job.workers), 110)
-        bad = {k: c for k, c in codes.items() if c != 0}
-        expect(not bad, f"processes failed or hang: {bad}")
-        check_engines_verified(job, range(job.engines))
-        for g in range(job.engines):
-            done = committed_steps(job.stats("engine", g))
-            expect(done == list(range(1, steps + 1)), f"engine {g} committed {done}")
-        rows = trainer_steps(job, victim)
-        log("step seconds: " + ", ".join(f"{rows[s]['seconds']:.2f}" for s in sorted(rows)))
+    """50 ms delay and 1 % loss on each direction of a trainer's link (tc
+    netem; where the kernel has no netem, a netfilter queue that holds and
+    drops the packets in the kernel's path, nfq_netem.py): every step
+    completes bit-exactly on every engine, slower than the same job over the
+    clean link in the same run, and the fault's counters show packets held
+    and dropped."""
+    method = delay_loss_method()
+    steps, victim = 3, 0
+    seconds = {}
+    for faulty in (False, True):
+        with Net() as net:
+            run = os.path.join(work, "faulty" if faulty else "clean")
+            os.makedirs(run)
+            job = Job(cli, net, run, steps=steps, step_gap_ms=300, timeout_ms=120000,
+                      heartbeat_ms=10000)
+            server = job.trainer_hosts[victim].delay_loss(method, 50, 1) if faulty else None
+            job.start_all()
+            codes = job.wait(list(job.workers), 240)
+            counters = Host.stop_delay_loss(server) if server else None
+            bad = {k: c for k, c in codes.items() if c != 0}
+            expect(not bad, f"processes failed or hang: {bad}")
+            check_engines_verified(job, range(job.engines))
+            for g in range(job.engines):
+                done = committed_steps(job.stats("engine", g))
+                expect(done == list(range(1, steps + 1)), f"engine {g} committed {done}")
+            rows = trainer_steps(job, victim)
+            seconds[faulty] = [rows[s]["seconds"] for s in sorted(rows)]
+            if counters is not None:
+                log(f"nfq_netem on trainer {victim}'s link: {counters}")
+                expect(counters["dropped"] > 0 and counters["accepted"] > 1000,
+                       f"the fault did not act on the trainer's traffic: {counters}")
+    log(f"step seconds, clean link {seconds[False]}, trainer {victim} with 50 ms delay and 1 % "
+        f"loss ({method}) {seconds[True]}")
+    expect(min(seconds[True]) > max(seconds[False]), "delay and loss did not slow the steps")
 
 
 SCENARIOS = {
