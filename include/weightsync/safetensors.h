@@ -126,6 +126,17 @@ class SafetensorsWriter {
   void write(const void* data, std::size_t bytes);
   // Writes the whole of the next declared tensor; `name` must be that tensor.
   void write_tensor(std::string_view name, const void* data, std::size_t bytes);
+  // Writes `bytes` at `offset` of the data section, in any order (positional
+  // writes, for a writer whose tensors become ready out of order). A file is
+  // written either this way or with the appending calls above, not both;
+  // finish() then checks that the positional writes add up to the data
+  // section (each byte must be written once: overlaps are not detected).
+  void write_at(std::uint64_t offset, const void* data, std::size_t bytes);
+  // From now on (before any data byte), whole aligned blocks of data bypass
+  // the page cache (O_DIRECT: no copy into it, no writeback later; memory
+  // not aligned like the file goes through a small bounce buffer). False,
+  // and nothing changes, where the filesystem refuses O_DIRECT.
+  bool use_direct_io();
   // Checks that every declared byte was written, flushes, renames into place.
   void finish();
 

@@ -6,7 +6,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 
@@ -19,6 +22,11 @@ namespace {
 // Small writes are gathered into this much memory before reaching the OS;
 // larger ones go straight through.
 constexpr size_t kStagingBytes = size_t(4) << 20;
+// Direct I/O: offsets, lengths and memory aligned to this (every block
+// device's logical block divides it), copied through a bounce buffer of
+// kBounceBytes where the memory is not.
+constexpr uint64_t kDirectAlign = 4096;
+constexpr size_t kBounceBytes = size_t(4) << 20;
 
 uint64_t entry_bytes(const SafetensorsWriter::Entry& e, const std::string& path) {
   // Same rule as the reader: the product of the non-zero dims fits in int64.
@@ -49,33 +57,68 @@ struct SafetensorsWriter::Impl {
   int fd = -1;
   std::vector<Entry> entries;
   std::vector<uint64_t> ends;  // end offset of each entry in the data section
-  uint64_t written = 0;        // data bytes accepted so far
+  uint64_t written = 0;        // data bytes accepted so far by the appending calls
+  uint64_t written_at = 0;     // data bytes written by write_at
+  uint64_t data_start = 0;     // file offset of the data section
   size_t cursor = 0;           // the next entry write_tensor() may name (see sync_cursor)
   std::vector<char> staging;
+  uint64_t append_pos = 0;  // file offset of the next appended byte
+  int direct_fd = -1;       // the file opened with O_DIRECT (use_direct_io)
+  std::unique_ptr<char, decltype(&std::free)> bounce{nullptr, &std::free};
   bool finished = false;
 
   uint64_t total() const { return ends.empty() ? 0 : ends.back(); }
   uint64_t begin_of(size_t i) const { return i == 0 ? 0 : ends[i - 1]; }
 
-  void write_all(const char* p, size_t n) {
+  // Every byte goes to an explicit offset (pwrite): the appending calls at
+  // `append_pos`, write_at anywhere.
+  void pwrite_all(int to, const char* p, size_t n, uint64_t at) {
     while (n > 0) {
-      ssize_t r = ::write(fd, p, n);
+      const ssize_t r = ::pwrite(to, p, n, static_cast<off_t>(at));
       if (r < 0 && errno == EINTR) continue;
-      if (r < 0) fail(Errc::io, path, ": write to ", tmp_path, " failed: ", std::strerror(errno));
+      if (r < 0)
+        fail(Errc::io, path, ": write of ", n, " bytes at offset ", at, " of ", tmp_path,
+             " failed: ", std::strerror(errno));
       p += r;
+      at += static_cast<uint64_t>(r);
       n -= size_t(r);
     }
   }
+  // With direct I/O, whole aligned blocks bypass the page cache: straight
+  // from `p` where it is aligned like the file offset, else through the
+  // bounce buffer; the partial blocks at either end go through the page cache
+  // (a neighbouring write fills the rest of such a block there).
+  void put(const char* p, size_t n, uint64_t at) {
+    const uint64_t a = (at + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    const uint64_t b = (at + n) / kDirectAlign * kDirectAlign;
+    if (direct_fd < 0 || a >= b) {
+      pwrite_all(fd, p, n, at);
+      return;
+    }
+    pwrite_all(fd, p, a - at, at);
+    const char* body = p + (a - at);
+    if (reinterpret_cast<std::uintptr_t>(body) % kDirectAlign == 0) {
+      pwrite_all(direct_fd, body, b - a, a);
+    } else {
+      for (uint64_t pos = a; pos < b; pos += kBounceBytes) {
+        const size_t chunk = static_cast<size_t>(std::min<uint64_t>(kBounceBytes, b - pos));
+        std::memcpy(bounce.get(), body + (pos - a), chunk);
+        pwrite_all(direct_fd, bounce.get(), chunk, pos);
+      }
+    }
+    pwrite_all(fd, p + (b - at), at + n - b, b);
+  }
   void flush() {
-    write_all(staging.data(), staging.size());
+    put(staging.data(), staging.size(), append_pos - staging.size());
     staging.clear();
   }
   void append(const char* p, size_t n) {
     if (staging.size() + n > kStagingBytes) flush();
     if (n >= kStagingBytes)
-      write_all(p, n);
+      put(p, n, append_pos);
     else
       staging.insert(staging.end(), p, p + n);
+    append_pos += n;
   }
   uint64_t size_of(size_t i) const { return ends[i] - begin_of(i); }
   // Moves the cursor past entries that write() has already covered. A
@@ -93,7 +136,8 @@ struct SafetensorsWriter::Impl {
   }
   void close_fd() {
     if (fd >= 0) ::close(fd);
-    fd = -1;
+    if (direct_fd >= 0) ::close(direct_fd);
+    fd = direct_fd = -1;
   }
 };
 
@@ -126,6 +170,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<Entry> entrie
   // Spaces pad the header to a multiple of 8 so the data section is 8-byte aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
 
+  w.data_start = 8 + text.size();
   w.fd = ::open(w.tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w.fd < 0) fail(Errc::io, w.path, ": cannot create ", w.tmp_path, ": ", std::strerror(errno));
   w.staging.reserve(kStagingBytes);
@@ -150,6 +195,8 @@ SafetensorsWriter::~SafetensorsWriter() {
 void SafetensorsWriter::write(const void* data, std::size_t bytes) {
   Impl& w = *impl_;
   if (w.finished) fail(Errc::invalid_argument, w.path, ": write after finish()");
+  if (w.written_at > 0)
+    fail(Errc::invalid_argument, w.path, ": appending write after positional writes (write_at)");
   if (data == nullptr && bytes > 0)
     fail(Errc::invalid_argument, w.path, ": write of ", bytes, " bytes from a null pointer");
   if (bytes > w.total() - w.written)
@@ -185,10 +232,42 @@ void SafetensorsWriter::write_tensor(std::string_view name, const void* data, st
   w.cursor = i + 1;
 }
 
+void SafetensorsWriter::write_at(std::uint64_t offset, const void* data, std::size_t bytes) {
+  Impl& w = *impl_;
+  if (w.finished) fail(Errc::invalid_argument, w.path, ": write_at after finish()");
+  if (w.written > 0)
+    fail(Errc::invalid_argument, w.path, ": positional write after appending writes");
+  if (data == nullptr && bytes > 0)
+    fail(Errc::invalid_argument, w.path, ": write_at of ", bytes, " bytes from a null pointer");
+  if (offset > w.total() || bytes > w.total() - offset)
+    fail(Errc::invalid_argument, w.path, ": writing ", bytes, " bytes at data offset ", offset,
+         " runs past the ", w.total(), " bytes declared for the tensors");
+  if (!w.staging.empty()) w.flush();  // the header
+  w.put(static_cast<const char*>(data), bytes, w.data_start + offset);
+  w.written_at += bytes;
+}
+
+bool SafetensorsWriter::use_direct_io() {
+  Impl& w = *impl_;
+  if (w.direct_fd >= 0) return true;
+  if (w.finished || w.written > 0 || w.written_at > 0)
+    fail(Errc::invalid_argument, w.path, ": use_direct_io() after data was written");
+  void* bounce = nullptr;
+  if (::posix_memalign(&bounce, kDirectAlign, kBounceBytes) != 0) return false;
+  w.bounce.reset(static_cast<char*>(bounce));
+  // Where the filesystem refuses O_DIRECT (tmpfs, some FUSE), the page cache it is.
+  w.direct_fd = ::open(w.tmp_path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+  if (w.direct_fd < 0) w.bounce.reset();
+  return w.direct_fd >= 0;
+}
+
 void SafetensorsWriter::finish() {
   Impl& w = *impl_;
   if (w.finished) fail(Errc::invalid_argument, w.path, ": finish() called twice");
-  if (w.written != w.total()) {
+  if (w.written_at > 0 && w.written_at != w.total())
+    fail(Errc::mismatch, w.path, ": finish() after positional writes of ", w.written_at, " of ",
+         w.total(), " data bytes");
+  if (w.written_at == 0 && w.written != w.total()) {
     const size_t i = w.filling();
     fail(Errc::mismatch, w.path, ": finish() after ", w.written, " of ", w.total(),
          " data bytes; tensor '", w.entries[i].name, "' has ", w.written - w.begin_of(i),
@@ -197,6 +276,8 @@ void SafetensorsWriter::finish() {
   w.flush();
   // No fsync: the file is complete for every reader on this machine once
   // renamed, and syncing multi-GB dumps would dominate the step time.
+  if (w.direct_fd >= 0) ::close(w.direct_fd);
+  w.direct_fd = -1;
   const int fd = w.fd;
   w.fd = -1;
   if (::close(fd) != 0)
