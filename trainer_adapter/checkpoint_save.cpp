@@ -194,15 +194,15 @@ void SavePipeline::compile_receives() {
   }
 }
 
-void SavePipeline::prepare(Transport* transport, const std::string& who) {
+void SavePipeline::prepare(Transport* transport, const std::string& who, SaveArenaCache* cache) {
   who_ = who;
-  allocate_arena(transport);
+  allocate_arena(transport, cache);
   if (plan_) compile_receives();
   compile_local_copies();
   if (transport) allocate_slots(*transport);
 }
 
-void SavePipeline::allocate_arena(Transport* transport) {
+void SavePipeline::allocate_arena(Transport* transport, SaveArenaCache* cache) {
   const auto bytes = static_cast<size_t>(arena_plan_.arena_bytes);
   stats_.arena_bytes = bytes;
   if (bytes == 0) return;
@@ -213,9 +213,16 @@ void SavePipeline::allocate_arena(Transport* transport) {
     arena_owner_ = std::move(mem);
   } else {
     constexpr size_t kPage = 4096;
-    std::shared_ptr<char[]> raw(new char[bytes + kPage]);
-    arena_ = reinterpret_cast<char*>((addr(raw.get()) + kPage - 1) & ~std::uintptr_t{kPage - 1});
-    arena_owner_ = std::move(raw);
+    SaveArenaCache fresh;
+    if (!cache) cache = &fresh;
+    if (cache->bytes < bytes) {
+      cache->raw.reset();  // before the larger one: never both at once
+      cache->raw.reset(new char[bytes + kPage]);
+      cache->bytes = bytes;
+    }
+    arena_ =
+        reinterpret_cast<char*>((addr(cache->raw.get()) + kPage - 1) & ~std::uintptr_t{kPage - 1});
+    arena_owner_ = cache->raw;
   }
   if (transport && caps_.host_memory)
     arena_region_ = transport->register_memory(host_buffer(arena_, bytes));

@@ -47,6 +47,16 @@ struct SaveStats {
   std::size_t staging_bytes = 0;  // the four slots
   double disk_wait_s = 0;         // the data path waiting for the disk thread
   double disk_s = 0;              // the disk thread writing (and flushing)
+  double disk_cpu_s = 0;          // CPU time of the disk thread
+  double data_cpu_s = 0;          // CPU time of the thread running the transfers
+};
+
+// Host memory a publisher keeps from one save to the next for the arena: a
+// save reuses it when it fits, so periodic saves fault in (and the kernel
+// zeroes) no fresh pages for it.
+struct SaveArenaCache {
+  std::shared_ptr<char[]> raw;
+  std::size_t bytes = 0;
 };
 
 // The buckets of `plan` in the save's global order (see above).
@@ -62,15 +72,16 @@ class SavePipeline {
                const Capabilities& caps, int64_t direct_min_bytes);
   ~SavePipeline();
 
-  // Allocates the arena and the slots (registered with `transport` when
-  // there is one) and uploads the copy programs for CUDA shards.
-  void prepare(Transport* transport, const std::string& who);
+  // Allocates the arena (host arenas from `cache` when given) and the slots
+  // (registered with `transport` when there is one) and uploads the copy
+  // programs for CUDA shards.
+  void prepare(Transport* transport, const std::string& who, SaveArenaCache* cache = nullptr);
   // Runs the save into `dir` (with `sync`, every file and then `dir` flushed
-  // to the device before it returns). `poll` is called about every
-  // millisecond and throws to abandon it; `tag_step` separates saves on one
-  // transport.
-  SaveStats run(const std::string& dir, bool sync, int64_t tag_step, Transport* transport,
-                const std::function<void()>& poll, std::chrono::steady_clock::time_point deadline);
+  // to the device before it returns; `direct_io`: SaveHfOptions::direct_io). `poll` is called about
+  // every millisecond and throws to abandon it; `tag_step` separates saves on one transport.
+  SaveStats run(const std::string& dir, bool sync, bool direct_io, int64_t tag_step,
+                Transport* transport, const std::function<void()>& poll,
+                std::chrono::steady_clock::time_point deadline);
   void cancel_all();
   // The ranks this one sends buckets to or receives buckets from, ascending.
   std::vector<int> peers() const;
@@ -112,7 +123,7 @@ class SavePipeline {
   };
   void compile_sends(const std::vector<int32_t>& order);
   void compile_receives();
-  void allocate_arena(Transport* transport);
+  void allocate_arena(Transport* transport, SaveArenaCache* cache);
   void compile_local_copies();
   void allocate_slots(Transport& transport);
   void compile_locals();

@@ -149,15 +149,16 @@ void SavePipeline::hand_off(int64_t t) {
   }
 }
 
-SaveStats SavePipeline::run(const std::string& dir, bool sync, int64_t tag_step,
+SaveStats SavePipeline::run(const std::string& dir, bool sync, bool direct_io, int64_t tag_step,
                             Transport* transport, const std::function<void()>& poll,
                             Clock::time_point deadline) {
   pipeline::use_device(memory_);  // this thread may be new
+  const double cpu_start = thread_cpu_seconds();
   transport_ = transport;
   poll_ = poll;
   deadline_ = deadline;
   if (transport) loop_.emplace(who_, *transport, poll, deadline);
-  writer_ = std::make_unique<FileWriter>(wl_, rank_, dir, sync);
+  writer_ = std::make_unique<FileWriter>(wl_, rank_, arena_plan_.order, dir, sync, direct_io);
   next_send_ = next_post_ = next_settle_ = 0;
   wait_disk(-1);
   hand_off(-1);
@@ -198,6 +199,8 @@ SaveStats SavePipeline::run(const std::string& dir, bool sync, int64_t tag_step,
   out.bytes_written = writer_->bytes_written();
   out.files = writer_->written_files();
   out.disk_s = writer_->busy_seconds();
+  out.disk_cpu_s = writer_->cpu_seconds();
+  out.data_cpu_s = thread_cpu_seconds() - cpu_start;
   writer_.reset();
   loop_.reset();
   return out;

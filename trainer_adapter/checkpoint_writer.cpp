@@ -10,6 +10,7 @@
 #include <limits>
 
 #include <fcntl.h>
+#include <time.h>
 #include <unistd.h>
 
 namespace weightsync::trainer {
@@ -49,9 +50,8 @@ ArenaPlan plan_arena(const WriterLayout& wl, int rank,
   out.offset.assign(n, -1);
   out.handed_at.assign(keys_of_receive.size() + 1, {});
   std::vector<detail::LiveSpan> spans;
-  int64_t handoff = -1;
   for (size_t i = 0; i < n; ++i) {
-    handoff = std::max(handoff, complete[i]);
+    const int64_t handoff = complete[i];
     out.handoff[i] = handoff;
     out.handed_at[static_cast<size_t>(handoff + 1)].push_back(i);
     const int64_t bytes = wl.files.keys[static_cast<size_t>(out.stream[i])].bytes;
@@ -63,14 +63,21 @@ ArenaPlan plan_arena(const WriterLayout& wl, int rank,
     spans.push_back({i, start, handoff + kWriterLag, aligned(bytes)});
   }
   out.arena_bytes = detail::place_first_fit(std::move(spans), out.offset);
+  for (const auto& at : out.handed_at) out.order.insert(out.order.end(), at.begin(), at.end());
   return out;
 }
 
 size_t written_before(const ArenaPlan& plan, int64_t t) {
-  // Hand-off times grow along the stream: the positions are a prefix.
+  // Hand-off times grow along `order`: the keys are a prefix of it.
   size_t i = 0;
-  while (i < plan.handoff.size() && plan.handoff[i] + kWriterLag < t) ++i;
+  while (i < plan.order.size() && plan.handoff[plan.order[i]] + kWriterLag < t) ++i;
   return i;
+}
+
+double thread_cpu_seconds() {
+  timespec t{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
 }
 
 void fsync_path(const std::string& path, bool directory) {
@@ -82,10 +89,31 @@ void fsync_path(const std::string& path, bool directory) {
   if (rc != 0) fail(Errc::io, "flushing ", path, " to the device failed: ", std::strerror(err));
 }
 
-FileWriter::FileWriter(const WriterLayout& wl, int rank, std::string dir, bool sync)
-    : wl_(wl), dir_(std::move(dir)), sync_(sync), stream_(wl.stream_of(rank)) {
+FileWriter::FileWriter(const WriterLayout& wl, int rank, std::vector<size_t> order, std::string dir,
+                       bool sync, bool direct_io)
+    : wl_(wl),
+      dir_(std::move(dir)),
+      sync_(sync),
+      direct_io_(direct_io),
+      stream_(wl.stream_of(rank)),
+      order_(std::move(order)) {
+  if (order_.size() != stream_.size())
+    fail(Errc::internal, "save_hf: the disk order of trainer rank ", rank, " has ", order_.size(),
+         " keys, its files ", stream_.size());
   tasks_.resize(stream_.size());
   ready_.assign(stream_.size(), false);
+  open_.resize(wl.files.files.size());
+  keys_left_.assign(wl.files.files.size(), 0);
+  key_offset_.assign(wl.files.keys.size(), 0);
+  for (int f : wl.files.files_of(rank)) {
+    const HfFile& file = wl.files.files[static_cast<size_t>(f)];
+    keys_left_[static_cast<size_t>(f)] = file.num_keys;
+    uint64_t at = 0;  // keys lie in a file in layout order, as SafetensorsWriter declares them
+    for (int k = file.first_key; k < file.first_key + file.num_keys; ++k) {
+      key_offset_[static_cast<size_t>(k)] = at;
+      at += static_cast<uint64_t>(wl.files.keys[static_cast<size_t>(k)].bytes);
+    }
+  }
   // A file of no keys (an empty model) is written at once.
   for (int f : wl.files.files_of(rank)) {
     const HfFile& file = wl.files.files[static_cast<size_t>(f)];
@@ -127,7 +155,8 @@ std::vector<std::string> FileWriter::written_files() const {
 }
 
 void FileWriter::run() {
-  for (size_t i = 0; i < stream_.size(); ++i) {
+  for (size_t n = 0; n < order_.size(); ++n) {
+    const size_t i = order_[n];
     std::vector<Run> runs;
     {
       std::unique_lock lock(mu_);
@@ -144,33 +173,39 @@ void FileWriter::run() {
       error_ = std::current_exception();
       return;
     }
-    done_.store(i + 1, std::memory_order_release);
+    cpu_s_ = thread_cpu_seconds();
+    done_.store(n + 1, std::memory_order_release);
   }
 }
 
 void FileWriter::write_one(size_t i, const std::vector<Run>& runs) {
   const HfKey& key = wl_.files.keys[static_cast<size_t>(stream_[i])];
-  const HfFile& file = wl_.files.files[static_cast<size_t>(key.file)];
+  const auto f = static_cast<size_t>(key.file);
+  const HfFile& file = wl_.files.files[f];
   const std::string path = dir_ + "/" + file.name;
-  if (stream_[i] == file.first_key) {
+  std::unique_ptr<SafetensorsWriter>& out = open_[f];
+  if (!out) {
     std::vector<SafetensorsWriter::Entry> entries;
     for (int k = file.first_key; k < file.first_key + file.num_keys; ++k) {
       const HfKey& e = wl_.files.keys[static_cast<size_t>(k)];
       entries.push_back({e.name, e.dtype, e.shape});
     }
-    file_ = std::make_unique<SafetensorsWriter>(path, std::move(entries));
+    out = std::make_unique<SafetensorsWriter>(path, std::move(entries));
+    if (direct_io_) out->use_direct_io();
   }
-  if (!file_) fail(Errc::internal, "save_hf: key '", key.name, "' before its file was opened");
-  if (runs.size() <= 1) {
-    file_->write_tensor(key.name, runs.empty() ? nullptr : runs[0].data,
-                        runs.empty() ? 0 : runs[0].bytes);
-  } else {
-    for (const Run& r : runs) file_->write(r.data, r.bytes);
+  uint64_t at = key_offset_[static_cast<size_t>(stream_[i])], bytes = 0;
+  for (const Run& r : runs) {
+    out->write_at(at, r.data, r.bytes);
+    at += r.bytes;
+    bytes += r.bytes;
   }
-  for (const Run& r : runs) bytes_.fetch_add(r.bytes, std::memory_order_relaxed);
-  if (stream_[i] == file.first_key + file.num_keys - 1) {
-    file_->finish();
-    file_.reset();
+  if (bytes != static_cast<uint64_t>(key.bytes))
+    fail(Errc::internal, "save_hf: key '", key.name, "' handed to the disk with ", bytes,
+         " bytes, expected ", key.bytes);
+  bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  if (--keys_left_[f] == 0) {
+    out->finish();
+    out.reset();
     if (sync_) fsync_path(path);
     std::lock_guard lock(mu_);
     finished_.push_back(path);

@@ -204,6 +204,7 @@ void Publisher::SaveRun::agree_options() {
   const nlohmann::json mine = {{"max_file_bytes", opt.max_file_bytes},
                                {"bucket_bytes", opt.bucket_bytes},
                                {"sync", opt.sync},
+                               {"direct_io", opt.direct_io},
                                {"world", world()}};
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -253,13 +254,13 @@ trainer::SaveStats Publisher::SaveRun::transfer() {
   }
   pipe = std::make_unique<trainer::SavePipeline>(*wl, plan ? &*plan : nullptr, rank(), m.tensors,
                                                  memory, caps, m.opt.wire.direct_min_bytes);
-  pipe->prepare(transport.get(), who);
+  pipe->prepare(transport.get(), who, &m.save_arena);
   // Endpoints now, to the ranks this one exchanges buckets with only.
   if (transport)
     for (int peer : pipe->peers()) transport->connect(peer);
   setup_s = std::chrono::duration<double>(Clock::now() - start).count();
   return pipe->run(
-      dir, opt.sync, seq, transport.get(), [this] { poll(); }, deadline);
+      dir, opt.sync, opt.direct_io, seq, transport.get(), [this] { poll(); }, deadline);
 }
 
 // The value of `what` in the save's store, watching for aborts meanwhile.
@@ -371,6 +372,8 @@ SaveHfResult Publisher::save_hf(const std::string& dir, const SaveHfOptions& opt
     result.staging_bytes = stats.staging_bytes;
     result.disk_wait_s = stats.disk_wait_s;
     result.disk_s = stats.disk_s;
+    result.disk_cpu_s = stats.disk_cpu_s;
+    result.data_cpu_s = stats.data_cpu_s;
   } catch (const Error& e) {
     throw run.abort(run.explain(e));
   } catch (const std::exception& e) {

@@ -5,6 +5,7 @@
 #include <weightsync/control.h>
 #include <weightsync/publisher.h>
 
+#include "checkpoint_save.h"
 #include "pipeline/setup.h"
 #include "publisher_pipeline.h"
 
@@ -43,6 +44,7 @@ struct Publisher::Impl {
   std::optional<control::StepResult> early_result;
   int64_t current_step = -1;
   int64_t saves = 0;  // save_hf calls so far: every rank counts alike (a collective)
+  trainer::SaveArenaCache save_arena;  // kept for the next save_hf
   std::mutex push_mutex;
 
   int trainer_world() const { return static_cast<int>(opt.layout.mesh.world()); }

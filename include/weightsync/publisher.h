@@ -130,6 +130,11 @@ struct SaveHfOptions {
   // returns (as save_pretrained leaves them); a crashed process still never
   // leaves an index.
   bool sync = true;
+  // Whole aligned blocks of the files bypass the page cache (O_DIRECT): no
+  // copy into it and no writeback after, so the CPU stays with the transfers
+  // (SafetensorsWriter::use_direct_io; filesystems that refuse O_DIRECT get
+  // the page cache). false: every byte through the page cache.
+  bool direct_io = true;
 };
 
 // The bucket_bytes of a save whose SaveHfOptions::bucket_bytes is 0, for a
@@ -150,6 +155,8 @@ struct SaveHfResult {
   std::size_t staging_bytes = 0;           // its four bucket slots
   double disk_wait_s = 0;                  // transfers waiting for its disk writes
   double disk_s = 0;                       // its disk thread writing (and flushing)
+  double disk_cpu_s = 0;                   // CPU time of that thread
+  double data_cpu_s = 0;                   // CPU time of the thread moving the buckets
   double seconds = 0;                      // the call, end to end:
   double setup_s = 0;   // options agreed, writer layout, plan, transport connected
   double data_s = 0;    // its transfers and its files written

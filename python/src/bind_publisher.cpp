@@ -73,9 +73,10 @@ class PyPublisher : public Handle<Publisher> {
   std::string plan_summary() { return get("publisher").plan().summary_json().dump(); }
   SaveHfResult save_hf(const std::string& dir, const std::string& config, int64_t max_file_bytes,
                        int64_t bucket_bytes, const std::string& transport, double timeout,
-                       bool sync) {
+                       bool sync, bool direct_io) {
     SaveHfOptions o;
     o.sync = sync;
+    o.direct_io = direct_io;
     o.config = config;
     o.max_file_bytes = max_file_bytes;
     o.bucket_bytes = bucket_bytes;
@@ -168,7 +169,7 @@ void bind_publisher(nb::module_& m) {
       .def("plan_summary", &PyPublisher::plan_summary)
       .def("save_hf", &PyPublisher::save_hf, nb::arg("dir"), nb::arg("config"),
            nb::arg("max_file_bytes"), nb::arg("bucket_bytes"), nb::arg("transport"),
-           nb::arg("timeout"), nb::arg("sync"), ReleaseGil())
+           nb::arg("timeout"), nb::arg("sync"), nb::arg("direct_io"), ReleaseGil())
       .def(
           "load_hf",
           [](PyPublisher& p, const std::string& dir) { return p.get("publisher").load_hf(dir); },

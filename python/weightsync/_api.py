@@ -256,7 +256,8 @@ class Publisher:
 
     def save_hf(self, dir: Any, config: Any = None, max_file_bytes: int = 5_000_000_000,
                 bucket_bytes: int = 0, transport: Optional[str] = None,
-                timeout: Optional[float] = None, sync: bool = True) -> Any:
+                timeout: Optional[float] = None, sync: bool = True,
+                direct_io: bool = True) -> Any:
         """Writes the registered shards as a Hugging Face checkpoint directory
         (docs/checkpoints.md): a collective, every trainer rank calls it with the
         same arguments. Keys in the layout's order, in files of at most
@@ -267,12 +268,14 @@ class Publisher:
         1/32 of a writer's share, 1 MiB to the publisher's bucket_bytes / 4),
         `transport` (None: the publisher's) and `timeout` (seconds; None:
         step_timeout) tune the transfer. With `sync` every file
-        is flushed to the device (fsync) before the index is written. Returns a
+        is flushed to the device (fsync) before the index is written. With
+        `direct_io` whole aligned blocks bypass the page cache (O_DIRECT, where
+        the filesystem allows), leaving the CPU to the transfers. Returns a
         SaveHfResult (.files, .total_bytes, this rank's .files_written,
         .bytes_sent, ...)."""
         with self._lock, _config_file(config) as config_path:
             return self._core.save_hf(os.fspath(dir), config_path, max_file_bytes, bucket_bytes,
-                                      transport or "", timeout or 0.0, sync)
+                                      transport or "", timeout or 0.0, sync, direct_io)
 
     def load_hf(self, dir: Any) -> Any:
         """Fills the registered tensors from the checkpoint `dir` (an HF

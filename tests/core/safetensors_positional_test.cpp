@@ -41,7 +41,9 @@ uint64_t nbytes(const SafetensorsWriter::Entry& e) {
 
 // Memory `shift` bytes past a 4096-byte boundary.
 struct Shifted {
-  Shifted(size_t n, size_t shift) : base(static_cast<char*>(std::aligned_alloc(4096, n + 8192))) {
+  // aligned_alloc takes a multiple of the alignment.
+  Shifted(size_t n, size_t shift)
+      : base(static_cast<char*>(std::aligned_alloc(4096, (n / 4096 + 2) * 4096))) {
     p = base + shift;
   }
   ~Shifted() { std::free(base); }

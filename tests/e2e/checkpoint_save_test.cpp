@@ -211,6 +211,11 @@ INSTANTIATE_TEST_SUITE_P(
              {}},
         // Column shards and interleaved rows: packed and applied, not sent straight.
         Case{"llama_columns_fsdp2", column_layout, {5000}, {"--bucket-bytes", "2048"}},
+        // The same through the page cache (SaveHfOptions::direct_io off).
+        Case{"llama_columns_fsdp2_buffered_io",
+             column_layout,
+             {5000},
+             {"--bucket-bytes", "2048", "--buffered-io"}},
         // One rank: nothing moves, every key written from its own shard.
         Case{"llama_one_rank", [] { return model_layout("tiny-llama", "fsdp=1"); }, {9000}, {}}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });

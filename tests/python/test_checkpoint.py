@@ -188,8 +188,9 @@ def test_save_hf_alone_writes_config_and_index(tmp_path):
             assert json.load(f) == {"hidden_size": 2, "model_type": "toy"}
         saved = _read_dir(out)
         assert _same_bits(saved["a"], a) and _same_bits(saved["b"], b)
-        # Again into the same directory, one file, no fsync: the first save's files go.
-        again = pub.save_hf(out, sync=False)
+        # Again into the same directory, one file, no fsync, through the page
+        # cache: the first save's files go.
+        again = pub.save_hf(out, sync=False, direct_io=False)
     assert again.files == 1
     assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == \
         ["model-00001-of-00001.safetensors"]
