@@ -100,17 +100,16 @@ class PlainWrite {
     }
   }
 
-  // This rank's files of both phases (rank 0: the index too).
-  void remove_outputs(const std::string& saved) const {
+  // This rank's files in `dir` (rank 0: the index too).
+  void remove_outputs(const std::string& dir) const {
     std::error_code ec;
-    for (int f : files_.files_of(rank_)) {
-      std::filesystem::remove(dir_ + "/" + files_.files[static_cast<size_t>(f)].name, ec);
-      std::filesystem::remove(saved + "/" + files_.files[static_cast<size_t>(f)].name, ec);
-    }
-    if (rank_ == 0) std::filesystem::remove(saved + "/" + std::string(kHfIndexName), ec);
+    for (int f : files_.files_of(rank_))
+      std::filesystem::remove(dir + "/" + files_.files[static_cast<size_t>(f)].name, ec);
+    if (rank_ == 0) std::filesystem::remove(dir + "/" + std::string(kHfIndexName), ec);
   }
 
-  double run() const {
+  // With `direct_io`, as a save with SaveHfOptions::direct_io writes.
+  double run(bool direct_io) const {
     const auto start = Clock::now();
     const char* at = bytes_.data();
     for (int f : files_.files_of(rank_)) {
@@ -121,6 +120,7 @@ class PlainWrite {
         entries.push_back({key.name, key.dtype, key.shape});
       }
       SafetensorsWriter writer(dir_ + "/" + file.name, entries);
+      if (direct_io) writer.use_direct_io();
       for (const auto& e : entries) {
         const auto bytes = static_cast<size_t>(numel(e.shape)) * itemsize(e.dtype);
         writer.write_tensor(e.name, at, bytes);
@@ -160,6 +160,8 @@ nlohmann::json save_json(const SaveHfResult& r) {
           {"staging_bytes", r.staging_bytes},
           {"disk_wait_s", r.disk_wait_s},
           {"disk_s", r.disk_s},
+          {"disk_cpu_s", r.disk_cpu_s},
+          {"data_cpu_s", r.data_cpu_s},
           {"setup_s", r.setup_s},
           {"data_s", r.data_s},
           {"finish_s", r.finish_s}};
@@ -196,7 +198,8 @@ nlohmann::json ExportJob::to_json() const {
           {"work_dir", work_dir},
           {"coordinator", coordinator},
           {"token", token},
-          {"sync", sync}};
+          {"sync", sync},
+          {"direct_io", direct_io}};
 }
 
 ExportJob ExportJob::from_json(const nlohmann::json& j) {
@@ -218,6 +221,7 @@ ExportJob ExportJob::from_json(const nlohmann::json& j) {
     j.at("coordinator").get_to(e.coordinator);
     j.at("token").get_to(e.token);
     j.at("sync").get_to(e.sync);
+    j.at("direct_io").get_to(e.direct_io);
   } catch (const nlohmann::json::exception& x) {
     fail(Errc::format, "export job file: ", x.what());
   }
@@ -246,27 +250,38 @@ nlohmann::json run_rounds(const ExportJob& job, int rank, const Checkpoint& ckpt
   save.config = job.hf_config;
   save.bucket_bytes = job.bucket_bytes;
   save.sync = job.sync;
+  save.direct_io = job.direct_io;
   std::optional<PlainWrite> plain;
   if (!job.plain_dir.empty()) plain.emplace(ckpt, layout, job, rank);
+  // Each timed phase starts alike: its files gone (no page cache to reclaim,
+  // no rename over a file), no dirty pages of another (the kernel's
+  // writeback would throttle whichever runs next), from a barrier.
+  auto phase = [&](const std::string& name, const std::string& dir, auto&& body) {
+    if (plain) plain->remove_outputs(dir);
+    ::sync();
+    observer.barrier(name, ranks, timeout);
+    const double cpu = cpu_seconds();
+    nlohmann::json out = body();
+    out["cpu_s"] = cpu_seconds() - cpu;
+    ::sync();
+    return out;
+  };
   nlohmann::json rounds = nlohmann::json::array();
   for (int r = 0; r < job.rounds; ++r) {
     nlohmann::json row;
     if (plain) {
-      // Each timed phase starts alike: its files gone (no page cache to
-      // reclaim, no rename over a file), no dirty pages of the other (the
-      // kernel's writeback would throttle whichever runs second).
-      plain->remove_outputs(job.out);
-      ::sync();
-      observer.barrier(cat("export plain ", r), ranks, timeout);
-      const double cpu = cpu_seconds();
-      row["plain_seconds"] = plain->run();
-      row["plain_cpu_s"] = cpu_seconds() - cpu;
-      ::sync();
+      // The plain write both ways: through the page cache, and bypassing it
+      // as the save does by default; the bench compares with the faster.
+      for (const bool direct : {false, true}) {
+        const auto p = phase(cat("export plain ", direct ? "direct " : "", r), job.plain_dir, [&] {
+          return nlohmann::json{{"s", plain->run(direct)}};
+        });
+        row[direct ? "plain_direct_seconds" : "plain_seconds"] = p["s"];
+        row[direct ? "plain_direct_cpu_s" : "plain_cpu_s"] = p["cpu_s"];
+      }
     }
-    observer.barrier(cat("export save ", r), ranks, timeout);
-    const double cpu = cpu_seconds();
-    row["save"] = save_json(pub.save_hf(job.out, save));
-    row["save"]["cpu_s"] = cpu_seconds() - cpu;
+    row["save"] = phase(cat("export save ", r), job.out,
+                        [&] { return save_json(pub.save_hf(job.out, save)); });
     rounds.push_back(row);
   }
   return rounds;
@@ -325,8 +340,11 @@ nlohmann::json run_export(ExportJob job) {
     group.spawn(cat("export ", r), {"export", "--job", job_path, "--rank", std::to_string(r)},
                 r == job.kill_rank);
   // Loading the shards, each round's phases and the teardown: a timeout each.
-  const auto children = group.wait_all(Millis(job.timeout_ms) * (2 * job.rounds + 3));
-  nlohmann::json out = {{"ranks", ranks}, {"transport", job.transport}, {"dir", job.out}};
+  const auto children = group.wait_all(Millis(job.timeout_ms) * (3 * job.rounds + 3));
+  nlohmann::json out = {{"ranks", ranks},
+                        {"transport", job.transport},
+                        {"direct_io", job.direct_io},
+                        {"dir", job.out}};
   bool ok = !group.timed_out();
   nlohmann::json per_rank = nlohmann::json::array();
   std::vector<nlohmann::json> stats;
@@ -342,13 +360,15 @@ nlohmann::json run_export(ExportJob job) {
   out["per_rank"] = per_rank;
   nlohmann::json rounds = nlohmann::json::array();
   for (int i = 0; ok && i < job.rounds; ++i) {
-    double save_s = 0, plain_s = 0;
+    double save_s = 0, plain_s = 0, plain_direct_s = 0;
     nlohmann::json first;
     for (const auto& s : stats) {
       const auto& row = s["rounds"][static_cast<size_t>(i)];
       save_s = std::max(save_s, row["save"]["seconds"].get<double>());
-      if (row.contains("plain_seconds"))
+      if (row.contains("plain_seconds")) {
         plain_s = std::max(plain_s, row["plain_seconds"].get<double>());
+        plain_direct_s = std::max(plain_direct_s, row["plain_direct_seconds"].get<double>());
+      }
       first = row["save"];
     }
     const double bytes = first["total_bytes"].get<double>();
@@ -356,7 +376,11 @@ nlohmann::json run_export(ExportJob job) {
                         {"bytes", first["total_bytes"]},
                         {"files", first["files"]},
                         {"gbps", bytes / save_s / 1e9}};
-    if (plain_s > 0) r["plain_seconds"] = plain_s, r["plain_gbps"] = bytes / plain_s / 1e9;
+    if (plain_s > 0) {
+      r["plain_seconds"] = plain_s, r["plain_gbps"] = bytes / plain_s / 1e9;
+      r["plain_direct_seconds"] = plain_direct_s;
+      r["plain_direct_gbps"] = bytes / plain_direct_s / 1e9;
+    }
     rounds.push_back(r);
   }
   out["rounds"] = rounds;

@@ -26,6 +26,7 @@ struct ExportJob {
   int kill_rank = -1;  // this rank SIGKILLs itself at its kill_after-th send of the save
   int64_t kill_after = 0;
   bool sync = true;         // SaveHfOptions::sync (and the plain writes alike)
+  bool direct_io = true;    // SaveHfOptions::direct_io
   int rounds = 1;           // saves (bench: each after a plain write)
   std::string plain_dir;    // bench: where the plain writes go; "": none
   std::string work_dir;     // job file, logs, per-rank stats
