@@ -260,7 +260,7 @@ trainer::SaveStats Publisher::SaveRun::transfer() {
     for (int peer : pipe->peers()) transport->connect(peer);
   setup_s = std::chrono::duration<double>(Clock::now() - start).count();
   return pipe->run(
-      dir, opt.sync, opt.direct_io, seq, transport.get(), [this] { poll(); }, deadline);
+      dir, opt.sync, opt.sync && opt.direct_io, seq, transport.get(), [this] { poll(); }, deadline);
 }
 
 // The value of `what` in the save's store, watching for aborts meanwhile.

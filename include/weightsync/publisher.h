@@ -130,10 +130,12 @@ struct SaveHfOptions {
   // returns (as save_pretrained leaves them); a crashed process still never
   // leaves an index.
   bool sync = true;
-  // Whole aligned blocks of the files bypass the page cache (O_DIRECT): no
-  // copy into it and no writeback after, so the CPU stays with the transfers
-  // (SafetensorsWriter::use_direct_io; filesystems that refuse O_DIRECT get
-  // the page cache). false: every byte through the page cache.
+  // With `sync`: whole aligned blocks of the files bypass the page cache
+  // (O_DIRECT): no copy into it and no writeback after, so the CPU stays
+  // with the transfers (SafetensorsWriter::use_direct_io; filesystems that
+  // refuse O_DIRECT get the page cache). false, or without `sync` (the files
+  // are then left to the page cache, which returns sooner): every byte
+  // through the page cache.
   bool direct_io = true;
 };
 

@@ -268,9 +268,10 @@ class Publisher:
         1/32 of a writer's share, 1 MiB to the publisher's bucket_bytes / 4),
         `transport` (None: the publisher's) and `timeout` (seconds; None:
         step_timeout) tune the transfer. With `sync` every file
-        is flushed to the device (fsync) before the index is written. With
-        `direct_io` whole aligned blocks bypass the page cache (O_DIRECT, where
-        the filesystem allows), leaving the CPU to the transfers. Returns a
+        is flushed to the device (fsync) before the index is written, and
+        with `direct_io` (and `sync`) whole aligned blocks bypass the page cache
+        (O_DIRECT, where the filesystem allows), leaving the CPU to the
+        transfers. Returns a
         SaveHfResult (.files, .total_bytes, this rank's .files_written,
         .bytes_sent, ...)."""
         with self._lock, _config_file(config) as config_path:

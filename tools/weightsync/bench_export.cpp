@@ -46,7 +46,7 @@ constexpr const char* kUsage =
     "a plain write of the same files (same keys, sizes and writer ranks) with the same\n"
     "writer, from memory already holding their bytes, nothing moving between ranks, to\n"
     "the same disk, twice: through the page cache, and bypassing it (O_DIRECT on whole\n"
-    "aligned blocks) as the save does unless --buffered-io; the faster of the two (by\n"
+    "aligned blocks) as the save does with fsync unless --buffered-io; the faster (by\n"
     "median) is the reference. All flush their files to the device (fsync; --no-sync:\n"
     "none). Each phase of a round (plain, plain direct, save) starts with its files\n"
     "removed and a sync; times are the slowest rank's, from a barrier. Prints the median\n"
@@ -209,7 +209,7 @@ exporter::ExportJob bench_job(const Args& args, const demo::ModelFiles& model,
   // coordinator's membership and the save's own abort, not by UCX).
   job.transport = args.get_or("transport", "ucx?peer_errors=off");
   job.sync = !args.flag("no-sync");
-  job.direct_io = !args.flag("buffered-io");
+  job.direct_io = job.sync && !args.flag("buffered-io");  // as save_hf takes it
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.rounds = static_cast<int>(args.get_int("rounds", 3));
   job.plain_dir = dir + "/plain";
