@@ -108,6 +108,21 @@ struct SafetensorsWriter::Impl {
     }
     pwrite_all(fd, p + (b - at), at + n - b, b);
   }
+  // What every data write must be: before finish(), of the file's one mode
+  // (appending or positional), from memory, within the declared data.
+  void check_write(const char* call, bool positional, const void* data, size_t bytes,
+                   uint64_t offset) const {
+    if (finished) fail(Errc::invalid_argument, path, ": ", call, " after finish()");
+    if (positional ? written > 0 : written_at > 0)
+      fail(Errc::invalid_argument, path,
+           positional ? ": positional write after appending writes"
+                      : ": appending write after positional writes (write_at)");
+    if (data == nullptr && bytes > 0)
+      fail(Errc::invalid_argument, path, ": ", call, " of ", bytes, " bytes from a null pointer");
+    if (offset > total() || bytes > total() - offset)
+      fail(Errc::invalid_argument, path, ": writing ", bytes, " bytes at data offset ", offset,
+           " runs past the ", total(), " bytes declared for the tensors");
+  }
   void flush() {
     put(staging.data(), staging.size(), append_pos - staging.size());
     staging.clear();
@@ -194,14 +209,7 @@ SafetensorsWriter::~SafetensorsWriter() {
 
 void SafetensorsWriter::write(const void* data, std::size_t bytes) {
   Impl& w = *impl_;
-  if (w.finished) fail(Errc::invalid_argument, w.path, ": write after finish()");
-  if (w.written_at > 0)
-    fail(Errc::invalid_argument, w.path, ": appending write after positional writes (write_at)");
-  if (data == nullptr && bytes > 0)
-    fail(Errc::invalid_argument, w.path, ": write of ", bytes, " bytes from a null pointer");
-  if (bytes > w.total() - w.written)
-    fail(Errc::invalid_argument, w.path, ": writing ", bytes, " bytes at data offset ", w.written,
-         " runs past the ", w.total(), " bytes declared for the tensors");
+  w.check_write("write", false, data, bytes, w.written);
   w.append(static_cast<const char*>(data), bytes);
   w.written += bytes;
 }
@@ -234,14 +242,7 @@ void SafetensorsWriter::write_tensor(std::string_view name, const void* data, st
 
 void SafetensorsWriter::write_at(std::uint64_t offset, const void* data, std::size_t bytes) {
   Impl& w = *impl_;
-  if (w.finished) fail(Errc::invalid_argument, w.path, ": write_at after finish()");
-  if (w.written > 0)
-    fail(Errc::invalid_argument, w.path, ": positional write after appending writes");
-  if (data == nullptr && bytes > 0)
-    fail(Errc::invalid_argument, w.path, ": write_at of ", bytes, " bytes from a null pointer");
-  if (offset > w.total() || bytes > w.total() - offset)
-    fail(Errc::invalid_argument, w.path, ": writing ", bytes, " bytes at data offset ", offset,
-         " runs past the ", w.total(), " bytes declared for the tensors");
+  w.check_write("write_at", true, data, bytes, offset);
   if (!w.staging.empty()) w.flush();  // the header
   w.put(static_cast<const char*>(data), bytes, w.data_start + offset);
   w.written_at += bytes;
