@@ -693,29 +693,46 @@ def scenario_trainer_link_flap(cli, work):
             + ", ".join(f"{rows[s]['seconds']:.2f}" for s in sorted(rows)))
 
 
+def expect_every_step_committed(job, codes, steps):
+    bad = {k: c for k, c in codes.items() if c != 0}
+    expect(not bad, f"processes failed or hang: {bad}")
+    check_engines_verified(job, range(job.engines))
+    for g in range(job.engines):
+        done = committed_steps(job.stats("engine", g))
+        expect(done == list(range(1, steps + 1)), f"engine {g} committed {done}")
+
+
+def clean_and_faulty_steps(cli, work, steps, victim, fault, wait_s, **job_args):
+    """The same job twice, over clean links, then with `fault(host)` applied to
+    trainer `victim`'s link before it starts; every step must commit
+    bit-exactly on every engine both times. `fault` may return a callable,
+    called once the job ended (its result is returned). Returns the victim's
+    step seconds {False: clean, True: faulty} and that result."""
+    seconds, outcome = {}, None
+    for faulty in (False, True):
+        with Net() as net:
+            run = os.path.join(work, "faulty" if faulty else "clean")
+            os.makedirs(run)
+            job = Job(cli, net, run, steps=steps, **job_args)
+            after = fault(job.trainer_hosts[victim]) if faulty else None
+            job.start_all()
+            codes = job.wait(list(job.workers), wait_s)
+            if after:
+                outcome = after()
+            expect_every_step_committed(job, codes, steps)
+            rows = trainer_steps(job, victim)
+            seconds[faulty] = [rows[s]["seconds"] for s in sorted(rows)]
+    return seconds, outcome
+
+
 def scenario_trainer_slow_link(cli, work):
     """A trainer's link limited to 16 Mbit/s (tc tbf): each step completes
     bit-exactly on every engine, slower than the steps over the full link
     measured in the same run."""
-    steps, victim = 2, 0
-    seconds = {}
-    for limited in (False, True):
-        with Net() as net:
-            run = os.path.join(work, "limited" if limited else "full")
-            os.makedirs(run)
-            job = Job(cli, net, run, steps=steps, step_gap_ms=200, timeout_ms=30000)
-            if limited:
-                job.trainer_hosts[victim].limit_rate("16mbit", inbound=False)
-            job.start_all()
-            codes = job.wait(list(job.workers), 90)
-            bad = {k: c for k, c in codes.items() if c != 0}
-            expect(not bad, f"processes failed or hang: {bad}")
-            check_engines_verified(job, range(job.engines))
-            for g in range(job.engines):
-                done = committed_steps(job.stats("engine", g))
-                expect(done == list(range(1, steps + 1)), f"engine {g} committed {done}")
-            rows = trainer_steps(job, victim)
-            seconds[limited] = [rows[s]["seconds"] for s in sorted(rows)]
+    victim = 0
+    seconds, _ = clean_and_faulty_steps(
+        cli, work, 2, victim, lambda host: host.limit_rate("16mbit", inbound=False), 90,
+        step_gap_ms=200, timeout_ms=30000)
     log(f"step seconds, full link {seconds[False]}, trainer {victim} at 16 Mbit/s "
         f"{seconds[True]}")
     expect(min(seconds[True]) > max(seconds[False]), "the limited link did not slow the steps")
@@ -729,30 +746,18 @@ def scenario_trainer_delay_loss(cli, work):
     clean link in the same run, and the fault's counters show packets held
     and dropped."""
     method = delay_loss_method()
-    steps, victim = 3, 0
-    seconds = {}
-    for faulty in (False, True):
-        with Net() as net:
-            run = os.path.join(work, "faulty" if faulty else "clean")
-            os.makedirs(run)
-            job = Job(cli, net, run, steps=steps, step_gap_ms=300, timeout_ms=120000,
-                      heartbeat_ms=10000)
-            server = job.trainer_hosts[victim].delay_loss(method, 50, 1) if faulty else None
-            job.start_all()
-            codes = job.wait(list(job.workers), 240)
-            counters = Host.stop_delay_loss(server) if server else None
-            bad = {k: c for k, c in codes.items() if c != 0}
-            expect(not bad, f"processes failed or hang: {bad}")
-            check_engines_verified(job, range(job.engines))
-            for g in range(job.engines):
-                done = committed_steps(job.stats("engine", g))
-                expect(done == list(range(1, steps + 1)), f"engine {g} committed {done}")
-            rows = trainer_steps(job, victim)
-            seconds[faulty] = [rows[s]["seconds"] for s in sorted(rows)]
-            if counters is not None:
-                log(f"nfq_netem on trainer {victim}'s link: {counters}")
-                expect(counters["dropped"] > 0 and counters["accepted"] > 1000,
-                       f"the fault did not act on the trainer's traffic: {counters}")
+    victim = 0
+
+    def fault(host):
+        server = host.delay_loss(method, 50, 1)
+        return (lambda: Host.stop_delay_loss(server)) if server else None
+
+    seconds, counters = clean_and_faulty_steps(cli, work, 3, victim, fault, 240, step_gap_ms=300,
+                                               timeout_ms=120000, heartbeat_ms=10000)
+    if counters is not None:
+        log(f"nfq_netem on trainer {victim}'s link: {counters}")
+        expect(counters["dropped"] > 0 and counters["accepted"] > 1000,
+               f"the fault did not act on the trainer's traffic: {counters}")
     log(f"step seconds, clean link {seconds[False]}, trainer {victim} with 50 ms delay and 1 % "
         f"loss ({method}) {seconds[True]}")
     expect(min(seconds[True]) > max(seconds[False]), "delay and loss did not slow the steps")
