@@ -102,9 +102,11 @@ def test_fsdp2_save_hf_loads_with_from_pretrained(tmp_path, case):
 
 
 def _load_save_rank(rank: int, world: int, src: str, trainer: str, coordinator: str,
-                    out: str, shards_dir: str) -> dict:
+                    out: str, shards_dir: str, device: str) -> dict:
     from helpers import load_safetensors as load
 
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every rank on GPU 0 of a one-GPU machine
     with open(trainer) as f:
         layout = json.load(f)
     dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
@@ -113,18 +115,24 @@ def _load_save_rank(rank: int, world: int, src: str, trainer: str, coordinator: 
         tensors = {}
         for p in layout["params"]:
             # Garbage first: load_hf must write every element.
-            t = torch.full(tuple(reference[p["name"]].shape), 7, dtype=dtypes[p["dtype"]])
+            t = torch.full(tuple(reference[p["name"]].shape), 7, dtype=dtypes[p["dtype"]],
+                           device=device)
             tensors[p["name"]] = t
             pub.register(p["name"], t)
         report = pub.load_hf(src)
         assert report.bytes > 0 and report.files >= 1
         for name, t in tensors.items():
-            assert _same_bits(t, reference[name]), (rank, name)
+            assert _same_bits(t.cpu(), reference[name]), (rank, name)
         res = pub.save_hf(out, max_file_bytes=40_000, bucket_bytes=4096)
     return {"files": res.files, "written": list(res.files_written)}
 
 
-def test_load_hf_then_save_hf_round_trips(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_load_hf_then_save_hf_round_trips(tmp_path, device):
+    # CUDA shards: loaded through host staging, packed on the GPU and
+    # assembled in pinned memory for the save, over UCX.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA shards need a GPU; torch sees none here")
     src = str(tmp_path / "src")
     torch.manual_seed(1)
     config = transformers.AutoConfig.from_pretrained(model_config("tiny-qwen3-moe"))
@@ -142,7 +150,7 @@ def test_load_hf_then_save_hf_round_trips(tmp_path):
     out = str(tmp_path / "out")
     with ws.Coordinator() as coord:
         results = run_world(_load_save_rank, 4, src, trainer, coord.address, out, str(shards),
-                            timeout=600)
+                            device, timeout=600)
     assert sum(len(r["written"]) for r in results) == results[0]["files"]
     before, after = _read_dir(src), _read_dir(out)
     assert sorted(before) == sorted(after)
