@@ -100,8 +100,18 @@ struct SafetensorsWriter::Impl {
     if (reinterpret_cast<std::uintptr_t>(body) % kDirectAlign == 0) {
       pwrite_all(direct_fd, body, b - a, a);
     } else {
-      for (uint64_t pos = a; pos < b; pos += kBounceBytes) {
-        const size_t chunk = static_cast<size_t>(std::min<uint64_t>(kBounceBytes, b - pos));
+      // At most the file's size: a writer holding many small files open at
+      // once (SavePipeline's disk thread) holds no 4 MiB for each.
+      const size_t size = static_cast<size_t>(std::min<uint64_t>(
+          kBounceBytes, (data_start + total() + kDirectAlign - 1) / kDirectAlign * kDirectAlign));
+      if (!bounce) {
+        void* mem = nullptr;
+        if (::posix_memalign(&mem, kDirectAlign, size) != 0)
+          fail(Errc::io, path, ": no memory for a ", size, "-byte direct I/O buffer");
+        bounce.reset(static_cast<char*>(mem));
+      }
+      for (uint64_t pos = a; pos < b; pos += size) {
+        const size_t chunk = static_cast<size_t>(std::min<uint64_t>(size, b - pos));
         std::memcpy(bounce.get(), body + (pos - a), chunk);
         pwrite_all(direct_fd, bounce.get(), chunk, pos);
       }
@@ -253,12 +263,8 @@ bool SafetensorsWriter::use_direct_io() {
   if (w.direct_fd >= 0) return true;
   if (w.finished || w.written > 0 || w.written_at > 0)
     fail(Errc::invalid_argument, w.path, ": use_direct_io() after data was written");
-  void* bounce = nullptr;
-  if (::posix_memalign(&bounce, kDirectAlign, kBounceBytes) != 0) return false;
-  w.bounce.reset(static_cast<char*>(bounce));
   // Where the filesystem refuses O_DIRECT (tmpfs, some FUSE), the page cache it is.
   w.direct_fd = ::open(w.tmp_path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
-  if (w.direct_fd < 0) w.bounce.reset();
   return w.direct_fd >= 0;
 }
 
@@ -279,6 +285,7 @@ void SafetensorsWriter::finish() {
   // renamed, and syncing multi-GB dumps would dominate the step time.
   if (w.direct_fd >= 0) ::close(w.direct_fd);
   w.direct_fd = -1;
+  w.bounce.reset();
   const int fd = w.fd;
   w.fd = -1;
   if (::close(fd) != 0)
