@@ -4,102 +4,18 @@
 // the widest access its addresses allow (16-byte vectors when aligned). The
 // tables and their cut are computed and tested on the CPU (copy_program.h,
 // execute_tasks_host mirrors the arithmetic here).
+#include "copy_device.cuh"
 #include "copy_kernel.h"
 
 namespace weightsync::gpu::kernel {
 namespace {
 
-constexpr unsigned kThreads = 256;
-constexpr unsigned kUnroll = 4;  // independent loads in flight per thread
-
-struct alignas(16) V16 {
-  unsigned long long a, b;
-};
-
-// Where row `row` (flattened (i0, i1, i2), i0 fastest) starts on each side.
-struct RowStart {
-  long long src, dst;
-};
-
-__device__ __forceinline__ RowStart row_start(const Run& r, long long row) {
-  long long i0 = row, i1 = 0, i2 = 0;
-  if (row >= r.count0) {  // most tasks lie in the first count0 rows: no division
-    i0 = row % r.count0;
-    const long long rest = row / r.count0;
-    i1 = rest % r.count1;
-    i2 = rest / r.count1;
-  }
-  return {r.src + i0 * r.src_stride[0] + i1 * r.src_stride[1] + i2 * r.src_stride[2],
-          r.dst + i0 * r.dst_stride[0] + i1 * r.dst_stride[1] + i2 * r.dst_stride[2]};
-}
-
-// One row's [offset, offset + n * sizeof(T)): loads kUnroll apart first, then
-// the stores, so that several loads are in flight.
-template <class T>
-__device__ __forceinline__ void copy_row(const char* src, char* dst, unsigned n) {
-  const T* s = reinterpret_cast<const T*>(src);
-  T* d = reinterpret_cast<T*>(dst);
-  unsigned j = threadIdx.x;
-  for (; j + (kUnroll - 1) * kThreads < n; j += kUnroll * kThreads) {
-    T v[kUnroll];
-#pragma unroll
-    for (unsigned u = 0; u < kUnroll; ++u) v[u] = s[j + u * kThreads];
-#pragma unroll
-    for (unsigned u = 0; u < kUnroll; ++u) d[j + u * kThreads] = v[u];
-  }
-  for (; j < n; j += kThreads) d[j] = s[j];
-}
-
-template <class T>
-__device__ void run_task(const Run& r, const Task& t, std::uintptr_t src_base,
-                         std::uintptr_t dst_base) {
-  if (t.rows == 1) {
-    const RowStart at = row_start(r, t.row);
-    copy_row<T>(reinterpret_cast<const char*>(src_base + at.src + t.offset),
-                reinterpret_cast<char*>(dst_base + at.dst + t.offset), t.vecs_per_row);
-    return;
-  }
-  // Many small rows: every thread takes (row, vector) pairs.
-  const unsigned n = t.rows * t.vecs_per_row;
-  for (unsigned j = threadIdx.x; j < n; j += kThreads) {
-    const unsigned in_task = j / t.vecs_per_row;
-    const unsigned col = j - in_task * t.vecs_per_row;
-    const RowStart at = row_start(r, t.row + in_task);
-    const long long off = t.offset + static_cast<long long>(col) * sizeof(T);
-    *reinterpret_cast<T*>(dst_base + at.dst + off) =
-        *reinterpret_cast<const T*>(src_base + at.src + off);
-  }
-}
+using copy_dev::kThreads;
 
 __global__ void __launch_bounds__(kThreads)
     copy_program_kernel(const Run* __restrict__ runs, const Task* __restrict__ tasks,
                         unsigned num_tasks, std::uintptr_t src_base, std::uintptr_t dst_base) {
-  __shared__ Task task;
-  __shared__ Run run;
-  for (unsigned i = blockIdx.x; i < num_tasks; i += gridDim.x) {
-    if (threadIdx.x == 0) {
-      task = tasks[i];
-      run = runs[task.run];
-    }
-    __syncthreads();
-    switch (task.vec) {  // uniform across the block: no divergence
-      case 16:
-        run_task<V16>(run, task, src_base, dst_base);
-        break;
-      case 8:
-        run_task<unsigned long long>(run, task, src_base, dst_base);
-        break;
-      case 4:
-        run_task<unsigned>(run, task, src_base, dst_base);
-        break;
-      case 2:
-        run_task<unsigned short>(run, task, src_base, dst_base);
-        break;
-      default:
-        run_task<unsigned char>(run, task, src_base, dst_base);
-    }
-    __syncthreads();  // the next task overwrites the shared copies
-  }
+  copy_dev::run_tasks(runs, tasks, num_tasks, blockIdx.x, gridDim.x, src_base, dst_base);
 }
 
 }  // namespace

@@ -118,6 +118,8 @@ void copy_async(void* dst, const void* src, std::size_t bytes, const Stream& str
 // events on a stream of its own on `device`.
 double time_gpu(const std::function<void(const Stream&)>& work, int device, int repeats);
 
+class DeviceQuant;
+
 // Copy programs of one pipeline on one device: their runs and tasks uploaded
 // once into one allocation; each launch runs one whole program as one kernel.
 class DevicePrograms {
@@ -132,6 +134,13 @@ class DevicePrograms {
   // run.src, writes at dst_base + run.dst; bases aligned to 16 bytes.
   void launch(std::size_t index, const Stream& stream, std::uintptr_t src_base,
               std::uintptr_t dst_base) const;
+  // As launch(), and every block of `quant` in the same kernel launch (its
+  // sources at q_src_base + part.src where relative, its codes and scales at
+  // q_dst_base + ...): a sender's bucket, whose quantized items and packed
+  // items occupy disjoint bytes of the slot. An empty `quant`: launch().
+  void launch_with_quant(std::size_t index, const Stream& stream, std::uintptr_t src_base,
+                         std::uintptr_t dst_base, const DeviceQuant& quant,
+                         std::uintptr_t q_src_base, std::uintptr_t q_dst_base) const;
 
  private:
   struct Span {
@@ -154,6 +163,7 @@ class DeviceQuant {
   void launch(const Stream& stream, std::uintptr_t src_base, std::uintptr_t dst_base) const;
 
  private:
+  friend class DevicePrograms;  // launch_with_quant
   Memory table_;
   std::size_t parts_offset_ = 0, blocks_offset_ = 0;  // bytes into table_
   unsigned num_blocks_ = 0;

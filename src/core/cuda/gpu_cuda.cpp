@@ -358,6 +358,31 @@ void DevicePrograms::launch(std::size_t index, const Stream& stream, std::uintpt
         "launching the copy kernel");
 }
 
+void DevicePrograms::launch_with_quant(std::size_t index, const Stream& stream,
+                                       std::uintptr_t src_base, std::uintptr_t dst_base,
+                                       const DeviceQuant& quant, std::uintptr_t q_src_base,
+                                       std::uintptr_t q_dst_base) const {
+  if (quant.empty()) return launch(index, stream, src_base, dst_base);
+  const Span& s = spans_.at(index);
+  if (src_base % 16 != 0 || dst_base % 16 != 0)
+    fail(Errc::internal, "copy program: bases ", src_base, " and ", dst_base,
+         " are not aligned to 16 bytes");
+  const auto* runs = reinterpret_cast<const kernel::Run*>(table_.data()) + s.first_run;
+  const auto* tasks =
+      reinterpret_cast<const kernel::Task*>(table_.data() + tasks_offset_) + s.first_task;
+  kernel::QuantArgs q;
+  q.tiles = reinterpret_cast<const kernel::QuantTile*>(quant.table_.data());
+  q.parts = reinterpret_cast<const kernel::QuantPart*>(quant.table_.data() + quant.parts_offset_);
+  q.blocks =
+      reinterpret_cast<const kernel::QuantBlock*>(quant.table_.data() + quant.blocks_offset_);
+  q.num_blocks = quant.num_blocks_;
+  q.src_base = q_src_base;
+  q.dst_base = q_dst_base;
+  check(kernel::launch_pack_quant(runs, tasks, static_cast<unsigned>(s.num_tasks), src_base,
+                                  dst_base, blocks_, q, stream_of(stream)),
+        "launching the fused copy and FP8 quantize kernel");
+}
+
 void run_once(const CopyProgram& program, int device, void* after_stream, std::uintptr_t src_base,
               std::uintptr_t dst_base) {
   const DevicePrograms table({&program}, device);

@@ -99,6 +99,11 @@ void run_once(const CopyProgram&, int, void*, std::uintptr_t, std::uintptr_t) {
   no_cuda("a copy in CUDA memory");
 }
 
+void DevicePrograms::launch_with_quant(std::size_t, const Stream&, std::uintptr_t, std::uintptr_t,
+                                       const DeviceQuant&, std::uintptr_t, std::uintptr_t) const {
+  no_cuda("DevicePrograms::launch_with_quant");
+}
+
 DeviceQuant::DeviceQuant(const fp8::QuantProgram&, int) {
   no_cuda("DeviceQuant");
 }

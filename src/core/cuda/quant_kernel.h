@@ -4,6 +4,8 @@
 // the arithmetic is fp8_math.h's, shared word for word with the host.
 #pragma once
 
+#include "copy_kernel.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -35,5 +37,22 @@ struct QuantBlock {
 cudaError_t launch_quant(const QuantTile* tiles, const QuantPart* parts, const QuantBlock* blocks,
                          unsigned num_blocks, std::uintptr_t src_base, std::uintptr_t dst_base,
                          cudaStream_t stream);
+
+// A quantize program's tables on the device and its bases, for the fused
+// launch.
+struct QuantArgs {
+  const QuantTile* tiles = nullptr;
+  const QuantPart* parts = nullptr;
+  const QuantBlock* blocks = nullptr;
+  unsigned num_blocks = 0;
+  std::uintptr_t src_base = 0, dst_base = 0;
+};
+
+// One launch running the copy program (runs, tasks: launch_copy's, on at most
+// `copy_blocks` CUDA blocks) and every block of `q`, which must write bytes
+// the copy neither reads nor writes. Returns cudaGetLastError.
+cudaError_t launch_pack_quant(const Run* runs, const Task* tasks, unsigned num_tasks,
+                              std::uintptr_t copy_src, std::uintptr_t copy_dst,
+                              unsigned copy_blocks, const QuantArgs& q, cudaStream_t stream);
 
 }  // namespace weightsync::gpu::kernel
