@@ -191,12 +191,7 @@ void SendPipeline::pack(size_t index, int slot, size_t first, size_t count) {
 void SendPipeline::quantize(size_t index, int slot) {
   const SendAction& a = actions_[index];
   if (a.quant.empty()) return;
-  const std::uintptr_t dst = addr(slots_[slot].buffer.data);
-  if (!copier_.on_gpu()) return fp8::execute_quant_host(a.quant, 0, dst);
-  gpu::set_device(copier_.memory().device);
-  device_quant_[index].launch(copier_.stream(), 0, dst);
-  // A pack follows on the stream and its event covers both; else wait here.
-  if (a.pack.empty()) copier_.stream().synchronize();
+  fp8::execute_quant_host(a.quant, 0, addr(slots_[slot].buffer.data));
 }
 
 void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phases) {
@@ -207,13 +202,16 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
   const Tag tag = bucket_tag(step, a.bucket, 0);
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
   const auto pack_start = Clock::now();
-  // FP8 engines: the bucket's quantized items first (their fragments go out
-  // after every pack below).
-  quantize(index, k);
   if (copier_.on_gpu()) {
-    // One launch for the bucket; its sends wait for it.
-    pack(index, k);
+    // One launch for the bucket, its pack and (FP8 engines) the quantization
+    // of its quantized items; its sends wait for it.
+    const std::uintptr_t slot_base = addr(slot.buffer.data);
+    copier_.run_with_quant(index, 0, slot_base, k, device_quant_[index], slot_base);
     copier_.wait(k, *loop_, "packing bucket");
+  } else {
+    // FP8 engines: the bucket's quantized items first (their fragments go
+    // out after every pack below).
+    quantize(index, k);
   }
   double pack_s = copier_.on_gpu() || !a.quant.empty() ? seconds_since(pack_start) : 0;
   uint64_t sum = 0;

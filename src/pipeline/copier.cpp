@@ -26,6 +26,13 @@ void Copier::run(std::size_t index, const CopyProgram& program, std::uintptr_t s
   events_.at(static_cast<std::size_t>(slot)).record(stream_);
 }
 
+void Copier::run_with_quant(std::size_t index, std::uintptr_t src_base, std::uintptr_t dst_base,
+                            int slot, const gpu::DeviceQuant& quant, std::uintptr_t q_dst_base) {
+  gpu::set_device(memory_.device);
+  programs_.launch_with_quant(index, stream_, src_base, dst_base, quant, 0, q_dst_base);
+  events_.at(static_cast<std::size_t>(slot)).record(stream_);
+}
+
 bool Copier::done(int slot) const {
   return !gpu_ || events_.at(static_cast<std::size_t>(slot)).ready();
 }
