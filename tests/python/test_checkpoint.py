@@ -102,7 +102,7 @@ def test_fsdp2_save_hf_loads_with_from_pretrained(tmp_path, case):
 
 
 def _load_save_rank(rank: int, world: int, src: str, trainer: str, coordinator: str,
-                    out: str, shards_dir: str, device: str) -> dict:
+                    out: str, shards_dir: str, device: str, transport: str) -> dict:
     from helpers import load_safetensors as load
 
     if device == "cuda":
@@ -123,14 +123,16 @@ def _load_save_rank(rank: int, world: int, src: str, trainer: str, coordinator: 
         assert report.bytes > 0 and report.files >= 1
         for name, t in tensors.items():
             assert _same_bits(t.cpu(), reference[name]), (rank, name)
-        res = pub.save_hf(out, max_file_bytes=40_000, bucket_bytes=4096)
+        res = pub.save_hf(out, max_file_bytes=40_000, bucket_bytes=4096, transport=transport)
     return {"files": res.files, "written": list(res.files_written)}
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_load_hf_then_save_hf_round_trips(tmp_path, device):
+@pytest.mark.parametrize("device,transport",
+                         [("cpu", "ucx"), ("cuda", "ucx"), ("cuda", "cuda_ipc")])
+def test_load_hf_then_save_hf_round_trips(tmp_path, device, transport):
     # CUDA shards: loaded through host staging, packed on the GPU and
-    # assembled in pinned memory for the save, over UCX.
+    # assembled in pinned memory for the save; over UCX through pinned slots,
+    # over cuda_ipc through device slots (every rank on GPU 0).
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA shards need a GPU; torch sees none here")
     src = str(tmp_path / "src")
@@ -150,7 +152,7 @@ def test_load_hf_then_save_hf_round_trips(tmp_path, device):
     out = str(tmp_path / "out")
     with ws.Coordinator() as coord:
         results = run_world(_load_save_rank, 4, src, trainer, coord.address, out, str(shards),
-                            device, timeout=600)
+                            device, transport, timeout=600)
     assert sum(len(r["written"]) for r in results) == results[0]["files"]
     before, after = _read_dir(src), _read_dir(out)
     assert sorted(before) == sorted(after)
