@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU checks of a lent device machine, in one run (see docs/gpu.md):
+#
+#   ../shared/tools/gpu-carry        # here, once: packs .gpu-carry/
+#   device run, carry [".gpu-carry"]:
+#     CMAKE_ARGS="-DWEIGHTSYNC_BUILD_PYTHON=ON -DPython_EXECUTABLE=$(command -v python3)" \
+#       bash .gpu-carry/run-on-gpu.sh bash ../tools/gpu/device_checks.sh [SECTION ...]
+#
+# run-on-gpu.sh builds the project (CUDA, NCCL, UCX, the Python extension) in
+# build-gpu and runs this there. Sections, in this order by default: fp8
+# (bench fp8 --device cuda), ctest (every test labelled gpu), pytest (the
+# Python suites' CUDA cases, from the package assembled out of this build;
+# pydiag, on request: the extension imported alone and after PyTorch), copy
+# (bench copy --device cuda), sync (bench --device cuda, with FP8 engines and
+# plain). Each section's output goes to $OUT/<section>.log (OUT: the device
+# tool's folder; else ./gpu-out) and its tail to stdout. GPU_DEADLINE (epoch
+# seconds) bounds the whole: a section that cannot start 30 s before it is
+# skipped, and each one is cut at it.
+set -uo pipefail
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+build=$PWD
+root=$(cd .. && pwd)
+deadline=${GPU_DEADLINE:-$(($(date +%s) + 3600))}
+export PYTHONUNBUFFERED=1
+
+section() {  # name cap_seconds command...
+  local name=$1 cap=$2
+  shift 2
+  local left=$((deadline - $(date +%s)))
+  if [ "$left" -lt 30 ]; then
+    echo "== $name: skipped, ${left} s left before the deadline"
+    return
+  fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  echo "== $name (at most $cap s): $*"
+  local t0=$SECONDS rc=0
+  timeout "$cap" "$@" >> "$out/$name.log" 2>&1 || rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+}
+
+ctest_section() {
+  section ctest 300 ctest -L gpu --output-on-failure -j4 --timeout 240
+  grep -E "tests passed|Failed|\*\*\*|Not Run|SKIPPED|Skipped" "$out/ctest.log" | head -40
+}
+
+fp8_section() {
+  section fp8 90 ./bin/weightsync bench fp8 --device cuda
+  section fp8 60 ./bin/weightsync bench fp8 --device cuda --scale ue8m0 --mib 512
+  tail -n 8 "$out/fp8.log"
+}
+
+# The package as pip would install it, in $1: its Python sources, the
+# extension built here and the command beside them.
+package() {
+  local pkg=$1
+  rm -rf "$pkg" && mkdir -p "$pkg/weightsync/bin"
+  cp -r "$root/python/weightsync/." "$pkg/weightsync/"
+  cp "$build"/python/weightsync/_core*.so "$pkg/weightsync/" 2>/dev/null ||
+    { echo "== no Python extension in $build (configure with WEIGHTSYNC_BUILD_PYTHON=ON)"; return 1; }
+  cp "$build/bin/weightsync" "$pkg/weightsync/bin/"
+}
+
+pytest_section() {
+  local pkg=/tmp/ws-gpu-pkg
+  package "$pkg" || return
+  (cd "$root/tests/python" && export PYTHONPATH="$pkg" && section pytest 300 python3 -m pytest -q -ra \
+    test_checkpoint.py test_e2e_fsdp2.py test_import_order.py -k "cuda or import or nccl")
+  tail -n 25 "$out/pytest.log"
+}
+
+# The extension alone, then after PyTorch and transformers (which load CUDA
+# libraries with RTLD_GLOBAL); a crash is shown with cuda-gdb's backtrace.
+pydiag_section() {
+  local pkg=/tmp/ws-gpu-pkg
+  package "$pkg" || return
+  local code
+  for code in "import weightsync as ws; c = ws.Coordinator(); print('alone:', c.address)" \
+    "import torch, transformers, weightsync as ws; c = ws.Coordinator(); print('after torch:', c.address, torch.cuda.device_count(), 'GPUs')"; do
+    echo "python3 -c \"$code\"" >> "$out/pydiag.log"
+    if ! PYTHONPATH="$pkg" timeout 60 python3 -c "$code" >> "$out/pydiag.log" 2>&1; then
+      PYTHONPATH="$pkg" timeout 120 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" \
+        --args python3 -c "$code" >> "$out/pydiag.log" 2>&1
+    fi
+  done
+  grep -vE "^\[New Thread|^\[Thread .* exited" "$out/pydiag.log" | head -n 60
+}
+
+copy_section() {
+  section copy 90 ./bin/weightsync bench copy --device cuda
+  tail -n 8 "$out/copy.log"
+}
+
+sync_section() {
+  section sync 120 ./bin/weightsync bench --device cuda --fp8 --size-gb 2 --steps 3 --no-peer
+  section sync 200 ./bin/weightsync bench --device cuda --size-gb 8 --steps 3
+  grep -vE "^\s*$" "$out/sync.log" | tail -n 40
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+sections=("$@")
+[ ${#sections[@]} -gt 0 ] || sections=(fp8 ctest pytest copy sync)
+for s in "${sections[@]}"; do
+  case "$s" in
+    ctest | fp8 | pydiag | pytest | copy | sync) "${s}_section" ;;
+    *) echo "unknown section '$s'" >&2 ;;
+  esac
+done
