@@ -106,7 +106,8 @@ def _load_save_rank(rank: int, world: int, src: str, trainer: str, coordinator: 
     from helpers import load_safetensors as load
 
     if device == "cuda":
-        torch.cuda.set_device(0)  # every rank on GPU 0 of a one-GPU machine
+        # NCCL: a GPU per rank; else every rank on GPU 0 (of a one-GPU machine).
+        torch.cuda.set_device(rank if transport == "nccl" else 0)
     with open(trainer) as f:
         layout = json.load(f)
     dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
@@ -128,13 +129,19 @@ def _load_save_rank(rank: int, world: int, src: str, trainer: str, coordinator: 
 
 
 @pytest.mark.parametrize("device,transport",
-                         [("cpu", "ucx"), ("cuda", "ucx"), ("cuda", "cuda_ipc")])
+                         [("cpu", "ucx"), ("cuda", "ucx"), ("cuda", "cuda_ipc"),
+                          ("cuda", "nccl")])
 def test_load_hf_then_save_hf_round_trips(tmp_path, device, transport):
     # CUDA shards: loaded through host staging, packed on the GPU and
     # assembled in pinned memory for the save; over UCX through pinned slots,
-    # over cuda_ipc through device slots (every rank on GPU 0).
+    # over cuda_ipc and NCCL through device slots (cuda_ipc: every rank on
+    # GPU 0; NCCL: a GPU per rank).
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA shards need a GPU; torch sees none here")
+    if transport == "nccl" and torch.cuda.device_count() < 4:
+        pytest.skip("NCCL refuses two ranks of one communicator on one GPU (\"Duplicate GPU "
+                    f"detected\"): 4 ranks need 4 GPUs, this machine has "
+                    f"{torch.cuda.device_count()}")
     src = str(tmp_path / "src")
     torch.manual_seed(1)
     config = transformers.AutoConfig.from_pretrained(model_config("tiny-qwen3-moe"))
