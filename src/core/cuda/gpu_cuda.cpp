@@ -345,31 +345,28 @@ DevicePrograms::DevicePrograms(const std::vector<const CopyProgram*>& programs, 
 
 void DevicePrograms::launch(std::size_t index, const Stream& stream, std::uintptr_t src_base,
                             std::uintptr_t dst_base) const {
-  const Span& s = spans_.at(index);
-  if (s.num_tasks == 0) return;
-  if (src_base % 16 != 0 || dst_base % 16 != 0)
-    fail(Errc::internal, "copy program: bases ", src_base, " and ", dst_base,
-         " are not aligned to 16 bytes");
-  const auto* runs = reinterpret_cast<const kernel::Run*>(table_.data()) + s.first_run;
-  const auto* tasks =
-      reinterpret_cast<const kernel::Task*>(table_.data() + tasks_offset_) + s.first_task;
-  check(kernel::launch_copy(runs, tasks, static_cast<unsigned>(s.num_tasks), src_base, dst_base,
-                            blocks_, stream_of(stream)),
-        "launching the copy kernel");
+  launch_with_quant(index, stream, src_base, dst_base, DeviceQuant(), 0, 0);
 }
 
 void DevicePrograms::launch_with_quant(std::size_t index, const Stream& stream,
                                        std::uintptr_t src_base, std::uintptr_t dst_base,
                                        const DeviceQuant& quant, std::uintptr_t q_src_base,
                                        std::uintptr_t q_dst_base) const {
-  if (quant.empty()) return launch(index, stream, src_base, dst_base);
   const Span& s = spans_.at(index);
-  if (src_base % 16 != 0 || dst_base % 16 != 0)
+  if (s.num_tasks == 0 && quant.empty()) return;
+  if (s.num_tasks > 0 && (src_base % 16 != 0 || dst_base % 16 != 0))
     fail(Errc::internal, "copy program: bases ", src_base, " and ", dst_base,
          " are not aligned to 16 bytes");
   const auto* runs = reinterpret_cast<const kernel::Run*>(table_.data()) + s.first_run;
   const auto* tasks =
       reinterpret_cast<const kernel::Task*>(table_.data() + tasks_offset_) + s.first_task;
+  const auto num_tasks = static_cast<unsigned>(s.num_tasks);
+  if (quant.empty()) {
+    check(
+        kernel::launch_copy(runs, tasks, num_tasks, src_base, dst_base, blocks_, stream_of(stream)),
+        "launching the copy kernel");
+    return;
+  }
   kernel::QuantArgs q;
   q.tiles = reinterpret_cast<const kernel::QuantTile*>(quant.table_.data());
   q.parts = reinterpret_cast<const kernel::QuantPart*>(quant.table_.data() + quant.parts_offset_);
@@ -378,8 +375,8 @@ void DevicePrograms::launch_with_quant(std::size_t index, const Stream& stream,
   q.num_blocks = quant.num_blocks_;
   q.src_base = q_src_base;
   q.dst_base = q_dst_base;
-  check(kernel::launch_pack_quant(runs, tasks, static_cast<unsigned>(s.num_tasks), src_base,
-                                  dst_base, blocks_, q, stream_of(stream)),
+  check(kernel::launch_pack_quant(runs, tasks, num_tasks, src_base, dst_base, blocks_, q,
+                                  stream_of(stream)),
         "launching the fused copy and FP8 quantize kernel");
 }
 
