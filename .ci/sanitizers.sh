@@ -22,6 +22,17 @@ cmake4="$venv/bin/cmake"
 ctest4="$venv/bin/ctest"
 "$cmake4" --version | head -n 1
 
+# Clang (installed by run.sh), not GCC: these builds take about 40% less time
+# with it (GCC's -fsanitize=undefined instrumentation at -O1 is slow), and at
+# -g1 it keeps the line tables that symbolized reports need. The main build
+# stays on the default compiler (g++), so both compilers build the code.
+compilers=()
+if command -v clang++ >/dev/null && command -v clang >/dev/null; then
+  compilers=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++)
+else
+  echo "sanitizers.sh: clang++ not found, building with the default compiler" >&2
+fi
+
 # The suites named above; the Python extension and CUDA are off (no GPU runs
 # here; the CUDA-less build compiles the same host code paths).
 targets=(ws_core_tests ws_engine_tests ws_planner_tests ws_control_tests ws_transport_tests
@@ -30,13 +41,23 @@ targets=(ws_core_tests ws_engine_tests ws_planner_tests ws_control_tests ws_tran
 # own sanitized binaries in the main leg), the Python cross-checks and the
 # network-namespace scenarios (scripts driving the main build's command).
 exclude='NOT_BUILT|^fuzz_|^pycheck\.|^netns_'
+# Under TSan only: the 1 GiB message over shared memory (about 70 s of the
+# leg's CPU time, the slowest test by far). TSan sees races in the code that
+# moves a message, whatever its size: SizesFromZeroBytesTo128MiB runs that
+# same path over every transport, and the ASan leg and the main build still
+# run the 1 GiB case.
+exclude_thread='^Transports/Conformance\.OneGiBMessage/'
 
 # Sanitizer reports fail the run: UBSan stops at the first report (its
 # default is to print and go on); TSan exits 66 when it reported a race.
-export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
-export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1"
+# Stacks are symbolized with llvm-symbolizer where installed (Debian's clang
+# runtime finds llvm-symbolizer-14 of the llvm-14 package, which a
+# --no-install-recommends clang does not bring), else with binutils' addr2line
+# (allow_addr2line=1), so that reports always name functions, files and lines.
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:allow_addr2line=1"
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1:allow_addr2line=1"
 export LSAN_OPTIONS="suppressions=$root/.ci/lsan.supp:print_suppressions=0"
-export TSAN_OPTIONS="halt_on_error=0:second_deadlock_stack=1:suppressions=$root/.ci/tsan.supp:print_suppressions=0"
+export TSAN_OPTIONS="halt_on_error=0:second_deadlock_stack=1:suppressions=$root/.ci/tsan.supp:print_suppressions=0:allow_addr2line=1"
 
 leg() {
   local san=$1 dir="build-$san"
@@ -44,7 +65,7 @@ leg() {
   echo "== sanitizer leg: $san ($dir)"
   "$cmake4" -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DWEIGHTSYNC_SANITIZE="$san" \
-    -DWEIGHTSYNC_WITH_CUDA=OFF -DWEIGHTSYNC_BUILD_PYTHON=OFF \
+    -DWEIGHTSYNC_WITH_CUDA=OFF -DWEIGHTSYNC_BUILD_PYTHON=OFF "${compilers[@]}" \
     "-DPython_EXECUTABLE=$venv/bin/python" >/dev/null
   "$cmake4" --build "$dir" -j"$(nproc)" --target "${targets[@]}"
   local built=$SECONDS
@@ -55,7 +76,9 @@ leg() {
       # registration cache invalidation, which these tests do not rely on).
       export UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none
     fi
-    cd "$dir" && "$ctest4" --output-on-failure -j"$(nproc)" -E "$exclude"
+    local ex=$exclude
+    [ "$san" = thread ] && ex="$exclude|$exclude_thread"
+    cd "$dir" && "$ctest4" --output-on-failure -j"$(nproc)" -E "$ex"
   )
   echo "== sanitizer leg $san: build $((built - t0)) s, tests $((SECONDS - built)) s"
 }

@@ -11,6 +11,7 @@ function(weightsync_add_library name dir)
       $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>
       PRIVATE ${PROJECT_SOURCE_DIR}/src ${dir})
     target_link_libraries(${name} PUBLIC weightsync_options ${ARG_DEPS})
+    weightsync_precompile_headers(${name})
   else()
     add_library(${name} INTERFACE)
     target_include_directories(${name} INTERFACE
