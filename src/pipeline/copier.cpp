@@ -19,15 +19,13 @@ void Copier::prepare(const std::vector<const CopyProgram*>& programs, const Rank
 void Copier::run(std::size_t index, const CopyProgram& program, std::uintptr_t src_base,
                  std::uintptr_t dst_base, int slot, std::size_t first, std::size_t count) {
   if (!gpu_) return execute_host(program, src_base, dst_base, first, count);
-  // User code between launches (an on_weights hook, the training loop) may
-  // have made another device current; this stream lives on the rank's.
-  gpu::set_device(memory_.device);
-  programs_.launch(index, stream_, src_base, dst_base);
-  events_.at(static_cast<std::size_t>(slot)).record(stream_);
+  run_with_quant(index, src_base, dst_base, slot, gpu::DeviceQuant(), 0);
 }
 
 void Copier::run_with_quant(std::size_t index, std::uintptr_t src_base, std::uintptr_t dst_base,
                             int slot, const gpu::DeviceQuant& quant, std::uintptr_t q_dst_base) {
+  // User code between launches (an on_weights hook, the training loop) may
+  // have made another device current; this stream lives on the rank's.
   gpu::set_device(memory_.device);
   programs_.launch_with_quant(index, stream_, src_base, dst_base, quant, 0, q_dst_base);
   events_.at(static_cast<std::size_t>(slot)).record(stream_);

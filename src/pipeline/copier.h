@@ -33,8 +33,8 @@ class Copier {
            std::uintptr_t dst_base, int slot, std::size_t first = 0,
            std::size_t count = static_cast<std::size_t>(-1));
   // GPU only: program `index` and the FP8 quantize program `quant` (sources
-  // absolute, codes and scales at q_dst_base + ...) as one launch, then
-  // `slot`'s event.
+  // absolute, codes and scales at q_dst_base + ...; may be empty) as one
+  // launch, then `slot`'s event.
   void run_with_quant(std::size_t index, std::uintptr_t src_base, std::uintptr_t dst_base, int slot,
                       const gpu::DeviceQuant& quant, std::uintptr_t q_dst_base);
   // True once `slot`'s launched copies finished (always on the host).

@@ -59,6 +59,22 @@ int64_t addr(const void* p) {
   return static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(p));
 }
 
+// Appends the quantization of one tensor of shape s (its source rows
+// s.src_cols apart) at `src` into dense codes at `q` and scales at `scales`.
+void add_tensor(fp8::QuantProgram& program, const Shape2& s, const void* src, const void* q,
+                const void* scales, ScaleFormat format) {
+  fp8::Region g;
+  g.src = addr(src);
+  g.src_rs = s.src_cols;
+  g.dst = addr(q);
+  g.dst_rs = s.cols;
+  g.scale = addr(scales);
+  g.scale_rs = (s.cols + 127) / 128;
+  g.rows = s.rows;
+  g.cols = s.cols;
+  fp8::add_region(program, g, DType::BF16, format);
+}
+
 // The CUDA kernel on `count` tensors of shape s in GPU 0's memory (one
 // allocation each side), one launch for all, against a device-to-device copy
 // of the same BF16 bytes; the first tensor's codes and scales are checked
@@ -77,16 +93,8 @@ nlohmann::json run_shape_cuda(const Shape2& s, int64_t target_bytes, ScaleFormat
   fp8::QuantProgram program;
   for (int64_t i = 0; i < count; ++i) {
     gpu::copy_to_device(src.data() + i * src_bytes, host.data(), static_cast<size_t>(src_bytes));
-    fp8::Region g;
-    g.src = addr(src.data() + i * src_bytes);
-    g.src_rs = s.src_cols;
-    g.dst = addr(q.data() + i * s.rows * s.cols);
-    g.dst_rs = s.cols;
-    g.scale = addr(scales.data() + i * nscales * 4);
-    g.scale_rs = bcols;
-    g.rows = s.rows;
-    g.cols = s.cols;
-    fp8::add_region(program, g, DType::BF16, format);
+    add_tensor(program, s, src.data() + i * src_bytes, q.data() + i * s.rows * s.cols,
+               scales.data() + i * nscales * 4, format);
   }
   const gpu::DeviceQuant kernel(program, 0);
   const double quant_s =
@@ -140,16 +148,7 @@ nlohmann::json run_shape(const Shape2& s, int64_t target_bytes, ScaleFormat form
       src.back()[static_cast<size_t>(e)] = pattern[static_cast<size_t>(e) & 0xFFFF];
     q.emplace_back(new uint8_t[static_cast<size_t>(s.rows * s.cols)]());
     scales.emplace_back(new float[static_cast<size_t>(nscales)]());
-    fp8::Region g;
-    g.src = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(src.back().get()));
-    g.src_rs = s.src_cols;
-    g.dst = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(q.back().get()));
-    g.dst_rs = s.cols;
-    g.scale = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(scales.back().get()));
-    g.scale_rs = (s.cols + 127) / 128;
-    g.rows = s.rows;
-    g.cols = s.cols;
-    fp8::add_region(program, g, DType::BF16, format);
+    add_tensor(program, s, src.back().get(), q.back().get(), scales.back().get(), format);
   }
   // memcpy of the same BF16 bytes: the dense sources into another buffer.
   std::unique_ptr<char[]> a(new char[static_cast<size_t>(bytes * count)]);
