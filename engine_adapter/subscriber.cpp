@@ -42,6 +42,7 @@ struct Subscriber::Impl {
   std::vector<bool> registered;
   std::optional<TrainerLayout> trainer;
   std::unique_ptr<Transport> transport;
+  control::Client::Progress progress;  // of `transport`, in the client's waits
   std::optional<Plan> plan;
   std::unique_ptr<engine::ReceivePipeline> pipeline;
   // FP8 engines: the quantized weights' staging in the trainer's dtype.
@@ -123,6 +124,7 @@ void Subscriber::Impl::ensure_ready() {
   pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
   trainer = std::move(dp.trainer);
   transport = std::move(dp.transport);
+  progress = std::move(dp.progress);
   wire = dp.wire;
   memory = dp.memory;
   slots = dp.slots;
@@ -236,8 +238,15 @@ void Subscriber::Impl::poll() {
 
 bool Subscriber::Impl::wait_decision(int64_t step, Clock::time_point deadline,
                                      std::string& reason) {
+  const auto began = Clock::now();
   while (true) {
-    const auto ev = client->wait_event(left_until(deadline));
+    control::Event ev;
+    try {
+      ev = client->wait_event(left_until(deadline));
+    } catch (const Error& e) {
+      fail(e.code(), "engine rank ", global, ": step ", step, ": acked, then waited ",
+           seconds_since(began), " s for the coordinator's decision: ", e.what());
+    }
     if (auto* c = std::get_if<control::Commit>(&ev); c && c->step == step) return true;
     if (auto* a = std::get_if<control::Abort>(&ev); a && a->step == step) {
       reason = a->reason;
@@ -331,7 +340,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
     // At most what is left of the step (and a second): a coordinator that
     // cannot be reached must not hold the engine past the step's deadline.
     client->ack(ack, std::max(Millis(1000), left_until(deadline)));
-    out.committed = wait_decision(begin.step, deadline, out.reason);
+    out.committed = wait_decision(begin.step, deadline + control::kDecisionGrace, out.reason);
   }
   if (out.committed) {
     TraceSpan span(opt.tracer, "publish", "apply");
@@ -406,6 +415,7 @@ Subscriber::~Subscriber() {
     if (impl_->client) impl_->client->leave();
   } catch (const Error&) {
   }
+  impl_->progress = {};
   impl_->transport.reset();
 }
 

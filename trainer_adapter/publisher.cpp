@@ -65,6 +65,7 @@ void Publisher::Impl::ensure_ready() {
   const auto engines = static_cast<size_t>(dp.engine.world());
   engine = std::move(dp.engine);
   transport = std::move(dp.transport);
+  progress = std::move(dp.progress);
   wire = dp.wire;
   memory = dp.memory;
   slots = dp.slots;
@@ -219,7 +220,13 @@ void Publisher::Impl::poll() {
 
 control::StepResult Publisher::Impl::decide(int64_t step, Clock::time_point deadline) {
   if (early_result) return *early_result;
-  return client->wait_step_result(step, left_until(deadline));
+  const auto began = Clock::now();
+  try {
+    return client->wait_step_result(step, left_until(deadline + control::kDecisionGrace));
+  } catch (const Error& e) {
+    fail(e.code(), "trainer rank ", opt.rank, ": step ", step, ": sent, then waited ",
+         seconds_since(began), " s for the coordinator's decision: ", e.what());
+  }
 }
 
 PushResult Publisher::Impl::push(int64_t step) {
@@ -331,6 +338,7 @@ Publisher::~Publisher() {
   if (!impl_) return;
   // Requests and regions go before their transport, the client last.
   impl_->pipeline.reset();
+  impl_->progress = {};
   impl_->transport.reset();
   try {
     if (impl_->client) impl_->client->leave();

@@ -106,6 +106,7 @@ struct Publisher::SaveRun {
   std::unique_ptr<EndWatch> watch;
   // Destroyed in reverse: the data path, its plan, the layout, the transport.
   std::unique_ptr<Transport> transport;
+  control::Client::Progress progress;  // of `transport`, in the client's waits
   std::optional<WriterLayout> wl;
   std::optional<Plan> plan;
   std::unique_ptr<trainer::SavePipeline> pipe;
@@ -243,6 +244,7 @@ trainer::SaveStats Publisher::SaveRun::transfer() {
     t.bootstrap_timeout = left_until(deadline);
     pipeline::use_device(memory);
     transport = make_transport(t);
+    progress = pipeline::keep_progressing(*m.client, *transport);
     caps = transport->capabilities();
     // Every rank's address is in the store before anyone connects: a rank
     // that died or failed before it got here aborts this wait (poll) instead

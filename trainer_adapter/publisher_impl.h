@@ -26,6 +26,7 @@ struct Publisher::Impl {
   std::vector<bool> registered;
   std::optional<EngineLayout> engine;
   std::unique_ptr<Transport> transport;
+  control::Client::Progress progress;  // of `transport`, in the client's waits
   std::optional<Plan> plan;
   std::unique_ptr<trainer::SendPipeline> pipeline;
   bool ready = false;  // ensure_ready done

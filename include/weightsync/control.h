@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,6 +39,13 @@ namespace weightsync::control {
 using Millis = std::chrono::milliseconds;
 
 inline constexpr int kProtocolVersion = 1;
+// The coordinator decides a step at the latest when its step timeout runs
+// out (CoordinatorOptions::step_timeout, counted from begin_step). Ranks
+// count their own step deadline from about the same moment, so each waits
+// for the decision until its deadline plus this grace: a decision that comes
+// right at the deadline (an engine that timed out, acked, and was failed)
+// still reaches every rank, instead of each giving up just before it.
+inline constexpr Millis kDecisionGrace{2000};
 inline constexpr size_t kDefaultMaxFrameBytes = size_t{16} << 20;
 
 enum class Role { trainer, engine, observer };
@@ -222,6 +230,31 @@ class Client final : public Store {
   std::optional<Event> poll_event();
 
   int64_t committed_version(int engine_rank);  // -1 if none
+
+  // Work that must go on while a call of this client waits (for a reply, an
+  // event or a step result): a data transport with operations outstanding.
+  // UCX sends protocol messages (a rendezvous' completion, a shared-memory
+  // fragment's ack) only from its worker's progress, so a rank that blocked
+  // here without progressing it would leave its peers' sends hanging.
+  // While registered, every wait of this client runs `fn` from the waiting
+  // thread about every millisecond (the first looks sooner), and so only a
+  // client whose waits run on the thread that drives the transport may
+  // register it. The registration ends when the returned object goes, which
+  // must be before the client does.
+  class Progress {
+   public:
+    Progress() = default;
+    Progress(Progress&& other) noexcept;
+    Progress& operator=(Progress&& other) noexcept;
+    ~Progress();
+
+   private:
+    friend class Client;
+    Progress(Client* client, uint64_t id) : client_(client), id_(id) {}
+    Client* client_ = nullptr;
+    uint64_t id_ = 0;
+  };
+  [[nodiscard]] Progress while_waiting(std::function<void()> fn);
   // Idempotent; waits at most 5 s (or request_timeout, if shorter) for the
   // coordinator's reply: it notices a closed connection anyway.
   void leave();

@@ -203,7 +203,7 @@ Json Client::Impl::request(Json message, Millis wait, const std::string& what) {
   }
   asio::post(io, [this, f = std::move(frame)]() mutable { enqueue(std::move(f)); });
   std::unique_lock lock(mu);
-  if (!cv.wait_for(lock, wait, [&] { return p->done; })) {
+  if (!this->wait(lock, wait, [&] { return p->done; })) {
     pending.erase(id);
     fail(Errc::timeout, what, ": no reply from the coordinator ", options.address, " within ",
          wait.count(), " ms");

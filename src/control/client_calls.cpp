@@ -2,6 +2,7 @@
 #include "client_impl.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace weightsync::control {
 namespace {
@@ -181,6 +182,39 @@ int64_t Client::committed_version(int engine_rank) {
   return r.at("version").get<int64_t>();
 }
 
+void Client::Impl::run_progress() {
+  std::lock_guard lock(progress_mu);
+  for (auto& [id, fn] : progress) fn();
+}
+
+Client::Progress Client::while_waiting(std::function<void()> fn) {
+  std::lock_guard lock(impl_->progress_mu);
+  const uint64_t id = impl_->next_progress++;
+  impl_->progress.emplace(id, std::move(fn));
+  impl_->has_progress.store(true, std::memory_order_release);
+  return Progress(this, id);
+}
+
+Client::Progress::Progress(Progress&& other) noexcept
+    : client_(std::exchange(other.client_, nullptr)), id_(other.id_) {}
+
+Client::Progress& Client::Progress::operator=(Progress&& other) noexcept {
+  if (this != &other) {
+    Progress gone(std::move(*this));
+    client_ = std::exchange(other.client_, nullptr);
+    id_ = other.id_;
+  }
+  return *this;
+}
+
+Client::Progress::~Progress() {
+  if (!client_) return;
+  Impl& m = *client_->impl_;
+  std::lock_guard lock(m.progress_mu);
+  m.progress.erase(id_);
+  m.has_progress.store(!m.progress.empty(), std::memory_order_release);
+}
+
 std::optional<Event> Client::poll_event() {
   std::lock_guard lock(impl_->mu);
   if (impl_->events.empty()) return std::nullopt;
@@ -193,7 +227,7 @@ std::optional<Event> Client::poll_event() {
 Event Client::wait_event(Millis timeout) {
   {
     std::unique_lock lock(impl_->mu);
-    impl_->cv.wait_for(lock, timeout, [&] { return !impl_->events.empty() || !impl_->connected; });
+    impl_->wait(lock, timeout, [&] { return !impl_->events.empty() || !impl_->connected; });
     if (impl_->events.empty()) {
       if (!impl_->connected) throw impl_->lost_error();
       fail(Errc::timeout, "no control event from the coordinator ", impl_->options.address,
@@ -205,8 +239,7 @@ Event Client::wait_event(Millis timeout) {
 
 StepResult Client::wait_step_result(int64_t step, Millis timeout) {
   std::unique_lock lock(impl_->mu);
-  impl_->cv.wait_for(lock, timeout,
-                     [&] { return impl_->results.count(step) || !impl_->connected; });
+  impl_->wait(lock, timeout, [&] { return impl_->results.count(step) || !impl_->connected; });
   auto it = impl_->results.find(step);
   if (it == impl_->results.end()) {
     if (!impl_->connected) throw impl_->lost_error();

@@ -6,8 +6,11 @@
 
 #include <boost/asio.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -38,6 +41,12 @@ struct Client::Impl {
   void schedule_heartbeat();
   void lost(std::optional<Error> why);
   wire::Json request(wire::Json message, Millis wait, const std::string& what);
+  // cv.wait_for(lock, timeout, done), running the while_waiting hooks (with
+  // `lock` released) between looks, first after tens of microseconds, then
+  // about every millisecond. True once done() holds.
+  template <class Done>
+  bool wait(std::unique_lock<std::mutex>& lock, Millis timeout, Done done);
+  void run_progress();
   void close_on_io();
   Error lost_error() const;
 
@@ -66,6 +75,28 @@ struct Client::Impl {
   std::string lost_reason;
   Member self;
   std::vector<Member> at_join;
+  // while_waiting hooks: registered and run by the callers' threads
+  std::mutex progress_mu;
+  std::map<uint64_t, std::function<void()>> progress;
+  uint64_t next_progress = 1;
+  std::atomic<bool> has_progress{false};
 };
+
+template <class Done>
+bool Client::Impl::wait(std::unique_lock<std::mutex>& lock, Millis timeout, Done done) {
+  if (!has_progress.load(std::memory_order_acquire)) return cv.wait_for(lock, timeout, done);
+  const auto deadline = Clock::now() + timeout;
+  auto slice = std::chrono::microseconds(16);
+  while (!done()) {
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    lock.unlock();
+    run_progress();
+    lock.lock();
+    if (cv.wait_for(lock, std::min<Clock::duration>(slice, deadline - now), done)) return true;
+    slice = std::min(slice * 2, std::chrono::microseconds(1024));
+  }
+  return true;
+}
 
 }  // namespace weightsync::control

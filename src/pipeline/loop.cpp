@@ -10,12 +10,14 @@ Loop::Loop(std::string who, Transport& transport, std::function<void()> poll,
 
 void Loop::until(const std::function<bool()>& ready, const std::function<std::string()>& what,
                  bool progress) {
-  auto last_poll = Clock::now();
+  const auto began = Clock::now();
+  auto last_poll = began;
   int spins = 0;
   while (!ready()) {
     const auto now = Clock::now();
     if (now >= deadline_)
-      fail(Errc::timeout, who_, ": ", what(), " did not complete before the step timeout");
+      fail(Errc::timeout, who_, ": ", what(), " did not complete before the step timeout (waited ",
+           std::chrono::duration<double>(now - began).count(), " s for it)");
     if (poll_ && now - last_poll >= std::chrono::milliseconds(1)) {
       last_poll = now;
       poll_();

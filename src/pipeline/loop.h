@@ -29,7 +29,8 @@ class Loop {
   // Returns once ready() is true. Meanwhile polls (about every ms) and pauses
   // between looks (poll_pause); with `progress`, also drives the transport
   // (for conditions that are no request: a GPU event). Errc::timeout at the
-  // deadline: "<who>: <what()> did not complete before the step timeout".
+  // deadline: "<who>: <what()> did not complete before the step timeout
+  // (waited <s> s for it)".
   void until(const std::function<bool()>& ready, const std::function<std::string()>& what,
              bool progress = false);
 

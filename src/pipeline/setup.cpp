@@ -103,6 +103,7 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
          "': an NCCL communicator is fixed at its creation");
   use_device(spec.memory);
   dp.transport = open_transport(client, spec, dp, deadline);
+  dp.progress = keep_progressing(client, *dp.transport);
   if (!dp.elastic) dp.plan = make_plan(dp.trainer, dp.engine, Topology{}, dp.options);
   // Up front: slots the transport cannot reach would fail deep inside a step.
   const Capabilities caps = dp.transport->capabilities();
@@ -152,6 +153,15 @@ RankMemory rank_memory(const std::vector<TensorView>& tensors,
            "one CUDA device");
   }
   return out;
+}
+
+control::Client::Progress keep_progressing(control::Client& client, Transport& transport) {
+  return client.while_waiting([&transport] {
+    try {
+      transport.progress();
+    } catch (const Error&) {
+    }
+  });
 }
 
 DataPath open_data_path(control::Client& client, const SetupSpec& spec) {

@@ -68,6 +68,9 @@ struct DataPath {
   int min_replicas = 1;  // elastic: a step begins once this many replicas are ready
   WireOptions wire;      // trainer rank 0's: every rank follows them
   std::unique_ptr<Transport> transport;
+  // Keeps `transport` progressing while the client waits (keep_progressing);
+  // its owner destroys it before the transport.
+  control::Client::Progress progress;
   int transport_rank = 0;
   RankMemory memory;
   SlotMemory slots = SlotMemory::host;
@@ -77,6 +80,13 @@ struct DataPath {
 // Sets up this rank's end of the data path. Every failure is a
 // weightsync::Error naming `who` (malformed JSON in the store included).
 DataPath open_data_path(control::Client& client, const SetupSpec& spec);
+
+// Registers `transport`'s progress with the client's waits (a decision, a
+// store key, an event), so that a rank blocked there still completes what
+// its transport owes its peers (Client::while_waiting). Errors are left to
+// the transport's requests, which report them.
+[[nodiscard]] control::Client::Progress keep_progressing(control::Client& client,
+                                                         Transport& transport);
 
 // Eager endpoints to every other rank (`below` > 0: to ranks below it only,
 // e.g. the trainers where engine replicas come and go), so that the first

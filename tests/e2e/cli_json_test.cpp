@@ -36,11 +36,12 @@ std::string quote(const std::string& s) {
 
 // Runs `weightsync args` in a fresh temporary working directory, stdout and
 // stderr apart.
+// `exe`: the command to run (default: the one this build made).
 Run run_elsewhere(const std::vector<std::string>& args, const std::string& env = "",
-                  int timeout_s = 300) {
+                  int timeout_s = 300, const std::string& exe = WEIGHTSYNC_CLI) {
   const std::string cwd = temp_dir("cwd");
   std::string cmd = "cd " + quote(cwd) + " && " + env + " timeout -s KILL " +
-                    std::to_string(timeout_s) + " " + quote(WEIGHTSYNC_CLI);
+                    std::to_string(timeout_s) + " " + quote(exe);
   for (const auto& a : args) cmd += " " + quote(a);
   cmd += " >" + quote(cwd + "/.stdout") + " 2>" + quote(cwd + "/.stderr");
   const int status = std::system(cmd.c_str());
@@ -165,6 +166,29 @@ TEST_F(CliJson, BenchSyncFindsThePeerBaseline) {
   if (error.empty()) {
     EXPECT_GT(j.value("ratio_to_peer", 0.0), 0.0) << j.dump();
   }
+}
+
+// A build folder outside the source tree: the command, as that build makes
+// it, sitting where no source tree or share/ folder is above it, still finds
+// its data (configs, the bench scripts) in the tree it was configured from.
+TEST_F(CliJson, CommandOutsideTheTreeFindsItsData) {
+  const std::string dir = temp_dir("out-of-tree") + "/build/bin";
+  std::filesystem::create_directories(dir);
+  const std::string exe = dir + "/weightsync";
+  std::filesystem::copy_file(WEIGHTSYNC_CLI, exe);
+  const auto plan = run_elsewhere({"bench", "plan", "--json"}, "", 300, exe);
+  EXPECT_EQ(plan.exit_code, 0) << plan.err;
+  one_object(plan, "bench plan (out of tree)");
+  if (have_ucx()) {
+    const auto r = run_elsewhere({"bench", "--json", "--steps", "1", "--size-gb", "0.02"},
+                                 "WEIGHTSYNC_PYTHON=/usr/bin/python3", 300, exe);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    const auto j = one_object(r, "bench (out of tree)");
+    ASSERT_TRUE(j.contains("peer")) << j.dump();
+    const std::string error = j["peer"].is_object() ? j["peer"].value("error", "") : "";
+    EXPECT_EQ(error.find("not found"), std::string::npos) << error;
+  }
+  std::filesystem::remove_all(std::filesystem::path(dir).parent_path().parent_path());
 }
 
 // Over shared memory (the default) weightsync's TCP tuning is not given to

@@ -201,7 +201,7 @@ int run_load_bench(const std::vector<std::string>& argv) {
     if (e.is_object()) engine_rss = std::max(engine_rss, e.value("peak_rss_mb", 0.0));
   const bool ok = summary["ok"].get<bool>() && committed_by_all == steps && c.failed == 0 &&
                   c.joined == c.target && c.observers_left == 0;
-  const nlohmann::json out = {
+  nlohmann::json out = {
       {"bench", "load"},
       {"trainers", trainers},
       {"engines", engines},
@@ -231,6 +231,12 @@ int run_load_bench(const std::vector<std::string>& argv) {
         {"engine_max", engine_rss},
         {"this_process", demo::peak_rss_mb()}}},
       {"ok", ok}};
+  // Not ok: which step, which rank, and why (demo::summarize), or the churn's.
+  for (const char* key : {"error", "failures"})
+    if (summary.contains(key)) out[key] = summary[key];
+  if (!ok && !out.contains("error"))
+    out["error"] = c.first_error.empty() ? std::string("the churn did not complete (see churn)")
+                                         : cat("churn: ", c.first_error);
   if (args.flag("json")) {
     std::cout << out.dump() << "\n";
   } else {

@@ -383,6 +383,9 @@ int run_sync_bench(const std::vector<std::string>& argv) {
                                   : run_peer(job, std::min(steps, 3));
   auto result = bench_result(job, run, summary, peer);
   result["model_bytes"] = model.bytes;
+  // Not ok: which step, which rank, and why (demo::summarize).
+  for (const char* key : {"error", "failures"})
+    if (summary.contains(key)) result[key] = summary[key];
   add_gpu_ratios(result);
   if (args.flag("json")) {
     std::cout << result.dump() << "\n";

@@ -126,6 +126,10 @@ std::string find_data(const std::string& relative) {
     for (const fs::path& candidate : {p / "share" / "weightsync" / relative, p / relative})
       if (path_exists(candidate)) return fs::weakly_canonical(candidate).string();
   }
+  // Last, the source tree this command was configured from: a build folder
+  // anywhere (out of the tree, or deeper in it) still finds its data.
+  if (const fs::path source = WEIGHTSYNC_CONFIGURED_SOURCE_DIR; path_exists(source / relative))
+    return fs::weakly_canonical(source / relative).string();
   return "";
 }
 
@@ -138,6 +142,10 @@ std::string helper_python() {
     if (path_exists(p / "tools" / "bench") && path_exists(p / ".venv" / "bin" / "python"))
       return (p / ".venv/bin/python").string();
   }
+  // The .venv of the source tree this command was configured from.
+  if (const fs::path venv_python = fs::path(WEIGHTSYNC_CONFIGURED_SOURCE_DIR) / ".venv/bin/python";
+      path_exists(venv_python))
+    return venv_python.string();
   return on_path("python3");
 }
 

@@ -50,14 +50,17 @@ std::map<std::string, Command>& registry();
 // the source tree it was built in (<tree>/build*/bin/weightsync), or under
 // share/weightsync beside an installed command (`cmake --install`:
 // <prefix>/bin and <prefix>/share/weightsync; the Python package:
-// weightsync/bin and weightsync/share/weightsync). $WEIGHTSYNC_DATA_DIR, when
-// set, is looked in first. "" when not found.
+// weightsync/bin and weightsync/share/weightsync), and last in the source
+// tree the build was configured from (a build folder anywhere, in or out of
+// the tree). $WEIGHTSYNC_DATA_DIR, when set, is looked in first. "" when not
+// found.
 std::string find_data(const std::string& relative);
 
 // The python that helper scripts (the benches' peer baselines) run under:
 // $WEIGHTSYNC_PYTHON; else the virtual environment the command is installed
-// in (the Python package's); else the source tree's .venv; else python3 on
-// the PATH. "" when none is found.
+// in (the Python package's); else the .venv of the source tree it sits in, or
+// else of the one it was configured from; else python3 on the PATH. "" when
+// none is found.
 std::string helper_python();
 
 // The median of `repeats` timed runs of f, in seconds, after one untimed

@@ -44,6 +44,9 @@ nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Cli
   o.bootstrap_timeout = timeout;
   o.device = on_gpu(job) ? gpu_of(o.rank) : -1;
   auto transport = make_transport(o);
+  // The barriers below wait while UCX may still owe a peer a protocol
+  // message (the end of a rendezvous): progress it meanwhile.
+  auto progress = client.while_waiting([&transport] { transport->progress(); });
   for (int p = 0; p < o.world; ++p)
     if (p != o.rank) transport->connect(p);
 
@@ -93,6 +96,7 @@ nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Cli
     client.barrier(cat("raw end ", round), trainers + engines, timeout);
   }
   buffer = StagingBuffer{};  // before its transport
+  progress = {};
   return {{"bytes", total},
           {"seconds", seconds},
           {"memory", slot_memory_name(memory)},

@@ -43,6 +43,70 @@ double phase(const nlohmann::json* s, const char* name) {
   return (*s)["phases"].value(name, 0.0);
 }
 
+// The last line of a child's log that says what failed (the worker prints
+// "...: error [code]: message" before it exits), else its last line.
+std::string reason_in_log(const std::string& log) {
+  const std::string tail = tail_of_file(log, 4000);
+  std::string last, last_error;
+  size_t begin = 0;
+  while (begin < tail.size()) {
+    size_t end = tail.find('\n', begin);
+    if (end == std::string::npos) end = tail.size();
+    const std::string line = tail.substr(begin, end - begin);
+    if (!line.empty()) {
+      last = line;
+      if (line.find("error") != std::string::npos) last_error = line;
+    }
+    begin = end + 1;
+  }
+  return last_error.empty() ? last : last_error;
+}
+
+// Every failure the job's processes reported, as {"who", "step" (when it was
+// a step's), "reason"}: steps a trainer failed, steps an engine rank did not
+// commit (with the coordinator's or its own reason), and processes that did
+// not exit 0 (with the reason their log ends with; a process that died
+// before it wrote its results shows only here).
+nlohmann::json collect_failures(const JobRun& run) {
+  nlohmann::json out = nlohmann::json::array();
+  auto steps_of = [&](const nlohmann::json& stats, const std::string& who, bool trainer) {
+    if (!stats.is_object()) return;
+    for (const auto& s : stats.value("steps", nlohmann::json::array())) {
+      const bool failed = trainer ? !s.value("ok", false) : !s.value("committed", false);
+      if (!failed) continue;
+      std::string why = s.value(trainer ? "error" : "reason", std::string());
+      if (why.empty()) why = "not committed (no reason given)";
+      out.push_back({{"who", who}, {"step", s.value("step", int64_t{-1})}, {"reason", why}});
+    }
+  };
+  for (size_t t = 0; t < run.trainers.size(); ++t)
+    steps_of(run.trainers[t], cat("trainer rank ", t), true);
+  for (size_t g = 0; g < run.engines.size(); ++g) {
+    steps_of(run.engines[g], cat("engine rank ", g), false);
+    if (!run.engines[g].is_object()) continue;
+    for (const auto& c : run.engines[g].value("checks", nlohmann::json::array()))
+      if (!c.value("ok", true))
+        out.push_back({{"who", cat("engine rank ", g)},
+                       {"step", c.value("version", int64_t{-1})},
+                       {"reason", cat("its params differ from the reference in ",
+                                      c.value("bad_bytes", int64_t{0}), " bytes (first: ",
+                                      c.value("first_bad_param", std::string()), ")")}});
+  }
+  for (const auto& c : run.children) {
+    if (c.ok()) continue;
+    std::string why = reason_in_log(c.log_path);
+    out.push_back({{"who", c.label},
+                   {"reason", cat(c.status(), why.empty() ? "" : ": ", why)},
+                   {"log", c.log_path}});
+  }
+  if (run.timed_out)
+    out.push_back({{"who", "job"},
+                   {"reason",
+                    "the job ran past its time budget (the step timeout for setup, "
+                    "each step and teardown); its processes were killed"}});
+  return out;
+}
+
 }  // namespace
 
 std::string make_temp_dir(const std::string& what) {
@@ -251,6 +315,17 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
     out["joined"] = joined;
   }
   out["ok"] = ok;
+  const nlohmann::json failures = collect_failures(run);
+  if (!failures.empty()) out["failures"] = failures;
+  // A run that is not ok always says why, in one line.
+  if (!ok)
+    out["error"] =
+        failures.empty()
+            ? std::string("not every engine rank committed and verified every step")
+            : cat(failures[0]["who"].get<std::string>(),
+                  failures[0].contains("step") ? cat(", step ", failures[0]["step"].get<int64_t>())
+                                               : std::string(),
+                  ": ", failures[0]["reason"].get<std::string>());
   return out;
 }
 
