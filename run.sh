@@ -18,7 +18,7 @@ job="${1:-demo}"
 
 packages=(build-essential cmake ninja-build pkg-config git libucx-dev ucx-utils libboost-dev
   nlohmann-json3-dev libgtest-dev libgmock-dev clang python3 python3-venv python3-dev
-  iproute2 iptables)
+  iproute2 iptables prometheus-cpp-dev)
 
 missing=()
 for p in "${packages[@]}"; do

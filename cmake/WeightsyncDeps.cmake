@@ -24,6 +24,18 @@ if(_want_ucx)
   endif()
 endif()
 
+set(WEIGHTSYNC_HAVE_PROMETHEUS OFF)
+_ws_want(WEIGHTSYNC_WITH_PROMETHEUS _want_prometheus)
+if(_want_prometheus)
+  find_package(prometheus-cpp CONFIG QUIET)
+  if(prometheus-cpp_FOUND AND TARGET prometheus-cpp::pull)
+    set(WEIGHTSYNC_HAVE_PROMETHEUS ON)
+  elseif(WEIGHTSYNC_WITH_PROMETHEUS STREQUAL "ON")
+    message(FATAL_ERROR
+      "WEIGHTSYNC_WITH_PROMETHEUS=ON but prometheus-cpp was not found (apt-get install prometheus-cpp-dev)")
+  endif()
+endif()
+
 set(WEIGHTSYNC_HAVE_CUDA OFF)
 _ws_want(WEIGHTSYNC_WITH_CUDA _want_cuda)
 if(_want_cuda)

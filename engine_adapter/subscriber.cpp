@@ -331,6 +331,10 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   ack.bytes = report.bytes;
   ack.checksum = report.checksum;
   ack.error = report.error;
+  ack.stats.phases = {
+      {"receive", out.phases.receive}, {"verify", out.phases.verify}, {"apply", out.phases.apply}};
+  ack.stats.bytes = report.bytes;
+  ack.stats.staging_bytes = pipeline ? 2 * pipeline->slot_bytes() : 0;
   out.bytes = report.bytes;
   out.bytes_direct = report.bytes_direct;
   out.checksum = report.checksum;

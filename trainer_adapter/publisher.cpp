@@ -255,7 +255,14 @@ PushResult Publisher::Impl::push(int64_t step) {
     out.bytes_sent = pipeline->run(
         step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
     out.bytes_direct = pipeline->bytes_direct();
-    client->sent(step, true, {}, wait_until(deadline));
+    control::RankStepStats stats;
+    stats.phases = {{"begin", out.phases.begin},
+                    {"pack", out.phases.pack},
+                    {"gather", out.phases.gather},
+                    {"wire", out.phases.wire}};
+    stats.bytes = out.bytes_sent;
+    stats.staging_bytes = pipeline ? 2 * pipeline->slot_bytes() : 0;
+    client->sent(step, true, {}, wait_until(deadline), stats);
   } catch (const Error& e) {
     if (pipeline) pipeline->cancel_all();
     if (!early_result) {

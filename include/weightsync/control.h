@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -79,6 +80,13 @@ struct CoordinatorOptions {
   Millis step_timeout{300000};  // engines not acked by then failed; trainers not sent: abort
   int expect_trainers = 0;      // informational (printed, and in members replies)
   int expect_engines = 0;
+  // Prometheus metrics on http://metrics_host:metrics_port/metrics: steps,
+  // step times, bytes, membership, engine versions and lag, plan changes,
+  // failures by peer, and each rank's step phases (docs/metrics.md). -1: off
+  // (the library's default); 0: any free port (read it with metrics_port()).
+  // Errc::unsupported when weightsync was built without prometheus-cpp.
+  int metrics_port = -1;
+  std::string metrics_host = "127.0.0.1";
 };
 
 class Coordinator {
@@ -90,8 +98,9 @@ class Coordinator {
   Coordinator& operator=(const Coordinator&) = delete;
 
   uint16_t port() const;
-  std::string address() const;  // "HOST:PORT" as bound
-  void stop();                  // idempotent
+  std::string address() const;    // "HOST:PORT" as bound
+  uint16_t metrics_port() const;  // the bound metrics port; 0 when metrics are off
+  void stop();                    // idempotent
   std::vector<Member> members() const;
   // Committed version of the engine of global rank `engine_rank`; -1 if none.
   int64_t committed_version(int engine_rank) const;
@@ -164,12 +173,22 @@ struct StepStart {
   std::vector<Member> engines;               // the step's engines, each with its member id
 };
 
+// What a rank reports of its part in a step, for the coordinator's metrics
+// (CoordinatorOptions::metrics_port): seconds per phase ("pack", "wire",
+// "receive", "apply", ...), the bytes it moved and its staging memory.
+struct RankStepStats {
+  std::map<std::string, double> phases;
+  uint64_t bytes = 0;
+  uint64_t staging_bytes = 0;
+};
+
 struct StepAck {
   int64_t step = 0;
   bool ok = true;
   uint64_t bytes = 0;
   uint64_t checksum = 0;
   std::string error;  // why, when !ok
+  RankStepStats stats;
 };
 
 class Client final : public Store {
@@ -216,7 +235,8 @@ class Client final : public Store {
   StepStart begin_step(int64_t step, const std::string& plan_id, const std::vector<int>& replicas,
                        Millis wait = Millis(0));
   StepStart follow_step(int64_t step, Millis wait);
-  void sent(int64_t step, bool ok, const std::string& error = {}, Millis wait = Millis(0));
+  void sent(int64_t step, bool ok, const std::string& error = {}, Millis wait = Millis(0),
+            const RankStepStats& stats = {});
   StepResult wait_step_result(int64_t step, Millis timeout);
 
   // Engines.
@@ -230,6 +250,11 @@ class Client final : public Store {
   std::optional<Event> poll_event();
 
   int64_t committed_version(int engine_rank);  // -1 if none
+  // The coordinator's view as one JSON object (text): "members" (each with
+  // role, rank, replica, and an engine's "version"), "newest" (the newest
+  // committed step), "open_step", and "steps" (the last decided ones, newest
+  // last: step, seconds, trainers_ok, reason, committed, failed).
+  std::string status_json(Millis timeout = Millis(0));
 
   // Work that must go on while a call of this client waits (for a reply, an
   // event or a step result): a data transport with operations outstanding.

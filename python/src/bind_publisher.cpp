@@ -20,16 +20,19 @@ using ReleaseGil = nb::call_guard<nb::gil_scoped_release>;
 
 class PyCoordinator : public Handle<control::Coordinator> {
  public:
-  PyCoordinator(const std::string& host, int port, const std::string& token) {
+  PyCoordinator(const std::string& host, int port, const std::string& token, int metrics_port) {
     if (port < 0 || port > 65535) fail(Errc::invalid_argument, "coordinator port ", port);
     control::CoordinatorOptions o;
     o.host = host;
     o.port = static_cast<uint16_t>(port);
     o.token = token;
+    o.metrics_port = metrics_port;
+    o.metrics_host = host;
     reset(std::make_unique<control::Coordinator>(o));
   }
   std::string address() { return get("coordinator").address(); }
   int port() { return get("coordinator").port(); }
+  int metrics_port() { return get("coordinator").metrics_port(); }
   int64_t committed_version(int engine_rank) {
     return get("coordinator").committed_version(engine_rank);
   }
@@ -100,10 +103,11 @@ nb::dict push_phases(const PushPhases& p) {
 
 void bind_coordinator(nb::module_& m) {
   nb::class_<PyCoordinator>(m, "Coordinator")
-      .def(nb::init<const std::string&, int, const std::string&>(), nb::arg("host"),
-           nb::arg("port"), nb::arg("token"), ReleaseGil())
+      .def(nb::init<const std::string&, int, const std::string&, int>(), nb::arg("host"),
+           nb::arg("port"), nb::arg("token"), nb::arg("metrics_port") = -1, ReleaseGil())
       .def_prop_ro("address", &PyCoordinator::address)
       .def_prop_ro("port", &PyCoordinator::port)
+      .def_prop_ro("metrics_port", &PyCoordinator::metrics_port)
       .def("committed_version", &PyCoordinator::committed_version, nb::arg("engine_rank"))
       .def("close", &PyCoordinator::close, ReleaseGil())
       .def_prop_ro("closed", [](const PyCoordinator& c) { return !c.open(); });

@@ -155,11 +155,20 @@ StepStart Client::follow_step(int64_t step, Millis wait) {
   return step_start_from(impl_->request(m, wait + Millis(2000), cat("follow_step ", step)));
 }
 
-void Client::sent(int64_t step, bool ok, const std::string& error, Millis wait) {
+namespace {
+// A rank's step stats as the "stats" object of sent and ack.
+Json stats_json(const RankStepStats& s) {
+  return Json{{"phases", s.phases}, {"bytes", s.bytes}, {"staging_bytes", s.staging_bytes}};
+}
+}  // namespace
+
+void Client::sent(int64_t step, bool ok, const std::string& error, Millis wait,
+                  const RankStepStats& stats) {
   Json m = wire::make(Kind::sent);
   m["step"] = step;
   m["ok"] = ok;
   if (!error.empty()) m["error"] = error;
+  m["stats"] = stats_json(stats);
   impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("sent for step ", step));
 }
 
@@ -171,6 +180,7 @@ void Client::ack(const StepAck& a, Millis wait) {
   // A decimal string keeps all 64 bits for JSON readers that use doubles.
   m["checksum"] = std::to_string(a.checksum);
   if (!a.error.empty()) m["error"] = a.error;
+  m["stats"] = stats_json(a.stats);
   impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("ack for step ", a.step));
 }
 
@@ -180,6 +190,15 @@ int64_t Client::committed_version(int engine_rank) {
   const Json r = impl_->request(m, impl_->options.request_timeout,
                                 cat("committed_version of engine rank ", engine_rank));
   return r.at("version").get<int64_t>();
+}
+
+std::string Client::status_json(Millis timeout) {
+  Json r = impl_->request(wire::make(Kind::status),
+                          or_default(timeout, impl_->options.request_timeout), "status");
+  r.erase("id");
+  r.erase("kind");
+  r.erase("v");
+  return r.dump();
 }
 
 void Client::Impl::run_progress() {

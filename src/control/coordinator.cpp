@@ -2,6 +2,7 @@
 // acceptor, and a Session per connection. All state lives in
 // CoordinatorState and is touched only from that thread.
 #include "coordinator_state.h"
+#include "metrics.h"
 
 #include <boost/asio.hpp>
 
@@ -51,6 +52,7 @@ struct Coordinator::Impl final : Outbox {
   }
 
   CoordinatorOptions options;
+  std::unique_ptr<Metrics> metrics;  // before the state, which records into it
   asio::io_context io;
   tcp::acceptor acceptor{io};
   asio::steady_timer tick{io};
@@ -308,6 +310,11 @@ void Coordinator::Impl::shutdown() {
 
 Coordinator::Coordinator(CoordinatorOptions options)
     : impl_(std::make_unique<Impl>(std::move(options))) {
+  if (impl_->options.metrics_port >= 0) {
+    impl_->metrics =
+        std::make_unique<Metrics>(impl_->options.metrics_host, impl_->options.metrics_port);
+    impl_->state.set_metrics(impl_->metrics.get());
+  }
   impl_->listen();
   impl_->accept();
   impl_->schedule_tick();
@@ -338,6 +345,9 @@ uint16_t Coordinator::port() const {
 }
 std::string Coordinator::address() const {
   return impl_->address;
+}
+uint16_t Coordinator::metrics_port() const {
+  return impl_->metrics ? impl_->metrics->port() : 0;
 }
 
 std::vector<Member> Coordinator::members() const {

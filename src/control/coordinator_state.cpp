@@ -1,4 +1,5 @@
 #include "coordinator_state.h"
+#include "metrics.h"
 
 #include <algorithm>
 
@@ -96,6 +97,7 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
   welcome["member"] = wire::member_to_json(m);
   welcome["members"] = members_json();
   outbox_.send(conn, welcome);
+  record_membership();
   // Membership grew: some wait_members requests may now be satisfied.
   auto ready = std::stable_partition(
       member_waiters_.begin(), member_waiters_.end(),
@@ -136,6 +138,8 @@ void CoordinatorState::drop(ConnId conn, const std::string& reason) {
   const std::optional<Role> audience =
       c.member.role == Role::observer ? std::optional<Role>(Role::observer) : std::nullopt;
   for (ConnId other : registered_conns(audience)) outbox_.send(other, left);
+  record_membership();
+  if (metrics_ && reason != "left") metrics_->member_lost(c.member.role, c.member.rank, reason);
   participant_lost(c.member.id, cat(who(c.member), ": ", reason));
 }
 
@@ -215,6 +219,8 @@ void CoordinatorState::handle_request(ConnId conn, Conn& c, const wire::Message&
                         {"expect_engines", options_.expect_engines}});
     case Kind::version:
       return reply(conn, id, Json{{"version", committed_version(b.at("engine_rank").get<int>())}});
+    case Kind::status:
+      return reply(conn, id, status());
     case Kind::begin_step:
       return begin_step(conn, c, id, b, now);
     case Kind::sent:

@@ -8,6 +8,7 @@
 #include "protocol.h"
 
 #include <chrono>
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -32,9 +33,14 @@ class Outbox {
   virtual void close(ConnId conn, std::optional<Errc> code, const std::string& message) = 0;
 };
 
+class Metrics;
+
 class CoordinatorState {
  public:
   CoordinatorState(const CoordinatorOptions& options, Outbox& outbox);
+  // Where steps, membership and versions are recorded too (not owned; may
+  // be null: no metrics).
+  void set_metrics(Metrics* metrics) { metrics_ = metrics; }
 
   void on_connect(ConnId conn, Clock::time_point now);
   // Handles one validated message. Throws Error for a violation that must
@@ -48,6 +54,8 @@ class CoordinatorState {
 
   std::vector<Member> members() const;
   int64_t committed_version(int engine_rank) const;
+  // The status request's answer (Client::status_json).
+  wire::Json status() const;
 
  private:
   struct Conn {
@@ -76,6 +84,7 @@ class CoordinatorState {
     Member member;
     Outcome outcome = Outcome::pending;
     std::string reason;
+    uint64_t bytes = 0;  // an engine's acked bytes
   };
   struct Follower : Waiter {  // a trainer waiting for the leader of `step`
     int64_t step;
@@ -84,6 +93,7 @@ class CoordinatorState {
     int64_t step = 0;
     std::string plan_id;
     std::optional<std::vector<int>> replicas;  // elastic replicas: the membership served
+    Clock::time_point began;
     Clock::time_point deadline;
     std::map<uint64_t, Participant> trainers;  // by member id
     std::map<uint64_t, Participant> engines;
@@ -116,6 +126,9 @@ class CoordinatorState {
   void participant_lost(uint64_t member_id, const std::string& reason);
   void try_decide();
   void decide();
+  // Metrics of a decided step and of the engines' versions after it.
+  void record_decision(const OpenStep& s, const wire::Json& result, bool trainers_ok);
+  void record_membership();
 
   bool admit(ConnId conn, uint64_t id, const std::string& name);
   void answered(ConnId conn);
@@ -136,6 +149,8 @@ class CoordinatorState {
   std::optional<OpenStep> open_step_;
   std::optional<int64_t> last_decided_;
   std::map<int, int64_t> versions_;  // engine rank -> committed step
+  Metrics* metrics_ = nullptr;
+  std::deque<wire::Json> recent_steps_;  // the last decided steps, for status()
 };
 
 }  // namespace weightsync::control

@@ -6,6 +6,7 @@
 // dies (every engine aborts), otherwise once every trainer reported sent ok
 // and no engine is still pending (acked, failed, died, or timed out).
 #include "coordinator_state.h"
+#include "metrics.h"
 
 #include <algorithm>
 
@@ -114,6 +115,7 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
   s.step = step;
   s.plan_id = plan_id;
   s.replicas = replicas;
+  s.began = now;
   s.deadline = now + options_.step_timeout;
   for (const auto& [cid, other] : conns_) {
     if (!other.registered) continue;
@@ -125,6 +127,7 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
       s.engines[other.member.id] = {cid, other.member, Outcome::pending, {}};
   }
   open_step_ = std::move(s);
+  if (metrics_) metrics_->step_begun(plan_id);
   reply(conn, id, step_reply(*open_step_));
   answer_followers();
   Json announce = wire::make(Kind::step_begin);
@@ -164,6 +167,8 @@ void CoordinatorState::record_sent(ConnId conn, const Conn& c, uint64_t id, cons
     p->second.outcome = ok ? Outcome::ok : Outcome::failed;
     if (!ok)
       p->second.reason = cat(who(c.member), " reported failure: ", body.value("error", "(none)"));
+    if (metrics_ && body.contains("stats"))
+      metrics_->rank_stats(Role::trainer, c.member.rank, body["stats"]);
   }
   reply(conn, id);
   try_decide();
@@ -183,6 +188,9 @@ void CoordinatorState::record_ack(ConnId conn, const Conn& c, uint64_t id, const
     p->second.outcome = ok ? Outcome::ok : Outcome::failed;
     if (!ok)
       p->second.reason = cat(who(c.member), " failed: ", body.value("error", "(no reason given)"));
+    p->second.bytes = wire::get_u64(body, "bytes");
+    if (metrics_ && body.contains("stats"))
+      metrics_->rank_stats(Role::engine, c.member.rank, body["stats"]);
   }
   reply(conn, id);
   try_decide();
@@ -266,6 +274,7 @@ void CoordinatorState::decide() {
   if (!trainers_ok) result["reason"] = trainer_failure;
   for (ConnId t : registered_conns(Role::trainer)) outbox_.send(t, result);
   for (ConnId o : registered_conns(Role::observer)) outbox_.send(o, result);
+  record_decision(s, result, trainers_ok);
 }
 
 }  // namespace weightsync::control

@@ -66,6 +66,7 @@ enum class Kind {
   ack,
   sent,
   version,
+  status,
   // coordinator -> client
   welcome,
   reply,

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
 
 namespace weightsync::cli {
@@ -20,6 +21,9 @@ constexpr const char* kUsage =
     "Serves membership, the key/value store, plans and the step protocol until\n"
     "SIGINT/SIGTERM. Prints 'coordinator listening on HOST:PORT' as its first line.\n\n"
     "  --listen HOST:PORT         default 127.0.0.1:0 (0: any free port)\n"
+    "  --metrics-port P           Prometheus metrics on http://HOST:P/metrics (HOST as\n"
+    "                             --listen); default 0: any free port, printed as the\n"
+    "                             second line; -1: off (docs/metrics.md)\n"
     "  --token-file F             every client must present the token in F\n"
     "  --expect-trainers N        print a line once N trainers and M engines are live\n"
     "  --expect-engines M\n"
@@ -68,6 +72,10 @@ control::CoordinatorOptions options_from(const Args& args) {
   o.max_frame_bytes = static_cast<size_t>(positive(args, "max-frame-bytes", 16 << 20));
   o.max_connections = static_cast<size_t>(positive(args, "max-connections", 4096));
   o.max_store_bytes = static_cast<size_t>(positive(args, "max-store-bytes", int64_t{256} << 20));
+  o.metrics_port = static_cast<int>(args.get_int("metrics-port", 0));
+  if (o.metrics_port < -1 || o.metrics_port > 65535)
+    fail(Errc::invalid_argument, "--metrics-port must be -1 (off) or a port, got ", o.metrics_port);
+  o.metrics_host = o.host;
   return o;
 }
 
@@ -75,8 +83,8 @@ int run_coordinator(const std::vector<std::string>& argv) {
   const Args args(argv, {},
                   {"listen", "token-file", "expect-trainers", "expect-engines", "hello-timeout-ms",
                    "heartbeat-timeout-ms", "step-timeout-ms", "max-frame-bytes", "max-connections",
-                   "max-store-bytes"});
-  const auto options = options_from(args);
+                   "max-store-bytes", "metrics-port"});
+  auto options = options_from(args);
   // Block the stop signals before the coordinator starts its thread, so
   // that thread inherits the mask and only sigtimedwait below sees them.
   sigset_t stop_signals;
@@ -85,8 +93,22 @@ int run_coordinator(const std::vector<std::string>& argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  control::Coordinator coord(options);
+  std::unique_ptr<control::Coordinator> made;
+  try {
+    made = std::make_unique<control::Coordinator>(options);
+  } catch (const Error& e) {
+    // Metrics are on by default here, but not where weightsync was built
+    // without prometheus-cpp: say so and serve without them.
+    if (e.code() != Errc::unsupported || args.has("metrics-port")) throw;
+    std::cerr << "weightsync coordinator: " << e.what() << "; serving without metrics\n";
+    options.metrics_port = -1;
+    made = std::make_unique<control::Coordinator>(options);
+  }
+  control::Coordinator& coord = *made;
   std::cout << "coordinator listening on " << coord.address() << std::endl;
+  if (coord.metrics_port() > 0)
+    std::cout << "metrics on http://" << options.metrics_host << ":" << coord.metrics_port()
+              << "/metrics" << std::endl;
   const bool expecting = options.expect_trainers > 0 || options.expect_engines > 0;
   bool announced = false;
   const timespec poll{0, 200 * 1000 * 1000};
