@@ -32,7 +32,7 @@ class EngineModel(torch.nn.Module):
     """A stand-in for the engine's model: its parameters under the engine's
     names (dots become nested modules, as in the real model)."""
 
-    def __init__(self, params: dict):
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
         super().__init__()
         for name, tensor in params.items():
             module = self
@@ -47,11 +47,11 @@ class EngineModel(torch.nn.Module):
 class HfLoader:
     """A stand-in for `model.load_weights`: keeps a copy of every HF tensor."""
 
-    def __init__(self):
-        self.tensors: dict = {}
-        self.loaded_steps: list = []
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.loaded_steps: list[int] = []
 
-    def load_weights(self, batch) -> None:
+    def load_weights(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         for key, tensor in batch:
             self.tensors[key] = tensor.clone()  # the views are valid during the call only
 
@@ -59,13 +59,15 @@ class HfLoader:
         self.loaded_steps.append(step)
 
 
-def serve(args: argparse.Namespace, steps: Optional[int] = None) -> list:
+def serve(args: argparse.Namespace,
+          steps: Optional[int] = None) -> list[tuple[int, bool, str, int]]:
     """Serves `steps` steps (None: until stopped); returns the outcomes."""
     # weightsync: this rank of the engines, under its replica and rank.
     sub = ws.Subscriber(coordinator=args.coordinator, engine=args.engine, replica=args.replica,
                         rank=args.rank, transport=args.transport, staging=args.staging,
                         weights_device=args.device if args.load_weights else None)
-    loader, model = None, None
+    loader: Optional[HfLoader] = None
+    model: Optional[EngineModel] = None
     if args.load_weights:
         loader = HfLoader()
         sub.on_weights(loader.load_weights)  # weightsync: HF tensors to the engine's loader
@@ -76,7 +78,7 @@ def serve(args: argparse.Namespace, steps: Optional[int] = None) -> list:
         sub.register_module(model)  # weightsync: the engine's own parameters
     sub.on_begin(lambda step: None)  # weightsync: pause generation here ...
     sub.on_end(lambda step: None)  # ... and resume it here
-    outcomes = []
+    outcomes: list[tuple[int, bool, str, int]] = []
     while steps is None or len(outcomes) < steps:
         out = sub.run_step(timeout=args.timeout)  # weightsync: or sub.serve() on a thread
         if out is None:
@@ -91,16 +93,21 @@ def serve(args: argparse.Namespace, steps: Optional[int] = None) -> list:
     return outcomes
 
 
-def dump(args: argparse.Namespace, step: int, model, loader) -> None:
+def dump(args: argparse.Namespace, step: int, model: Optional[torch.nn.Module],
+         loader: Optional[HfLoader]) -> None:
     """What the engine holds now, as DIR/engine<replica>-rank<rank>-step<step>.safetensors."""
     from safetensors.torch import save_file
 
-    tensors = loader.tensors if loader else {n: p.detach() for n, p in model.named_parameters()}
+    if loader:
+        tensors = loader.tensors
+    else:
+        assert model is not None  # one of the two holds the weights
+        tensors = {n: p.detach() for n, p in model.named_parameters()}
     path = os.path.join(args.dump, f"engine{args.replica}-rank{args.rank}-step{step}.safetensors")
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, path)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--coordinator", required=True)
     p.add_argument("--engine", required=True, help="the engines' config (JSON file)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,16 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import weightsync as ws
 import weightsync.torch as wst
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def _gathered_forward(module: torch.nn.Module) -> Callable:
+
+def _gathered_forward(module: torch.nn.Module) -> Callable[..., Any]:
     """The module's own forward with its EP-sharded parameters all-gathered
     (full_tensor() is differentiable: gradients flow back to the shards)."""
     forward = type(module).forward
 
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         params = dict(module._parameters)
         try:
             for name, p in params.items():
@@ -55,7 +58,7 @@ def _gathered_forward(module: torch.nn.Module) -> Callable:
     return run
 
 
-def build_model(model_dir: str, ep: int, device: str) -> torch.nn.Module:
+def build_model(model_dir: str, ep: int, device: str) -> PreTrainedModel:
     """The model from its config (seeded: every rank starts alike), its
     experts sharded over "ep", everything under FSDP2 over "fsdp"."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -64,7 +67,8 @@ def build_model(model_dir: str, ep: int, device: str) -> torch.nn.Module:
     if world % ep != 0:
         raise SystemExit(f"--ep {ep} does not divide the world of {world} ranks")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).to(device)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(model_dir)).to(device)
     mesh = init_device_mesh(device, (world // ep, ep), mesh_dim_names=("fsdp", "ep"))
     fsdp = mesh["fsdp"]
     for name, module in model.named_modules():
@@ -80,7 +84,7 @@ def build_model(model_dir: str, ep: int, device: str) -> torch.nn.Module:
     return model
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, step: int,
                device: str) -> float:
     """One real step on a batch every rank draws alike (from the step number)."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -93,7 +97,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
 
 
 def train(rank: int, args: argparse.Namespace,
-          on_step: Optional[Callable[[int, torch.nn.Module, dict], None]] = None) -> list:
+          on_step: Optional[Callable[[int, torch.nn.Module, dict[str, Any]], None]] = None
+          ) -> list[tuple[int, list[int], list[tuple[int, str]], int]]:
     """The training loop; returns this rank's push results. `on_step(step,
     model, layout)` runs after each optimizer step, before the push."""
     model = build_model(args.model, args.ep, args.device)
@@ -103,7 +108,7 @@ def train(rank: int, args: argparse.Namespace,
     pub = ws.Publisher(coordinator=args.coordinator, rank=rank, layout=layout, engine=args.engine,
                        transport=args.transport, mode=args.mode)
     pub.register_module(model)
-    results = []
+    results: list[tuple[int, list[int], list[tuple[int, str]], int]] = []
     for step in range(1, args.steps + 1):
         loss = train_step(model, optimizer, step, args.device)
         if on_step:
@@ -118,7 +123,7 @@ def train(rank: int, args: argparse.Namespace,
     return results
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="an HF model directory (config.json)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")

@@ -35,14 +35,17 @@ _WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_modu
 
 
 class View(NamedTuple):
-    data: int
-    dtype: str
-    shape: list
-    strides: list
-    device: int  # -1: host memory, else the CUDA ordinal
+    """A tensor as the C++ side takes it (register_tensor / register_param)."""
+
+    data: int  #: the address of its first element
+    dtype: str  #: the safetensors dtype name ("BF16")
+    shape: list[int]
+    strides: list[int]  #: in elements
+    device: int  #: -1: host memory, else the CUDA ordinal
 
 
 def dtype_name(dtype: Any) -> str:
+    """The safetensors name of a torch dtype (torch.bfloat16 -> "BF16")."""
     name = _DTYPES.get(str(dtype))
     if name is None:
         raise Error("invalid_argument", f"dtype {dtype} has no safetensors name "
@@ -50,7 +53,7 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> Any:
     """The torch dtype of a safetensors dtype name ("BF16" -> torch.bfloat16)."""
     import torch
 
@@ -61,6 +64,7 @@ def torch_dtype(name: str):
 
 
 def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a torch DTensor (duck-typed: torch is not imported)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local") and hasattr(t, "placements")
 
 
