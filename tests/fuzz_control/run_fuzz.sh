@@ -26,6 +26,7 @@ fi
   "$src/tests/fuzz_control/fuzz_control.cpp" \
   "$src/src/control/protocol.cpp" "$src/src/control/events.cpp" \
   "$src/src/control/coordinator_state.cpp" "$src/src/control/coordinator_steps.cpp" \
+  "$src/src/control/coordinator_status.cpp" "$src/src/control/metrics.cpp" \
   "$src/src/core/error.cpp" \
   -o "$work/fuzz_control"
 

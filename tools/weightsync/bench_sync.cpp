@@ -40,7 +40,7 @@ constexpr const char* kUsage =
     "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
     "                        [--checksums] [--device cpu|cuda] [--fp8]\n"
-    "                        [--fp8-site sender|engine]\n\n"
+    "                        [--fp8-site sender|engine] [--metrics-overhead]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -69,7 +69,9 @@ constexpr const char* kUsage =
     "--fp8: the engines are FP8 (\"quantization\": block FP8, docs/fp8.md): each\n"
     "step's BF16 weights become FP8 params and scales, quantized by the trainer ranks\n"
     "where they hold whole blocks (--fp8-site sender, the default: FP8 on the wire)\n"
-    "or by the engine ranks (--fp8-site engine).\n";
+    "or by the engine ranks (--fp8-site engine).\n"
+    "--metrics-overhead: then the same job with the coordinator's Prometheus metrics\n"
+    "off and on, alternating, twice each; adds metrics_overhead (step p50 off / on).\n";
 
 nlohmann::json box_json(const Box& b) {
   return {{"offsets", b.offsets}, {"lengths", b.lengths}};
@@ -305,8 +307,30 @@ void print_human(const nlohmann::json& r) {
         p["apply"].get<double>() * 1e3, p["commit"].get<double>() * 1e3);
 }
 
+// The coordinator's metrics cost nothing measurable: the same job with
+// metrics off and on, alternating, `rounds` times each; the ratio is the
+// median step time off over on (1: no cost; below 1: metrics slow steps).
+nlohmann::json metrics_overhead(demo::JobSpec job, int rounds) {
+  job.raw_rounds = 0;
+  std::vector<double> off, on;
+  for (int round = 0; round < 2 * rounds; ++round) {
+    job.metrics_port = round % 2 ? 0 : -1;
+    const auto run = demo::run_job(job, "");
+    const auto summary = demo::summarize(job, run);
+    if (!summary["ok"].get<bool>())
+      return {{"error", summary.value("error", std::string("a run failed"))}};
+    for (const auto& row : summary["steps"])
+      if (row["step"].get<int64_t>() > 1) (round % 2 ? on : off).push_back(row["sync_s"]);
+  }
+  const double p50_off = percentile(off, 0.5), p50_on = percentile(on, 0.5);
+  return {{"rounds", rounds},
+          {"sync_s_p50_off", p50_off},
+          {"sync_s_p50_on", p50_on},
+          {"ratio", p50_on > 0 ? p50_off / p50_on : 0.0}};
+}
+
 int run_sync_bench(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "no-peer", "checksums", "fp8"},
+  Args args(argv, {"json", "no-peer", "checksums", "fp8", "metrics-overhead"},
             {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
              "transport", "device", "checkpoint", "trainer", "engine", "fp8-site"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
@@ -383,6 +407,8 @@ int run_sync_bench(const std::vector<std::string>& argv) {
                                   : run_peer(job, std::min(steps, 3));
   auto result = bench_result(job, run, summary, peer);
   result["model_bytes"] = model.bytes;
+  if (args.flag("metrics-overhead") && summary["ok"].get<bool>())
+    result["metrics_overhead"] = metrics_overhead(job, 2);
   // Not ok: which step, which rank, and why (demo::summarize).
   for (const char* key : {"error", "failures"})
     if (summary.contains(key)) result[key] = summary[key];
@@ -391,6 +417,17 @@ int run_sync_bench(const std::vector<std::string>& argv) {
     std::cout << result.dump() << "\n";
   } else {
     print_human(result);
+    if (result.contains("metrics_overhead")) {
+      const auto& m = result["metrics_overhead"];
+      if (m.contains("error"))
+        std::printf("metrics overhead: %s\n", m["error"].get<std::string>().c_str());
+      else
+        std::printf(
+            "metrics overhead: step p50 %.4f s with the coordinator's metrics off, %.4f s on "
+            "-> ratio %.3f (off / on, %d rounds each)\n",
+            m["sync_s_p50_off"].get<double>(), m["sync_s_p50_on"].get<double>(),
+            m["ratio"].get<double>(), m["rounds"].get<int>());
+    }
     if (!summary["ok"].get<bool>()) demo::print_summary(std::cout, summary);
   }
   if (summary["ok"].get<bool>() && !args.has("work-dir")) fs::remove_all(job.work_dir);

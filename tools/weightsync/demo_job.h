@@ -56,6 +56,7 @@ struct JobSpec {
   bool restart_killed = false;  // start the killed rank again at once (it rejoins)
   int64_t step_gap_ms = 0;      // trainers pause this long before each step after the first
   int raw_rounds = 0;           // bench: plain transport transfers of the plan's link bytes
+  int metrics_port = -1;        // the parent's coordinator: Prometheus metrics (-1: off)
   std::string device = "cpu";   // where every rank's tensors live: "cpu" or "cuda" (demo_device.h)
   // Elastic replicas (PublisherOptions::elastic): the engine config's
   // replicas are slots; `join` (replica -> step) starts a replica's processes

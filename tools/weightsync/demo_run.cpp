@@ -122,6 +122,7 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
   control::CoordinatorOptions co;
   co.token = random_token();
   co.step_timeout = std::chrono::milliseconds(job.timeout_ms);
+  co.metrics_port = job.metrics_port;
   co.expect_trainers = trainers;
   co.expect_engines = engines;
   control::Coordinator coordinator(co);
