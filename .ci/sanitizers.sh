@@ -39,8 +39,11 @@ targets=(ws_core_tests ws_engine_tests ws_planner_tests ws_control_tests ws_tran
   ws_e2e_tests weightsync_cli)
 # Not in these legs: the GPU suite (not built), the fuzzers (they build their
 # own sanitized binaries in the main leg), the Python cross-checks and the
-# network-namespace scenarios (scripts driving the main build's command).
-exclude='NOT_BUILT|^fuzz_|^pycheck\.|^netns_'
+# network-namespace scenarios (scripts driving the main build's command), and
+# the syncs under CPU contention (busy loops on every core beside a bench:
+# behaviour under load, which the main build tests; a sanitized build is
+# slowed enough to turn it into a test of its speed).
+exclude='NOT_BUILT|^fuzz_|^pycheck\.|^netns_|^Contention\.'
 # Under TSan only: the 1 GiB message over shared memory (about 70 s of the
 # leg's CPU time, the slowest test by far). TSan sees races in the code that
 # moves a message, whatever its size: SizesFromZeroBytesTo128MiB runs that
