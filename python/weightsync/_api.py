@@ -22,6 +22,7 @@ from typing import (Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, N
                     Optional, Sequence, TypeVar, Union)
 
 from . import _core
+from ._progress import DirProgress, layout_bytes
 from ._errors import Error, InvalidArgument, IoError, NotFound
 from ._tensors import clean_name, local_tensor, view
 
@@ -523,6 +524,8 @@ class Publisher:
         if engine is not None:
             engine_text, engine_base = load_json(engine, "engine config")
         self._options = o
+        self._layout_text = layout_text
+        self._rank = rank
         self._core = _core.Publisher()
         self._core.open(_address(coordinator), rank, layout_text, engine_text, engine_base,
                         o.transport, o.mode, o.bucket_bytes, o.checksums, o.token or "", o.job,
@@ -586,7 +589,8 @@ class Publisher:
     def save_hf(self, dir: Union[str, os.PathLike[str]], config: Any = None, *,
                 max_file_bytes: int = 5_000_000_000, bucket_bytes: int = 0,
                 transport: Optional[str] = None, timeout: Optional[float] = None,
-                sync: bool = True, direct_io: bool = True) -> SaveHfResult:
+                sync: bool = True, direct_io: bool = True,
+                progress: Optional[bool] = None) -> SaveHfResult:
         """Writes the registered shards as a Hugging Face checkpoint directory
         (docs/checkpoints.md): a collective, every trainer rank calls it with the
         same arguments. Keys in the layout's order, in files of at most
@@ -601,8 +605,14 @@ class Publisher:
         with `direct_io` (and `sync`) whole aligned blocks bypass the page cache
         (O_DIRECT, where the filesystem allows), leaving the CPU to the
         transfers. Returns a SaveHfResult (.files, .total_bytes, this rank's
-        .files_written, .bytes_sent, ...)."""
-        with self._lock, _config_file(config) as config_path:
+        .files_written, .bytes_sent, ...). `progress`: show the bytes on disk,
+        the rate and the time left on stderr while it runs (None: on rank 0
+        when stderr is a terminal)."""
+        # None: rank 0 shows it where stderr is a terminal; True: shown anyway.
+        show: Optional[bool] = progress if progress is not None else (
+            None if self._rank == 0 else False)
+        with self._lock, _config_file(config) as config_path, DirProgress(
+                "save_hf", os.fspath(dir), layout_bytes(self._layout_text), show):
             return _result(SaveHfResult, self._core.save_hf(
                 os.fspath(dir), config_path, max_file_bytes, bucket_bytes, transport or "",
                 timeout or 0.0, sync, direct_io))

@@ -350,6 +350,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.fp8_site = args.get_or("fp8-site", "sender");
   parse_fp8_site(job.fp8_site);
   job.raw_rounds = 3;
+  job.progress = !args.flag("json");  // steps decided, on a terminal only
   job.trace = args.has("trace");
   job.work_dir = args.has("work-dir") ? args.require("work-dir") : demo::make_temp_dir("bench");
   fs::create_directories(job.work_dir);

@@ -140,6 +140,7 @@ int run_export_cmd(const std::vector<std::string>& argv) {
   job.transport = args.get_or("transport", "ucx?peer_errors=off");
   job.sync = !args.flag("no-sync");
   job.direct_io = !args.flag("buffered-io");
+  job.progress = !args.flag("json");  // on a terminal only (progress.h)
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   if (job.max_file_bytes <= 0 || (args.has("bucket-bytes") && job.bucket_bytes < 1024) ||
       job.timeout_ms <= 0)

@@ -57,6 +57,7 @@ struct JobSpec {
   int64_t step_gap_ms = 0;      // trainers pause this long before each step after the first
   int raw_rounds = 0;           // bench: plain transport transfers of the plan's link bytes
   int metrics_port = -1;        // the parent's coordinator: Prometheus metrics (-1: off)
+  bool progress = false;        // the parent shows the steps decided on a terminal
   std::string device = "cpu";   // where every rank's tensors live: "cpu" or "cuda" (demo_device.h)
   // Elastic replicas (PublisherOptions::elastic): the engine config's
   // replicas are slots; `join` (replica -> step) starts a replica's processes

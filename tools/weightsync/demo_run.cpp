@@ -1,4 +1,5 @@
 #include "demo_run.h"
+#include "progress.h"
 
 #include <weightsync/control.h>
 #include <weightsync/engine_layout.h>
@@ -157,10 +158,18 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
     return grp.first_replica + (g - grp.first_rank) / grp.config.tp;
   };
   std::map<int, int> joins = job.join;
+  // Steps as they are decided (some engine committed them), on a terminal.
+  cli::ProgressLine progress("sync", static_cast<double>(job.steps), "steps", 1, job.progress);
+  auto last_look = std::chrono::steady_clock::now();
   auto on_tick = [&] {
-    if (joins.empty()) return;
+    if (joins.empty() && !progress.active()) return;
+    if (joins.empty() &&
+        std::chrono::steady_clock::now() - last_look < std::chrono::milliseconds(200))
+      return;
+    last_look = std::chrono::steady_clock::now();
     int64_t decided = -1;
     for (int g = 0; g < engines; ++g) decided = std::max(decided, coordinator.committed_version(g));
+    progress.update(static_cast<double>(std::max<int64_t>(decided, 0)));
     for (auto it = joins.begin(); it != joins.end();) {
       if (decided < it->second - 1) {
         ++it;
@@ -189,6 +198,10 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
   }
   stop = true;
   if (side_thread.joinable()) side_thread.join();
+  if (progress.active() && joins.empty()) {
+    last_look = {};
+    on_tick();  // the last report: the steps decided in all
+  }
   run.timed_out = group.timed_out();
   for (int t = 0; t < trainers; ++t)
     run.trainers.push_back(read_json_or_null(job.stats_path("trainer", t)));

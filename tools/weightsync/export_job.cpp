@@ -1,4 +1,5 @@
 #include "export_job.h"
+#include "progress.h"
 
 #include "demo_job.h"
 #include "demo_procs.h"
@@ -339,8 +340,22 @@ nlohmann::json run_export(ExportJob job) {
   for (int r = 0; r < ranks; ++r)
     group.spawn(cat("export ", r), {"export", "--job", job_path, "--rank", std::to_string(r)},
                 r == job.kill_rank);
+  // The save's bytes as they reach the disk, against the checkpoint's bytes
+  // (each round rewrites them; a plain write goes elsewhere).
+  double total = 0;
+  if (job.progress) {
+    const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
+    for (const auto& key : ckpt.keys())
+      total += static_cast<double>(numel(ckpt.info(key).shape) * itemsize(ckpt.info(key).dtype));
+  }
+  cli::ProgressLine progress("export", total, "MB", 1e6, job.progress);
+  auto on_tick = [&] {
+    if (progress.active()) progress.update(cli::safetensors_bytes_on_disk(job.out));
+  };
   // Loading the shards, each round's phases and the teardown: a timeout each.
-  const auto children = group.wait_all(Millis(job.timeout_ms) * (3 * job.rounds + 3));
+  const auto children = group.wait_all(Millis(job.timeout_ms) * (3 * job.rounds + 3),
+                                       std::chrono::seconds(10), nullptr, on_tick);
+  on_tick();  // the last report: what the save left on disk
   nlohmann::json out = {{"ranks", ranks},
                         {"transport", job.transport},
                         {"direct_io", job.direct_io},

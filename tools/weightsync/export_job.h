@@ -32,6 +32,7 @@ struct ExportJob {
   std::string work_dir;     // job file, logs, per-rank stats
   std::string coordinator;  // set by the parent
   std::string token;
+  bool progress = false;  // the parent shows the save's progress on a terminal (progress.h)
 
   nlohmann::json to_json() const;
   static ExportJob from_json(const nlohmann::json& j);
@@ -42,6 +43,8 @@ struct ExportJob {
 // has "ok", "ranks" (each worker's stats or its failure), and per round the
 // save's seconds (slowest rank), "bytes", "files", "gbps"; with plain writes
 // also "plain_seconds" and "plain_gbps".
+// With job.progress, a terminal shows the bytes on disk of job.out against
+// the checkpoint's bytes while the workers run.
 nlohmann::json run_export(ExportJob job);
 
 // One worker (the hidden `weightsync export --job F --rank R`); exit code.
