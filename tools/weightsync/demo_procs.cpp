@@ -151,4 +151,21 @@ std::string tail_of_file(const std::string& path, std::size_t max_bytes) {
   return out;
 }
 
+std::string reason_in_log(const std::string& log) {
+  const std::string tail = tail_of_file(log, 4000);
+  std::string last, last_error;
+  size_t begin = 0;
+  while (begin < tail.size()) {
+    size_t end = tail.find('\n', begin);
+    if (end == std::string::npos) end = tail.size();
+    const std::string line = tail.substr(begin, end - begin);
+    if (!line.empty()) {
+      last = line;
+      if (line.find("error") != std::string::npos) last_error = line;
+    }
+    begin = end + 1;
+  }
+  return last_error.empty() ? last : last_error;
+}
+
 }  // namespace weightsync::demo

@@ -68,4 +68,8 @@ class ProcessGroup {
 // The last `max_bytes` of a file (a child's log), "" when unreadable.
 std::string tail_of_file(const std::string& path, std::size_t max_bytes = 4000);
 
+// The last line of a child's log that says what failed (a worker prints
+// "...: error [code]: message" before it exits), else its last line.
+std::string reason_in_log(const std::string& log);
+
 }  // namespace weightsync::demo

@@ -44,25 +44,6 @@ double phase(const nlohmann::json* s, const char* name) {
   return (*s)["phases"].value(name, 0.0);
 }
 
-// The last line of a child's log that says what failed (the worker prints
-// "...: error [code]: message" before it exits), else its last line.
-std::string reason_in_log(const std::string& log) {
-  const std::string tail = tail_of_file(log, 4000);
-  std::string last, last_error;
-  size_t begin = 0;
-  while (begin < tail.size()) {
-    size_t end = tail.find('\n', begin);
-    if (end == std::string::npos) end = tail.size();
-    const std::string line = tail.substr(begin, end - begin);
-    if (!line.empty()) {
-      last = line;
-      if (line.find("error") != std::string::npos) last_error = line;
-    }
-    begin = end + 1;
-  }
-  return last_error.empty() ? last : last_error;
-}
-
 // Every failure the job's processes reported, as {"who", "step" (when it was
 // a step's), "reason"}: steps a trainer failed, steps an engine rank did not
 // commit (with the coordinator's or its own reason), and processes that did

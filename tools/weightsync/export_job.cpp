@@ -373,6 +373,19 @@ nlohmann::json run_export(ExportJob job) {
   }
   out["ok"] = ok;
   out["per_rank"] = per_rank;
+  // Not ok: which rank, and why (its own word, else how its process ended).
+  for (int r = 0; !ok && r < ranks && !out.contains("error"); ++r) {
+    const auto& child = children[static_cast<size_t>(r)];
+    const auto& s = stats[static_cast<size_t>(r)];
+    if (s.is_object() && s.contains("error"))
+      out["error"] = cat("rank ", r, ": ", s["error"].get<std::string>());
+    else if (!child.ok())
+      out["error"] =
+          cat("rank ", r, ": ", child.status(), ": ", demo::reason_in_log(child.log_path));
+  }
+  if (!ok && !out.contains("error"))
+    out["error"] = group.timed_out() ? "the export ran past its time budget; its ranks were killed"
+                                     : "a rank did not report success";
   nlohmann::json rounds = nlohmann::json::array();
   for (int i = 0; ok && i < job.rounds; ++i) {
     double save_s = 0, plain_s = 0, plain_direct_s = 0;
