@@ -47,7 +47,7 @@ warn_return_any = True
 
 # Not clean under mypy yet (owned elsewhere; their findings are listed by
 # running this with these lines removed): checked, errors not reported.
-[mypy-weightsync.torch,weightsync.bench,weightsync._engine,weightsync.vllm,weightsync._vllm_reload]
+[mypy-weightsync._engine,weightsync.vllm,weightsync._vllm_reload]
 ignore_errors = True
 
 # Engines and frameworks that are not installed where CI runs.

@@ -66,7 +66,7 @@ def _engine(g: int, work: str, address: str, transport: str, steps: int, queue: 
         params = wst.allocate_engine_params(engine, g // 2, g % 2)
         for name, t in params.items():
             sub.register(name, t)
-        got = []
+        got: list[Any] = []
         while len(got) < steps:
             out = sub.run_step(timeout=600.0)
             if out is not None:
@@ -90,7 +90,8 @@ def python_sync(work: str, steps: int, opts: dict) -> dict:
                   for r in range(4)]
         for p in procs:
             p.start()
-        trainers, engines = {}, {}
+        trainers: dict[int, Any] = {}
+        engines: dict[int, Any] = {}
         for _ in procs:
             kind, who, value = queue.get(timeout=3600)
             if kind == "error":

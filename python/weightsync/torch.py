@@ -104,7 +104,7 @@ def _mesh_axes(param: str, mesh: Any, axes: _MeshAxes) -> list[Optional[str]]:
     """The global axis of each dim of a DTensor's mesh (None: size 1)."""
     ranks = mesh.mesh.tolist()
     names = mesh.mesh_dim_names or tuple(f"mesh_dim{i}" for i in range(mesh.ndim))
-    out = []
+    out: list[Optional[str]] = []
     for i in range(mesh.ndim):
         size = mesh.size(i)
         if size == 1:
@@ -122,7 +122,7 @@ def _mesh_axes(param: str, mesh: Any, axes: _MeshAxes) -> list[Optional[str]]:
     return out
 
 
-def _at(nested: list, index: list) -> int:
+def _at(nested: Any, index: list[int]) -> int:
     for i in index:
         nested = nested[i]
     return int(nested)
