@@ -5,6 +5,8 @@
 #   bash run.sh test [ctest options]  the tests: C++ (CTest), then Python (pytest in .venv)
 #   bash run.sh bench [bench options] the sync-latency benchmark
 #   bash run.sh python [args]         .venv's python with the package installed
+#   bash run.sh test-engines [pytest options]  the tests against real vLLM (and SGLang),
+#                                     each in its own venv outside the tree (docs/engines.md)
 #   bash run.sh build                 only install and build
 # Idempotent: packages already there are not reinstalled, .venv is not
 # refreshed while python/requirements-dev.txt is unchanged, an unchanged tree
@@ -49,7 +51,7 @@ ensure_venv() {
 build_dir="${BUILD_DIR:-build}"
 cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
 command -v ccache >/dev/null && cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-case "$job" in test | bench | python) ensure_venv ;; esac
+case "$job" in test | bench | python | test-engines) ensure_venv ;; esac
 # Whenever .venv exists the build uses its Python (the pycheck tests need
 # numpy and torch), so that switching jobs never reconfigures the build.
 [ -x "$venv/bin/python" ] && cmake_args+=("-DPython_EXECUTABLE=$venv/bin/python")
@@ -62,7 +64,10 @@ if [ ! -f "$build_dir/build.ninja" ] || ! echo "${cmake_args[*]}" | cmp -s - "$b
 fi
 # demo and bench need only the command; test builds everything.
 targets=()
-case "$job" in demo | bench) targets=(--target weightsync_cli) ;; python) targets=(--target weightsync_python weightsync_cli) ;; esac
+case "$job" in
+  demo | bench) targets=(--target weightsync_cli) ;;
+  python | test-engines) targets=(--target weightsync_python weightsync_cli) ;;
+esac
 cmake --build "$build_dir" -j"$(nproc)" "${targets[@]}"
 
 # The package goes into .venv with pip (scikit-build-core drives this same
@@ -95,6 +100,20 @@ case "$job" in
     (cd tests/python && "$venv/bin/python" -m pytest -q) || status=$?
     exit $status
     ;;
+  test-engines)
+    # Real engines from PyPI, each in a venv of its own (their pins fight
+    # with .venv's and each other's), made once under ~/.cache and shared by
+    # every checkout; weightsync is imported there from this checkout.
+    install_package
+    status=0
+    for engine in vllm sglang; do
+      [ -f "tools/engines/setup_$engine.sh" ] && [ -f "tests/engines/test_$engine.py" ] || continue
+      engine_python=$(bash "tools/engines/setup_$engine.sh" "$root" "$build_dir" | tail -n 1)/bin/python
+      (cd tests/engines && "$engine_python" -m pytest -q -p no:cacheprovider "test_$engine.py" "$@") ||
+        status=$?
+    done
+    exit $status
+    ;;
   build) ;;
-  *) echo "usage: bash run.sh demo|test|bench|python|build [options]" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh demo|test|test-engines|bench|python|build [options]" >&2; exit 2 ;;
 esac

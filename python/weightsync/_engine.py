@@ -4,12 +4,38 @@ and SGLang integrations share. The engine is never imported here."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, Iterable, Optional
 
 from ._api import Subscriber
 from ._errors import Error
 
 MODES = ("direct", "load_weights")
+
+# model -> (load kind, [(name, tensor)]) of the last version weightsync
+# committed into it: what a failed step restores, also after a reconnect (a
+# new job, another way in) on the same engine.
+_LAST_COMMITTED: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def engine_framework(engine: Any, replica: int) -> str:
+    """The framework ("vllm", "sglang", "hf") of the engine group that replica
+    `replica` belongs to (replicas are numbered over every group, in order)."""
+    import json
+
+    from ._api import load_json
+
+    text, _ = load_json(engine, "engine config")
+    groups = json.loads(text)
+    if isinstance(groups, dict):
+        groups = [groups]
+    first = 0
+    for group in groups:
+        count = int(group.get("replicas", 1))
+        if replica < first + count:
+            return str(group.get("framework", "vllm"))
+        first += count
+    raise Error("invalid_argument", f"replica {replica}: the engine config has {first} replicas")
 
 
 def outcome_dict(out: Any) -> Optional[dict]:
@@ -21,27 +47,118 @@ def outcome_dict(out: Any) -> Optional[dict]:
             "bytes": out.bytes, "seconds": out.seconds}
 
 
+class UpdateProtocol:
+    """An engine's own way to take new weights, which weightsync runs for a
+    step (vLLM: layerwise reload; SGLang: a begin/end session). Subclasses
+    implement what the engine offers; EngineSync drives it:
+
+        begin()            before the step's first tensor
+        load(batch)        [(name, tensor)]: HF tensors (mode load_weights), or
+                           tensors under the engine's own names and shapes
+                           (load_kind "engine": direct mode's fallback); the
+                           tensors stay valid after the call
+        finish()           after the last tensor: the engine processes and
+                           serves them
+        abort()            the step failed between begin() and finish(): leave
+                           the engine able to begin() again (its weights may
+                           be mixed: EngineSync restores a version next)
+        initial_weights()  HF (name, tensor) pairs of the version the engine
+                           started from (its checkpoint), or None
+        poison(reason)     the engine must refuse to generate (its weights are
+                           mixed and no version could be restored)
+        unpoison()         a version was committed whole
+    """
+
+    #: "hf": load() takes HF tensors; "engine": the engine's own names and
+    #: shapes (before any repacking), as the engine config's layout has them.
+    load_kind = "hf"
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def load(self, batch: list) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        pass
+
+    def initial_weights(self) -> Optional[Iterable]:
+        return None
+
+    def poison(self, reason: str) -> None:
+        pass
+
+    def unpoison(self) -> None:
+        pass
+
+
 class EngineSync:
     """Keeps one engine rank's model in sync.
 
     mode "direct": the model's parameters, under the engine's own names and
     fused shapes (vLLM / SGLang layouts), are registered and written in place.
+    With `protocol` (an UpdateProtocol with load_kind "engine"), they are
+    received into private tensors instead and handed to the engine's update
+    protocol once the step is committed (for engines whose parameters are not
+    what their kernels read).
+
     mode "load_weights" (the rank's engine group has framework "hf"): whole HF
-    tensors go to `model.load_weights(batch)` as buckets complete them, then
-    `post_load(step)` (the engine's process_weights_after_loading).
+    tensors go to the engine as buckets complete them: through `protocol`
+    (an UpdateProtocol with load_kind "hf") when given, else to
+    `model.load_weights(batch)` and then `post_load(step)`.
+
+    With a protocol, no step leaves the engine on a mix of versions: a step
+    that fails after the engine took some of its tensors (a trainer died, a
+    peer failed after this rank acked, a hook raised) is undone by loading
+    the last committed version again (kept in host memory when
+    `keep_previous`, else, before the first commit, the engine's own
+    checkpoint); if that is impossible the engine is poisoned (refuses to
+    generate) until the next committed step. `version` is the last version
+    the engine holds whole.
     """
 
     def __init__(self, model: Any, coordinator: Any, engine: Any, replica: int, rank: int,
                  mode: str = "direct", post_load: Optional[Callable[[int], Any]] = None,
-                 strict: bool = True, **subscriber_options: Any):
+                 strict: bool = True, protocol: Optional[UpdateProtocol] = None,
+                 keep_previous: bool = True, **subscriber_options: Any):
         if mode not in MODES:
             raise Error("invalid_argument", f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.model = model
         self.mode = mode
+        self.protocol = protocol
+        self.keep_previous = keep_previous
         self.sub = Subscriber(coordinator=coordinator, engine=engine, replica=replica, rank=rank,
                               **subscriber_options)
+        self._version = -1          # protocol modes: the version the engine holds whole
+        self._poisoned: Optional[str] = None
+        self._previous: Optional[list] = None   # the last committed version's tensors
+        if protocol is not None:
+            kept = _LAST_COMMITTED.get(model)
+            if kept is not None and kept[0] == protocol.load_kind:
+                self._previous = kept[1]
+        #: Why direct mode goes through the engine's protocol (set by the
+        #: engine integration), or None.
+        self.fallback_reason: Optional[str] = None
+        self._pending: Optional[list] = None    # this step's, as received
+        self._staged: Optional[list] = None     # direct + protocol: [(name, tensor)] received into
+        self._active = False        # the protocol is between begin() and finish()/abort()
+        self._touched = False       # the engine took tensors of this step
+        self._failed = False        # this step already failed on this rank
+        self._restored: Optional[tuple] = None  # (failed step, what was restored), last one
         if mode == "direct":
-            self.sub.register_module(model, strict=strict)
+            if protocol is None:
+                self.sub.register_module(model, strict=strict)
+            else:
+                self._stage_engine_params()
+                self.sub.on_end(self._direct_end)
+        elif protocol is not None:
+            self.sub.on_begin(self._begin)
+            self.sub.on_weights(self._weights)
+            self.sub.on_loaded(self._loaded)
+            self.sub.on_end(self._end)
         else:
             if not hasattr(model, "load_weights"):
                 raise Error("invalid_argument", f"load_weights mode: {type(model).__name__} has no "
@@ -56,11 +173,217 @@ class EngineSync:
 
     @property
     def version(self) -> int:
-        return self.sub.version
+        """The last committed step this engine rank holds, -1 before the first."""
+        return self.sub.version if self.protocol is None else self._version
+
+    @property
+    def poisoned(self) -> Optional[str]:
+        """Why the engine refuses to generate, or None."""
+        return self._poisoned
+
+    # load_weights mode through the engine's protocol -------------------------
+
+    def _begin(self, step: int) -> None:
+        self._pending = []
+        self._touched = False
+        self._failed = False
+        try:
+            self.protocol.begin()
+            self._active = True
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _weights(self, batch: list) -> None:
+        if self._failed or not self._active:
+            return  # the step already failed here: its data is drained, not loaded
+        # The views are valid during this call only, and the engine may keep
+        # them past it (vLLM buffers a layer's tensors until it has all of
+        # them): it gets copies, which are also what a failed next step
+        # restores.
+        owned = [(name, t.clone()) for name, t in batch]
+        self._pending.extend(owned)
+        self._touched = True
+        try:
+            self.protocol.load(owned)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _loaded(self, step: int) -> None:
+        if self._failed or not self._active:
+            return
+        try:
+            self.protocol.finish()
+        except BaseException:
+            self._failed = True
+            raise
+        finally:
+            self._active = False
+
+    def _end(self, step: int) -> None:
+        pending, self._pending = self._pending, None
+        if self.sub.version == step and not self._failed and not self._active:
+            self._commit(step, pending)
+            return
+        self._recover(step)
+
+    def _keep(self, tensors: Optional[list]) -> None:
+        self._previous = tensors if self.keep_previous else None
+        if self._previous is not None:
+            _LAST_COMMITTED[self.model] = (self.protocol.load_kind, self._previous)
+        else:
+            _LAST_COMMITTED.pop(self.model, None)
+
+    def _commit(self, step: int, tensors: Optional[list]) -> None:
+        self._version = step
+        self._keep(tensors)
+        if self._poisoned is not None:
+            self._poisoned = None
+            self.protocol.unpoison()
+
+    def _recover(self, step: int) -> None:
+        """Step `step` failed on this rank or elsewhere: the engine goes back to
+        the last version it held whole."""
+        was_active, self._active = self._active, False
+        if was_active:
+            try:
+                self.protocol.abort()
+            except BaseException as e:  # noqa: BLE001 - poisoned below
+                self._poison(step, f"cleaning up the engine's update failed: {e}")
+                raise
+        if not self._touched:
+            return  # the engine took nothing of this step: it still holds its version
+        self._touched = False
+        self._restore(step)
+
+    def _restore(self, step: int) -> None:
+        source: Optional[Iterable] = None
+        what = ""
+        if self._previous is not None:
+            label = (f"version {self._version}" if self._version >= 0
+                     else "the version committed before this connection")
+            source, what = self._previous, f"{label} (kept in host memory)"
+        elif self.protocol.load_kind == "hf" and self.model not in _LAST_COMMITTED:
+            # Nothing was committed into this engine yet: it holds what it
+            # started from.
+            source = self.protocol.initial_weights()
+            what = "the engine's own checkpoint"
+        if source is None:
+            why = ("no copy of the previous version is kept (keep_previous=False)"
+                   if not self.keep_previous else
+                   "the previous version was committed through another way in (a "
+                   f"{_LAST_COMMITTED.get(self.model, ('?',))[0]!r} copy, this one loads "
+                   f"{self.protocol.load_kind!r} tensors)")
+            self._poison(step, why)
+            raise Error("cancelled", f"weightsync: step {step} failed after the engine took part of "
+                        f"it and version {self._version} cannot be restored: the engine refuses "
+                        "to generate until the next committed step")
+        try:
+            self.protocol.begin()
+            self._active = True
+            batch: list = []
+            for item in source:
+                batch.append(item)
+                if len(batch) >= 64:
+                    self.protocol.load(batch)
+                    batch = []
+            if batch:
+                self.protocol.load(batch)
+            self.protocol.finish()
+            self._active = False
+        except BaseException as e:
+            if self._active:
+                self._active = False
+                try:
+                    self.protocol.abort()
+                except BaseException:  # noqa: BLE001 - the engine is poisoned anyway
+                    pass
+            self._poison(step, f"restoring {what} failed: {e}")
+            raise
+        self._restored = (step, what)
+
+    def _poison(self, step: int, why: str) -> None:
+        self._poisoned = (f"weightsync: step {step} failed after the engine took part of it, "
+                          f"and {why}; the engine holds a mix of versions and refuses to "
+                          "generate until the next committed step")
+        self.protocol.poison(self._poisoned)
+
+    # direct mode through the engine's protocol -------------------------------
+
+    def _stage_engine_params(self) -> None:
+        """Private tensors of this rank's layout (engine names and loading
+        shapes) that the data lands in, handed to the protocol on commit."""
+        from ._tensors import torch_dtype
+        import torch
+
+        self._staged = []
+        for name, dtype, shape in self.sub.params():
+            t = torch.zeros(shape, dtype=torch_dtype(dtype))
+            self.sub.register(name, t)
+            self._staged.append((name, t))
+
+    def _direct_end(self, step: int) -> None:
+        if self.sub.version != step:
+            return  # aborted: the data went to private tensors only
+        try:
+            self.protocol.begin()
+            self._active = True
+            self.protocol.load(self._staged)
+            self.protocol.finish()
+            self._active = False
+        except BaseException as e:
+            if self._active:
+                self._active = False
+                try:
+                    self.protocol.abort()
+                except BaseException:  # noqa: BLE001 - handled below
+                    pass
+            if self._previous is None:
+                self._poison(step, f"applying it failed ({e}) and no previous version is kept")
+                raise
+            try:
+                self.protocol.begin()
+                self._active = True
+                self.protocol.load(self._previous)
+                self.protocol.finish()
+                self._active = False
+            except BaseException as e2:
+                self._active = False
+                self._poison(step, f"applying it failed ({e}), and so did restoring version "
+                             f"{self._version} ({e2})")
+                raise
+            self._restored = (step, f"version {self._version} (kept in host memory)")
+            raise
+        self._version = step
+        self._keep([(n, t.clone()) for n, t in self._staged] if self.keep_previous else None)
+        if self._poisoned is not None:
+            self._poisoned = None
+            self.protocol.unpoison()
+
+    # serving ------------------------------------------------------------------
 
     def update(self, timeout: float = 60.0) -> Optional[dict]:
         """Waits up to `timeout` s for the next step and runs it (None: none began)."""
-        return outcome_dict(self.sub.run_step(timeout=timeout))
+        try:
+            out = self.sub.run_step(timeout=timeout)
+        except BaseException:
+            # The coordinator was lost mid-step: on_end never ran.
+            if self.protocol is not None and (self._active or self._touched):
+                self._pending = None
+                self._recover(-1)
+            raise
+        result = outcome_dict(out)
+        if result is not None and self.protocol is not None:
+            result["version"] = self._version
+            if self._poisoned is not None:
+                result["poisoned"] = self._poisoned
+            if self._restored is not None and self._restored[0] == result["step"]:
+                result["restored"] = self._restored[1]
+            if result["committed"] and self._version != result["step"]:
+                result["committed"] = False
+                result["reason"] = result["reason"] or "the engine did not take the step"
+        return result
 
     def start(self) -> None:
         """Serves steps on a background thread until stop()."""
@@ -72,9 +395,9 @@ class EngineSync:
     def _serve(self) -> None:
         try:
             while not self._stopping:
-                out = self.sub.run_step(timeout=0.2)
+                out = self.update(timeout=0.2)
                 if out is not None:
-                    self._outcomes.append(outcome_dict(out))
+                    self._outcomes.append(out)
         except BaseException as e:  # noqa: BLE001 - surfaced by stop()
             self._error = e
 

@@ -1,59 +1,68 @@
-"""vLLM integration. vLLM is imported only when a method needs it: `import
-weightsync` and `import weightsync.vllm` work without it.
+"""vLLM integration (tested against vLLM 0.32: docs/engines.md). vLLM is
+imported only when a method needs it: `import weightsync` and
+`import weightsync.vllm` work without it.
+
+Every way in writes vLLM's weights through vLLM's own update protocol, the
+layerwise reload (vllm/model_executor/model_loader/reload/), except where
+vLLM's parameters are verified to be what its kernels read (then mode
+"direct" writes them in place). A step that fails after the engine took part
+of it is undone: the worker loads its last committed version again (kept in
+host memory; before the first commit, the engine's own checkpoint), so no
+worker serves a mix of versions; where even that fails the worker refuses to
+generate (vLLM's forward raises) until the next committed step.
 
 Two ways in:
 
-1. A worker extension (vLLM's `worker_extension_cls`), driven with
-   `collective_rpc` from the process that owns the LLM:
+1. vLLM's weight-transfer API. Installing weightsync registers the engine
+   "weightsync" in every vLLM process (entry point `vllm.general_plugins`:
+   `register_plugin`):
 
-       llm = LLM(model=..., tensor_parallel_size=2,
-                 worker_extension_cls="weightsync.vllm.WorkerExtension")
-       llm.collective_rpc("weightsync_connect",
-                          kwargs=dict(coordinator="10.0.0.1:29600", engine="engine.json",
-                                      replica=0, mode="direct"))
-       ...  # after each trainer push (or: "weightsync_start" to serve in the background)
-       llm.collective_rpc("weightsync_update", kwargs=dict(timeout=120.0))
+       llm = LLM(model=..., weight_transfer_config={"backend": "weightsync"})
+       llm.init_weight_transfer_engine({"init_info": dict(
+           coordinator="10.0.0.1:29600", engine="engine.json", replica=0)})
+       ...  # each step k, while the trainers push it:
+       llm.start_weight_update()
+       llm.update_weights({"update_info": {"step": k, "timeout": 120.0}})
+       llm.finish_weight_update(weight_version=str(k))
+       llm.reset_prefix_cache()   # the KV cache holds what the old weights computed
 
-   Each worker registers its model's parameters (mode "direct": vLLM's names
-   and fused layouts, written in place) or hands whole HF tensors to its
-   model's `load_weights` and then runs vLLM's process_weights_after_loading
-   (mode "load_weights", for an engine group of framework "hf").
+   `update_weights` raises when the step did not commit (the engine is then
+   on its previous version). `receive(llm, step)` does these four calls.
 
-2. vLLM's weight-transfer engine interface (`init_transfer_engine`,
-   `start_weight_update`, `receive_weights`, `finish_weight_update`), where
-   the installed vLLM has it: `register_weight_transfer_engine()` registers
-   weightsync under the name "weightsync"; its init info is
-   {"coordinator", "engine", "replica", "mode", "transport", ...} and its
-   update info {"timeout"}.
+2. A worker extension (vLLM's `worker_extension_cls`), driven with
+   `collective_rpc`:
+
+       llm = LLM(model=..., worker_extension_cls="weightsync.vllm.WorkerExtension")
+       llm.collective_rpc("weightsync_connect", kwargs=dict(
+           coordinator="10.0.0.1:29600", engine="engine.json", replica=0))
+       ...  # each step, while the trainers push it:
+       update(llm, timeout=120.0)   # collective_rpc("weightsync_update") + cache reset
+
+The engine config's group for this replica says what travels: framework
+"hf" (every HF tensor whole, handed to the model's `load_weights`: mode
+"load_weights", any model vLLM supports), or "vllm" (vLLM's own fused and
+sliced layout: mode "direct"; on vLLM's CPU backend and wherever kernels
+repack, received into private tensors and reloaded through the protocol,
+with a warning). `mode` may force either.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._engine import EngineSync
 from ._errors import Error
 
-__all__ = ["WorkerExtension", "register_weight_transfer_engine", "weight_transfer_engine_class"]
+__all__ = ["WorkerExtension", "receive", "register_plugin", "register_weight_transfer_engine",
+           "update", "weight_transfer_engine_class"]
+
+#: The name weightsync's weight-transfer engine is registered under.
+ENGINE_NAME = "weightsync"
 
 
 def _tp_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
-
-
-def _post_load(model: Any, model_config: Any, device: Any):
-    """vLLM's post-load processing (repacking, quantization scales) of a model
-    whose weights were just reloaded."""
-
-    def run(step: int) -> None:
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-        process_weights_after_loading(model, model_config, device)
-
-    return run
 
 
 class WorkerExtension:
@@ -66,21 +75,29 @@ class WorkerExtension:
         return _tp_rank()
 
     def weightsync_connect(self, coordinator: str, engine: Any, replica: int,
-                           mode: str = "direct", **options: Any) -> dict:
+                           mode: Optional[str] = None, keep_previous: bool = True,
+                           **options: Any) -> dict:
         """Joins the weightsync job as rank (replica, tp rank). `engine`: the
-        engines' config (path, dict or JSON); `options`: Subscriber options
-        (transport, staging, token, job, timeouts, weights_device)."""
-        runner = self.model_runner
-        model = runner.model
-        post_load = None
-        if mode == "load_weights":
-            post_load = _post_load(model, getattr(runner, "model_config", None),
-                                   getattr(runner, "device", None))
-        self._weightsync = EngineSync(model, coordinator, engine, replica, self.weightsync_tp_rank(),
-                                      mode=mode, post_load=post_load, **options)
-        return {"global_rank": self._weightsync.sub.global_rank, "mode": mode}
+        engines' config (path, dict or JSON); `mode`: "load_weights" or
+        "direct" (None: from the replica's framework, "hf" -> load_weights);
+        `keep_previous`: keep the last committed version in host memory to
+        undo a failed step; `options`: Subscriber options (transport, token,
+        job, timeouts, weights_device). Returns {"global_rank", "mode",
+        "protocol" (vLLM's layerwise reload is used), "fallback" (why direct
+        mode does, or None)}."""
+        from ._vllm_reload import connect
 
-    def _weightsync_sync(self) -> EngineSync:
+        self.weightsync_close()
+        runner = self.model_runner
+        self._weightsync = connect(runner.model, getattr(runner, "model_config", None),
+                                   getattr(self, "vllm_config", None), coordinator, engine,
+                                   replica, self.weightsync_tp_rank(), mode,
+                                   keep_previous=keep_previous, **options)
+        sync = self._weightsync
+        return {"global_rank": sync.sub.global_rank, "mode": sync.mode,
+                "protocol": sync.protocol is not None, "fallback": sync.fallback_reason}
+
+    def _weightsync_sync(self):
         sync = getattr(self, "_weightsync", None)
         if sync is None:
             raise Error("invalid_argument", "weightsync_connect was not called on this worker")
@@ -88,19 +105,34 @@ class WorkerExtension:
 
     def weightsync_update(self, timeout: float = 120.0) -> Optional[dict]:
         """Runs the next weight update (waits up to `timeout` s for it to
-        begin): {"step", "committed", "reason", "bytes", "seconds"}, or None."""
+        begin): {"step", "committed", "reason", "bytes", "seconds", "version"
+        (and "restored" / "poisoned" after a failed step)}, or None."""
         return self._weightsync_sync().update(timeout)
 
     def weightsync_start(self) -> None:
-        """Serves weight updates on a background thread until weightsync_stop."""
-        self._weightsync_sync().start()
+        """Serves weight updates on a background thread until weightsync_stop.
+        Only for in-place direct mode: vLLM runs forward passes meanwhile, and
+        its update protocol must not run beside them."""
+        sync = self._weightsync_sync()
+        if sync.protocol is not None:
+            raise Error("unsupported", "weightsync_start: this worker updates through vLLM's "
+                        "layerwise reload, which must not run beside forward passes; call "
+                        "weightsync_update through collective_rpc (it runs between engine steps)")
+        sync.start()
 
     def weightsync_stop(self) -> list:
         return self._weightsync_sync().stop()
 
     def weightsync_version(self) -> int:
-        """The last committed step on this worker, -1 before the first."""
-        return self._weightsync_sync().version
+        """The last committed step this worker holds whole, -1 before the
+        first (also for the "weightsync" weight-transfer engine)."""
+        sync = getattr(self, "_weightsync", None)
+        if sync is None:
+            engine = getattr(self, "weight_transfer_engine", None)
+            if engine is not None and hasattr(engine, "version"):
+                return engine.version
+            raise Error("invalid_argument", "weightsync_connect was not called on this worker")
+        return sync.version
 
     def weightsync_close(self) -> None:
         sync = getattr(self, "_weightsync", None)
@@ -109,77 +141,81 @@ class WorkerExtension:
             self._weightsync = None
 
 
-def weight_transfer_engine_class() -> type:
-    """weightsync as a vLLM WeightTransferEngine (needs a vLLM that has
-    vllm.distributed.weight_transfer)."""
+def update(llm: Any, timeout: float = 120.0, reset_prefix_cache: bool = True) -> dict:
+    """The worker extension's step, from the process that owns `llm`: every
+    worker runs the next weightsync step; when all committed it, the prefix
+    cache is reset (its KV came from the old weights) and vLLM's weight
+    version set to the step. Returns {"step", "committed", "workers": [each
+    worker's outcome]}; raises weightsync.Error when no step began."""
+    outs = llm.collective_rpc("weightsync_update", kwargs={"timeout": timeout})
+    if any(o is None for o in outs):
+        raise Error("timeout", f"no weight update began within {timeout} s on "
+                    f"{sum(o is None for o in outs)} of {len(outs)} workers")
+    steps = {o["step"] for o in outs}
+    committed = all(o["committed"] for o in outs) and len(steps) == 1
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+    if committed:
+        _set_version(llm, outs[0]["step"])
+    return {"step": outs[0]["step"], "committed": committed, "workers": outs}
+
+
+def receive(llm: Any, step: Optional[int] = None, timeout: float = 120.0,
+            reset_prefix_cache: bool = True) -> None:
+    """One step through vLLM's weight-transfer API (backend "weightsync"):
+    start_weight_update, update_weights (raises if the step did not commit:
+    the engine keeps its version), finish_weight_update with the step as
+    weight version, then the prefix-cache reset."""
+    llm.start_weight_update()
+    info: dict = {"timeout": timeout}
+    if step is not None:
+        info["step"] = step
     try:
-        from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
-                                                           WeightTransferInitInfo,
-                                                           WeightTransferUpdateInfo)
+        llm.update_weights({"update_info": info})
+    finally:
+        llm.finish_weight_update(weight_version=None if step is None else str(step))
+        if reset_prefix_cache:
+            llm.reset_prefix_cache()
+
+
+def _set_version(llm: Any, step: int) -> None:
+    setter = getattr(llm, "update_weight_version", None)
+    if setter is not None:
+        setter(str(step))
+
+
+def weight_transfer_engine_class() -> type:
+    """weightsync's vLLM WeightTransferEngine (needs vLLM >= 0.32)."""
+    try:
+        from ._vllm_transfer import WeightsyncTransferEngine
     except ImportError as e:
         raise Error("unsupported", "the installed vLLM has no weight-transfer engine interface "
-                    f"(vllm.distributed.weight_transfer.base): {e}") from None
-
-    @dataclass
-    class InitInfo(WeightTransferInitInfo):
-        coordinator: str
-        engine: Any
-        replica: int
-        mode: str = "direct"
-        transport: str = "ucx"
-        token: Optional[str] = None
-        job: str = "weightsync"
-        staging: bool = False
-
-    @dataclass
-    class UpdateInfo(WeightTransferUpdateInfo):
-        timeout: float = 120.0
-
-    class WeightsyncTransferEngine(WeightTransferEngine):
-        init_info_cls = InitInfo
-        update_info_cls = UpdateInfo
-
-        def init_transfer_engine(self, init_info: InitInfo) -> None:
-            post_load = None
-            if init_info.mode == "load_weights":
-                post_load = _post_load(self.model, self.model_config, self.device)
-            self._sync = EngineSync(self.model, init_info.coordinator, init_info.engine,
-                                    init_info.replica, _tp_rank(), mode=init_info.mode,
-                                    post_load=post_load, transport=init_info.transport,
-                                    token=init_info.token, job=init_info.job,
-                                    staging=init_info.staging)
-
-        def start_weight_update(self) -> None:
-            pass  # the trainers' push begins the step
-
-        def receive_weights(self, update_info: UpdateInfo) -> None:
-            out = self._sync.update(update_info.timeout)
-            if out is None:
-                raise Error("timeout", f"no weight update began within {update_info.timeout} s")
-            if not out["committed"]:
-                raise Error("peer_failure", f"weight update of step {out['step']} was not "
-                            f"committed on this worker: {out['reason']}")
-
-        def finish_weight_update(self) -> None:
-            pass  # load_weights mode post-processes before its ack (on_loaded)
-
-        def shutdown(self) -> None:
-            sync = getattr(self, "_sync", None)
-            if sync is not None:
-                sync.close()
-
-        @staticmethod
-        def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-            raise Error("unsupported", "weightsync trainers push with weightsync.Publisher "
-                        "(every rank its own shards), not through vLLM's trainer_send_weights")
-
+                    f"(vllm.distributed.weight_transfer.base, vLLM >= 0.32): {e}") from None
     return WeightsyncTransferEngine
 
 
-def register_weight_transfer_engine(name: str = "weightsync") -> type:
-    """Registers weightsync with vLLM's weight-transfer engine registry."""
-    cls = weight_transfer_engine_class()
-    from vllm.distributed.weight_transfer import register_weight_transfer_engine as register
+def register_weight_transfer_engine(name: str = ENGINE_NAME) -> None:
+    """Registers weightsync with vLLM's WeightTransferEngineFactory under
+    `name` in this process (lazily: the engine module is imported when vLLM
+    creates the engine). Idempotent. vLLM creates engines inside its worker
+    processes: installing weightsync does this in every vLLM process (the
+    `vllm.general_plugins` entry point); call it yourself only where the
+    package is not installed (e.g. a source checkout on sys.path)."""
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    except ImportError as e:
+        raise Error("unsupported", "the installed vLLM has no weight-transfer engine registry "
+                    f"(vllm.distributed.weight_transfer, vLLM >= 0.32): {e}") from None
+    if name in WeightTransferEngineFactory._registry:
+        return
+    WeightTransferEngineFactory.register_engine(name, "weightsync._vllm_transfer",
+                                                "WeightsyncTransferEngine")
 
-    register(name, cls)
-    return cls
+
+def register_plugin() -> None:
+    """The `vllm.general_plugins` entry point: vLLM calls it in every process
+    it starts (front end, engine core, workers)."""
+    try:
+        register_weight_transfer_engine()
+    except Error:
+        pass  # a vLLM without the weight-transfer API: nothing to register

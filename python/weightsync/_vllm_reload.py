@@ -1,0 +1,320 @@
+"""vLLM's own update protocol, run by weightsync inside one vLLM worker
+(imports vLLM; only weightsync.vllm's worker-side code imports this module).
+
+vLLM (0.32) updates weights with its layerwise reload: the model's layers are
+put back in their loading form (on the meta device), `model.load_weights`
+fills them, and each layer is processed (CPU GEMM packing, MoE prepacking,
+quantization) as soon as it has all its weights, then copied into the tensors
+the kernels read (`initialize_layerwise_reload` -> `load_weights` ->
+`finalize_layerwise_reload`, vllm/model_executor/model_loader/reload/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+
+from ._engine import EngineSync, UpdateProtocol, engine_framework
+from ._errors import Error
+
+logger = logging.getLogger("weightsync.vllm")
+
+_warned_fallback = False
+_MISSING = object()
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return getattr(vllm, "__version__", "?")
+    except ImportError:  # pragma: no cover - this module runs inside vLLM
+        return "?"
+
+
+def _reload_api():
+    try:
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+    except ImportError as e:
+        raise Error("unsupported", f"vLLM {_vllm_version()} has no layerwise reload "
+                    "(vllm.model_executor.model_loader.reload, vLLM >= 0.32): weightsync "
+                    f"cannot update its weights through its own protocol ({e})") from None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def _moe_layers_needing_experts_processing(model: Any) -> list:
+    """The quant methods of MoE layers whose experts repack weights after
+    loading (vLLM's CPU experts: pad the intermediate, prepack) and that vLLM
+    0.32's reload skips: UnquantizedFusedMoEMethod._setup_kernel runs
+    `moe_kernel.fused_experts.process_weights_after_loading(layer)` on the
+    first load only, so a reload leaves the experts in loading form (tp=1:
+    wrong values; tp>1 with padding: a shape mismatch)."""
+    out = []
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        kernel = getattr(qm, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or type(qm).__name__ != "UnquantizedFusedMoEMethod":
+            continue
+        # The base class's (FusedMoEExperts*) is a no-op: only an override
+        # repacks.
+        owner = next(k for k in type(experts).__mro__
+                     if "process_weights_after_loading" in vars(k))
+        if not owner.__module__.endswith("modular_kernel"):
+            out.append(qm)
+    return out
+
+
+class VllmReload(UpdateProtocol):
+    """vLLM's layerwise reload, driven by weightsync's steps.
+
+    load_kind "hf": load(batch) hands HF tensors to the model's own
+    `load_weights` (vLLM's loaders fuse and slice them for this rank).
+    load_kind "engine": load(batch) takes tensors under vLLM's parameter names
+    in their loading form (what the engine config's "vllm" layout describes:
+    fused, this rank's slice), copied as they are into the layers' loading
+    tensors; vLLM then processes each layer as for any reload.
+    """
+
+    def __init__(self, model: Any, model_config: Any, vllm_config: Any = None,
+                 load_kind: str = "hf"):
+        self.model = model
+        self.model_config = model_config
+        self.vllm_config = vllm_config
+        self.load_kind = load_kind
+        self._init, self._finalize = _reload_api()
+        self._patched: list = []
+        self._saved_loaders: list = []
+        self._poisoned = False
+
+    @contextlib.contextmanager
+    def _context(self):
+        """What vLLM's worker sets around its own updates: the current vLLM
+        config (the hooks run on weightsync's threads) and no autograd."""
+        ctx = contextlib.nullcontext()
+        if self.vllm_config is not None:
+            from vllm.config import set_current_vllm_config
+
+            ctx = set_current_vllm_config(self.vllm_config)
+        with ctx, torch.no_grad():
+            yield
+
+    def _patch_moe(self) -> None:
+        for qm in _moe_layers_needing_experts_processing(self.model):
+            original = qm.process_weights_after_loading
+
+            def process(layer, original=original, qm=qm):
+                original(layer)
+                qm.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+            qm.process_weights_after_loading = process
+            self._patched.append(qm)
+
+    def _unpatch(self) -> None:
+        for qm in self._patched:
+            qm.__dict__.pop("process_weights_after_loading", None)
+        self._patched = []
+        # The loading tensors persist across reloads (vLLM keeps them in
+        # LAYERWISE_INFO): their own loaders go back (a property on vLLM's
+        # parameter classes, a plain attribute on others).
+        for param, loader in reversed(self._saved_loaders):
+            if loader is _MISSING:
+                try:
+                    del param.weight_loader
+                except AttributeError:
+                    pass
+            else:
+                param.weight_loader = loader
+        self._saved_loaders = []
+
+    def begin(self) -> None:
+        with self._context():
+            self._patch_moe()
+            try:
+                self._init(self.model)
+            except BaseException:
+                self.abort()
+                raise
+
+    def load(self, batch: list) -> None:
+        with self._context():
+            if self.load_kind == "hf":
+                self.model.load_weights(batch)
+            else:
+                self._load_engine_tensors(batch)
+
+    def _load_engine_tensors(self, batch: list) -> None:
+        """Tensors under vLLM's names in loading form: each layer's (meta)
+        loading tensor gets a plain copy loader, wrapped by vLLM's own
+        layerwise loader so that the layer is processed once complete."""
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                make_online_process_loader)
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+        except ImportError as e:
+            raise Error("unsupported", f"vLLM {_vllm_version()}: no layerwise loader to apply "
+                        f"tensors of the engine's layout ({e}); use mode 'load_weights' with an "
+                        "engine group of framework 'hf'") from None
+        targets = []
+        for name, tensor in batch:
+            module_name, _, param_name = name.rpartition(".")
+            layer = self.model.get_submodule(module_name)
+            param = getattr(layer, param_name, None)
+            if not isinstance(param, torch.Tensor):
+                raise Error("not_found", f"vLLM has no parameter {name!r} to reload")
+            if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
+                raise Error("mismatch", f"vLLM loads {name!r} as {param.dtype} "
+                            f"{list(param.shape)}, the engine layout has {tensor.dtype} "
+                            f"{list(tensor.shape)}")
+            targets.append((layer, param_name, param, tensor))
+        # Every tensor of a layer must have the copy loader before the layer
+        # completes (vLLM then calls each buffered tensor's own loader).
+        for layer, param_name, param, _ in targets:
+            try:
+                saved = param.weight_loader
+            except AttributeError:
+                saved = _MISSING
+            self._saved_loaders.append((param, saved))
+            param.weight_loader = default_weight_loader
+            param.weight_loader = make_online_process_loader(layer, param_name)
+        for _, _, param, tensor in targets:
+            param.weight_loader(param, tensor)
+
+    def finish(self) -> None:
+        try:
+            with self._context():
+                self._finalize(self.model, self.model_config)
+        finally:
+            self._unpatch()
+
+    def abort(self) -> None:
+        # Puts every layer back on its kernel tensors (layers that took part of
+        # the step are processed with what they had: EngineSync restores a
+        # whole version next).
+        try:
+            with self._context():
+                self._finalize(self.model, self.model_config)
+        finally:
+            self._unpatch()
+
+    def initial_weights(self) -> Optional[Iterable]:
+        """The checkpoint the engine loaded at start (vLLM's own loader, as its
+        reload_weights reads it)."""
+        if self.vllm_config is None:
+            return None
+        from vllm.model_executor.model_loader import get_model_loader
+
+        loader = get_model_loader(self.vllm_config.load_config)
+        if not hasattr(loader, "get_all_weights"):
+            return None
+        return loader.get_all_weights(self.model_config, self.model)
+
+    def poison(self, reason: str) -> None:
+        """vLLM's forward raises from now on (the engine stops with this
+        error rather than serve mixed weights)."""
+
+        def refuse(*args: Any, **kwargs: Any):
+            raise Error("cancelled", reason)
+
+        self.model.forward = refuse
+        self._poisoned = True
+        logger.error(reason)
+
+    def unpoison(self) -> None:
+        if self._poisoned:
+            self.model.__dict__.pop("forward", None)
+            self._poisoned = False
+
+
+def inplace_blockers(model: Any) -> list:
+    """Why writing this model's parameters in place would not update what
+    its kernels read ([] when it would): parameters that differ from their
+    loading form, packed copies held by CPU GEMM dispatch, and weight
+    processing weightsync cannot vouch for (quantized methods, MoE kernels
+    other than Triton's)."""
+    reasons: list = []
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        LAYERWISE_INFO = {}
+    for name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module) if hasattr(LAYERWISE_INFO, "get") else None
+        if info is not None:
+            loading = info.restore_metadata[0]
+            for pname, meta in loading.items():
+                cur = module._parameters.get(pname)
+                full = f"{name}.{pname}" if name else pname
+                if cur is None:
+                    reasons.append(f"{full} is gone after loading")
+                elif tuple(cur.shape) != tuple(meta.shape) or cur.dtype != meta.dtype:
+                    reasons.append(f"{full} is {cur.dtype} {list(cur.shape)} after loading, "
+                                   f"{meta.dtype} {list(meta.shape)} when loaded")
+        cpu_linear = module.__dict__.get("cpu_linear")
+        if cpu_linear is not None and cpu_linear is not torch.nn.functional.linear:
+            code = getattr(cpu_linear, "__code__", None)
+            held = list(code.co_freevars) if code is not None else ["?"]
+            if held or getattr(cpu_linear, "__defaults__", None):
+                reasons.append(f"{name}: CPU GEMM dispatch reads a packed copy "
+                               f"({', '.join(held)})")
+        qm = getattr(module, "quant_method", None)
+        if qm is None:
+            continue
+        kind = type(qm).__name__
+        if kind in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+            continue
+        if kind == "UnquantizedFusedMoEMethod":
+            backend = getattr(getattr(qm, "unquantized_backend", None), "name", None)
+            if backend == "TRITON" and not _moe_layers_needing_experts_processing(module):
+                continue
+            reasons.append(f"{name}: MoE backend {backend} repacks the expert weights")
+            continue
+        reasons.append(f"{name}: {kind} processes weights after loading")
+    return reasons
+
+
+def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, engine: Any,
+            replica: int, rank: int, mode: Optional[str] = None, keep_previous: bool = True,
+            **options: Any) -> EngineSync:
+    """An EngineSync for one vLLM worker's model.
+
+    mode None: "load_weights" for an engine group of framework "hf", else
+    "direct".
+    mode "load_weights": HF tensors through vLLM's layerwise reload.
+    mode "direct": in place when vLLM's parameters are what its kernels read;
+    otherwise (vLLM's CPU backend, quantized or repacked MoE kernels) the
+    data of the engine's layout lands in private tensors and goes through
+    the layerwise reload once committed, with a warning (once per process).
+    """
+    global _warned_fallback
+    if mode is None:
+        mode = "load_weights" if engine_framework(engine, replica) == "hf" else "direct"
+    if mode == "load_weights":
+        protocol = VllmReload(model, model_config, vllm_config, load_kind="hf")
+        return EngineSync(model, coordinator, engine, replica, rank, mode=mode, protocol=protocol,
+                          keep_previous=keep_previous, **options)
+    if mode != "direct":
+        raise Error("invalid_argument", f"mode {mode!r}: expected 'direct' or 'load_weights'")
+    blockers = inplace_blockers(model)
+    if not blockers:
+        # In place; staging keeps a failed step from showing (the copy is
+        # published at commit).
+        options.setdefault("staging", True)
+        return EngineSync(model, coordinator, engine, replica, rank, mode=mode, **options)
+    if not _warned_fallback:
+        _warned_fallback = True
+        more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
+        msg = (f"weightsync: direct mode: vLLM {_vllm_version()}'s parameters are not what its "
+               f"kernels read ({blockers[0]}{more}); falling back to vLLM's layerwise reload: "
+               "each committed step is received into private tensors and then reloaded "
+               "through the engine")
+        logger.warning(msg)
+    protocol = VllmReload(model, model_config, vllm_config, load_kind="engine")
+    options.pop("staging", None)  # the private tensors are the staging copy
+    sync = EngineSync(model, coordinator, engine, replica, rank, mode=mode, protocol=protocol,
+                      keep_previous=keep_previous, **options)
+    sync.fallback_reason = blockers[0]
+    return sync

