@@ -60,7 +60,7 @@ TEST(FailureReason, DroppedMessageNamesStepRankAndWhatWasAwaited) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-llama", "fsdp=2", 2, 1);
   const auto r = demo_json(
-      m, {"--steps", "2", "--timeout", "4", "--transport", "fault:ucx?drop_send=1&count=1"});
+      m, {"--steps", "2", "--timeout", "10", "--transport", "fault:ucx?drop_send=1&count=1"});
   ASSERT_TRUE(r.result.is_object()) << r.err;
   EXPECT_NE(r.exit_code, 0);
   EXPECT_FALSE(r.result["ok"].get<bool>());
