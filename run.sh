@@ -5,7 +5,7 @@
 #   bash run.sh test [ctest options]  the tests: C++ (CTest), then Python (pytest in .venv)
 #   bash run.sh bench [bench options] the sync-latency benchmark
 #   bash run.sh python [args]         .venv's python with the package installed
-#   bash run.sh test-engines [pytest options]  the tests against real vLLM (and SGLang),
+#   bash run.sh test-engines [pytest options]  the tests against real vLLM and SGLang,
 #                                     each in its own venv outside the tree (docs/engines.md)
 #   bash run.sh build                 only install and build
 # Idempotent: packages already there are not reinstalled, .venv is not
@@ -106,9 +106,8 @@ case "$job" in
     # every checkout; weightsync is imported there from this checkout.
     install_package
     status=0
-    # WEIGHTSYNC_ENGINES picks them (default: vllm; sglang's suite is not in
-    # CI yet, docs/engines.md).
-    for engine in ${WEIGHTSYNC_ENGINES:-vllm}; do
+    # WEIGHTSYNC_ENGINES picks them (default: both).
+    for engine in ${WEIGHTSYNC_ENGINES:-vllm sglang}; do
       if [ ! -f "tools/engines/setup_$engine.sh" ] || [ ! -f "tests/engines/test_$engine.py" ]; then
         echo "run.sh: no engine suite '$engine' (tools/engines/setup_$engine.sh, tests/engines/test_$engine.py)" >&2
         status=2
