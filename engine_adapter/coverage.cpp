@@ -171,7 +171,7 @@ void check_coverage(const EngineLayout& layout) {
   // Each group's replica covers its HF tensors whole, on its own.
   for (const EngineGroup& g : layout.groups) {
     std::map<std::string, Shape, std::less<>> hf;
-    for (const auto& t : hf_tensors(g.config.hf)) hf.emplace(t.key, t.shape);
+    for (const auto& t : engine_hf_tensors(g.config)) hf.emplace(t.key, t.shape);
     const std::span<const EngineRankLayout> ranks(layout.ranks.data() + g.first_template,
                                                   static_cast<size_t>(g.config.tp));
     for (const auto& rank : ranks) {

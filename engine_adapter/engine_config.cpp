@@ -4,6 +4,8 @@
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 
+#include "layout_derived.h"
+
 #include <filesystem>
 #include <fstream>
 
@@ -93,6 +95,32 @@ std::optional<BlockQuant> get_quantization(const json& j) {
   return out;
 }
 
+// Framework "derived": the layout the engine derived, the HF config kept as
+// given (an object; its family may have no table), the engine dtype stated.
+EngineConfig derived_from_json(const json& j, const json& hf) {
+  EngineConfig c;
+  c.framework = "derived";
+  if (!hf.is_object())
+    fail(Errc::format, "engine config: framework \"derived\" takes 'hf_config' inline (an object)");
+  c.hf.raw = hf;
+  c.hf.model_type = hf.value("model_type", std::string());
+  if (!field(j, "tp")) fail(Errc::format, "engine config: missing field 'tp'");
+  c.tp = get_int(j, "tp", 1);
+  c.replicas = get_int(j, "replicas", 1);
+  if (c.tp < 1 || c.replicas < 1)
+    fail(Errc::invalid_layout, "engine config: tp (", c.tp, ") and replicas (", c.replicas,
+         ") must be positive");
+  const std::string dtype = get_string(j, "dtype", "");
+  if (dtype.empty()) fail(Errc::format, "engine config: framework \"derived\" needs 'dtype'");
+  c.dtype = dtype_from_name(dtype, "engine config field 'dtype'");
+  if (field(j, "quantization") && !j["quantization"].is_null())
+    fail(Errc::unsupported, "engine config: framework \"derived\" with quantization");
+  const json* d = field(j, "derived");
+  if (!d) fail(Errc::format, "engine config: framework \"derived\" needs field 'derived'");
+  c.derived = engine::derived_from_json(*d, c.tp);
+  return c;
+}
+
 }  // namespace
 
 std::string_view scale_format_name(ScaleFormat format) noexcept {
@@ -103,11 +131,13 @@ EngineConfig EngineConfig::from_json(const json& j, const std::string& base_dir)
   if (!j.is_object()) fail(Errc::format, "engine config: expected a JSON object");
   EngineConfig c;
   c.framework = get_string(j, "framework", "");
-  if (c.framework != "vllm" && c.framework != "sglang" && c.framework != "hf")
+  if (c.framework != "vllm" && c.framework != "sglang" && c.framework != "hf" &&
+      c.framework != "derived")
     fail(Errc::invalid_layout, "engine config: framework '", c.framework,
-         "' is not supported (expected \"vllm\", \"sglang\" or \"hf\")");
+         "' is not supported (expected \"vllm\", \"sglang\", \"hf\" or \"derived\")");
   const json* hf = field(j, "hf_config");
   if (!hf) fail(Errc::format, "engine config: missing field 'hf_config' (a path or an object)");
+  if (c.framework == "derived") return derived_from_json(j, *hf);
   if (hf->is_string())
     c.hf = load_hf_config(hf->get<std::string>(), base_dir);
   else if (hf->is_object())
@@ -191,6 +221,7 @@ json EngineConfig::to_json() const {
             {"replicas", replicas},
             {"dtype", std::string(dtype_name(dtype))}};
   if (moe_order != "w13") j["moe_order"] = moe_order;
+  if (derived) j["derived"] = engine::derived_to_json(*derived);
   if (quantization)
     j["quantization"] = {
         {"method", "fp8"},

@@ -269,6 +269,18 @@ EngineRankLayout hf_rank(const EngineConfig& c, const std::vector<HfTensorSpec>&
 }  // namespace engine
 
 EngineLayout make_engine_layout(const EngineConfig& config) {
+  if (config.framework == "derived") {
+    // The engine's own ranks, as it derived them.
+    if (!config.derived || config.derived->ranks.size() != static_cast<size_t>(config.tp))
+      fail(Errc::invalid_layout, "engine config: framework \"derived\" needs tp=", config.tp,
+           " derived rank layouts");
+    EngineLayout layout;
+    layout.config = config;
+    layout.ranks = config.derived->ranks;
+    layout.groups = {{config, 0, 0, 0}};
+    check_coverage(layout);  // it came from outside: every segment in bounds, no overlap
+    return layout;
+  }
   engine::validate(config);
   const auto tensors = hf_tensors(config.hf);
   if (config.framework == "hf") {

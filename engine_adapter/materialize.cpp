@@ -233,7 +233,7 @@ class RankWriter {
 
 void check_checkpoint(const Checkpoint& ckpt, const EngineLayout& layout, int rank) {
   std::map<std::string, Shape, std::less<>> expected;
-  for (const auto& t : hf_tensors(layout.group_of(rank).config.hf))
+  for (const auto& t : engine_hf_tensors(layout.group_of(rank).config))
     expected.emplace(t.key, t.shape);
   std::set<std::string_view> seen;
   for (const auto& p : layout.rank_layout(rank).params) {

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,13 +68,25 @@ struct EngineRankLayout {
   std::vector<EngineParam> params;
 };
 
+// Framework "derived": the layout a live engine derived from its own loader
+// (python/weightsync/_derive.py traces the engine's load_weights on probe
+// tensors) rather than from a family table: every rank's params, and the HF
+// tensors (key, shape, dtype) they read. A model family weightsync has no
+// table for syncs through it.
+struct DerivedLayout {
+  std::vector<HfTensorSpec> tensors;
+  std::vector<EngineRankLayout> ranks;  // tp of them, rank r at index r
+};
+
 // The engine config JSON of DESIGN.md's contract: one group of identical
 // replicas. Framework "hf": every rank holds every HF tensor whole under its
 // HF name (an engine that loads weights through its own load_weights, or a
 // checkpoint writer); tp then only counts the ranks of a replica.
 struct EngineConfig {
-  std::string framework = "vllm";  // "vllm" | "sglang" | "hf"
-  HfModelConfig hf;                // resolved from "hf_config" (path or inline)
+  std::string framework = "vllm";  // "vllm" | "sglang" | "hf" | "derived"
+  // Resolved from "hf_config" (path or inline). Framework "derived": kept as
+  // given (raw, model_type) and never parsed (the family may have no table).
+  HfModelConfig hf;
   int tp = 1;
   bool expert_parallel = false;
   std::string expert_placement = "linear";  // "linear" | "round_robin"
@@ -85,6 +98,9 @@ struct EngineConfig {
   // in FP8 become F8_E4M3 params with scale params beside them (EngineParam);
   // every other param keeps `dtype`.
   std::optional<BlockQuant> quantization;
+  // Framework "derived" (JSON field "derived": {"tensors": [{"key", "shape",
+  // "dtype"}], "ranks": [rank layouts as rank_layout_to_json writes them]}).
+  std::shared_ptr<const DerivedLayout> derived;
 
   // `base_dir` resolves a relative hf_config path.
   static EngineConfig from_json(const nlohmann::json& j, const std::string& base_dir);
@@ -137,6 +153,18 @@ struct EngineLayout {
   // Errc::invalid_argument naming the range when either is out of it.
   int global_rank(int replica, int rank) const;
 };
+
+// The HF tensors an engine group reads: the derived layout's, else the
+// family's (hf_tensors).
+std::vector<HfTensorSpec> engine_hf_tensors(const EngineConfig& config);
+
+// One rank's layout as JSON ({"rank", "params": [{"name", "dtype", "shape",
+// "segments": [{"hf_key", "hf_box": {"offsets", "lengths"}, "param_box",
+// "transpose"}]}]}; FP8 params name their scale param) and back.
+// rank_layout_from_json takes unquantized params only: Errc::format naming
+// the param and the field for anything malformed.
+nlohmann::json rank_layout_to_json(const EngineRankLayout& rank);
+EngineRankLayout rank_layout_from_json(const nlohmann::json& j);
 
 // Derives every rank's parameters from the config (engine_adapter/). Throws
 // Errc::invalid_layout when tp does not divide what the engine requires.

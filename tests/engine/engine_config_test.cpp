@@ -199,3 +199,84 @@ TEST(EngineSpec, BadGroupsAreNamed) {
 
 }  // namespace
 }  // namespace weightsync
+
+namespace weightsync {
+namespace {
+
+using nlohmann::json;
+using testing::throws_errc;
+
+// Framework "derived": the layout an engine derived from its loader, as
+// python/weightsync/_derive.py writes it. Built here from the vllm table of a
+// known model under an HF config whose family has no table.
+json derived_from_table(const std::string& model, int tp) {
+  const EngineLayout table = make_engine_layout(testing::engine(model, tp));
+  json tensors = json::array();
+  for (const auto& t : hf_tensors(table.config.hf))
+    tensors.push_back({{"key", t.key}, {"shape", t.shape}, {"dtype", "BF16"}});
+  json ranks = json::array();
+  for (const auto& r : table.ranks) ranks.push_back(rank_layout_to_json(r));
+  return {{"framework", "derived"},
+          {"hf_config", {{"model_type", "no_table_for_this"}, {"hidden_size", 64}}},
+          {"tp", tp},
+          {"replicas", 2},
+          {"dtype", "BF16"},
+          {"derived", {{"tensors", tensors}, {"ranks", ranks}}}};
+}
+
+TEST(DerivedLayout, TakesTheEnginesRanksAsTheyAre) {
+  const json j = derived_from_table("tiny-qwen3", 2);
+  const EngineConfig c = EngineConfig::from_json(j, "");
+  EXPECT_EQ(c.framework, "derived");
+  EXPECT_EQ(c.hf.model_type, "no_table_for_this");
+  const EngineLayout got = make_engine_layout(EngineSpec(c));
+  const EngineLayout want = make_engine_layout(testing::engine("tiny-qwen3", 2));
+  ASSERT_EQ(got.ranks.size(), 2u);
+  EXPECT_EQ(got.world(), 4);  // 2 replicas of tp=2
+  for (size_t r = 0; r < 2; ++r)
+    EXPECT_EQ(rank_layout_to_json(got.ranks[r]), rank_layout_to_json(want.ranks[r])) << r;
+  EXPECT_EQ(engine_hf_tensors(c).size(), hf_tensors(want.config.hf).size());
+  // Round trip (the config travels through the job's store as JSON).
+  EXPECT_EQ(EngineConfig::from_json(c.to_json(), "").to_json(), c.to_json());
+}
+
+TEST(DerivedLayout, BadLayoutsAreRefusedNamingWhat) {
+  {  // a segment that writes over another
+    json j = derived_from_table("tiny-qwen3", 1);
+    json* fused = nullptr;  // qkv_proj: three segments
+    for (auto& p : j["derived"]["ranks"][0]["params"])
+      if (!fused && p["segments"].size() >= 2) fused = &p;
+    ASSERT_NE(fused, nullptr);
+    auto& segs = (*fused)["segments"];
+    segs[1]["param_box"] = segs[0]["param_box"];
+    segs[1]["hf_box"]["lengths"] = segs[0]["param_box"]["lengths"];
+    const std::string name = (*fused)["name"];
+    EXPECT_TRUE(throws_errc([&] { make_engine_layout(EngineConfig::from_json(j, "")); },
+                            Errc::invalid_layout, name));
+  }
+  {  // fewer rank layouts than tp
+    json j = derived_from_table("tiny-qwen3", 2);
+    j["derived"]["ranks"].erase(1);
+    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::invalid_layout, "tp=2"));
+  }
+  {  // a segment past its HF tensor
+    json j = derived_from_table("tiny-qwen3", 1);
+    j["derived"]["tensors"][0]["shape"][0] = 1;
+    EXPECT_TRUE(throws_errc([&] { make_engine_layout(EngineConfig::from_json(j, "")); },
+                            Errc::invalid_layout));
+  }
+  {  // malformed fields name where
+    json j = derived_from_table("tiny-qwen3", 1);
+    j["derived"]["ranks"][0]["params"][0]["segments"][0]["hf_box"]["offsets"] = "zero";
+    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "hf_box"));
+    j = derived_from_table("tiny-qwen3", 1);
+    j["derived"].erase("tensors");
+    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "tensors"));
+    j = derived_from_table("tiny-qwen3", 1);
+    j["hf_config"] = "config.json";
+    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "inline"));
+  }
+}
+
+}  // namespace
+}  // namespace weightsync

@@ -21,35 +21,6 @@ const char* kUsage =
     "  --json           the full layout with every segment, as JSON\n"
     "Default output: per rank, each parameter's dtype, shape, segment count and bytes.\n";
 
-nlohmann::json box_json(const Box& b) {
-  return {{"offsets", b.offsets}, {"lengths", b.lengths}};
-}
-
-nlohmann::json rank_json(const EngineRankLayout& rank) {
-  nlohmann::json params = nlohmann::json::array();
-  for (const auto& p : rank.params) {
-    nlohmann::json segs = nlohmann::json::array();
-    for (const auto& s : p.segments)
-      segs.push_back({{"hf_key", s.hf_key},
-                      {"hf_box", box_json(s.hf_box)},
-                      {"param_box", box_json(s.param_box)},
-                      {"transpose", s.transpose}});
-    nlohmann::json one = {{"name", p.name},
-                          {"dtype", std::string(dtype_name(p.dtype))},
-                          {"shape", p.shape},
-                          {"segments", std::move(segs)}};
-    // FP8 engines: a quantized weight names its scale param and back.
-    if (p.quant)
-      one["quantization"] = {
-          {"weight_block_size", {p.quant->block_rows, p.quant->block_cols}},
-          {"scale", std::string(scale_format_name(p.quant->scale))},
-          {"scale_param", rank.params.at(static_cast<size_t>(p.scale_param)).name}};
-    if (p.scale_of >= 0) one["scale_of"] = rank.params.at(static_cast<size_t>(p.scale_of)).name;
-    params.push_back(std::move(one));
-  }
-  return {{"rank", rank.rank}, {"params", std::move(params)}};
-}
-
 void print_rank(const EngineRankLayout& rank) {
   uint64_t total = 0;
   std::printf("rank %d: %zu params\n", rank.rank, rank.params.size());
@@ -82,7 +53,7 @@ int run(const std::vector<std::string>& argv) {
   }
   if (args.flag("json")) {
     nlohmann::json out = {{"config", spec.to_json()}, {"ranks", nlohmann::json::array()}};
-    for (const auto* r : ranks) out["ranks"].push_back(rank_json(*r));
+    for (const auto* r : ranks) out["ranks"].push_back(rank_layout_to_json(*r));
     std::cout << out.dump() << "\n";
     return 0;
   }
