@@ -276,13 +276,41 @@ def inplace_blockers(model: Any) -> list:
     return reasons
 
 
+def _single_group(engine: Any) -> dict:
+    import json
+
+    from ._api import load_json
+
+    config = json.loads(load_json(engine, "engine config")[0])
+    if not isinstance(config, dict):
+        raise Error("unsupported", "engine framework 'derived': one engine group per config "
+                    "(the replicas of a group derive the same layout)")
+    return config
+
+
+def _gather_tp(obj: Any) -> list:
+    """obj of every rank of this worker's tensor-parallel group, in rank order."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
 def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, engine: Any,
             replica: int, rank: int, mode: Optional[str] = None, keep_previous: bool = True,
             **options: Any) -> EngineSync:
     """An EngineSync for one vLLM worker's model.
 
     mode None: "load_weights" for an engine group of framework "hf", else
-    "direct".
+    "direct". Framework "derived": the layout is derived here from vLLM's
+    own loader (derive_engine_config), identical on every rank of the
+    replica; the trainers take it from the job (Publisher without `engine`).
     mode "load_weights": HF tensors through vLLM's layerwise reload.
     mode "direct": in place when vLLM's parameters are what its kernels read;
     otherwise (vLLM's CPU backend, quantized or repacked MoE kernels) the
@@ -290,8 +318,11 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
     the layerwise reload once committed, with a warning (once per process).
     """
     global _warned_fallback
+    framework = engine_framework(engine, replica)
+    if framework == "derived":
+        engine = derive_engine_config(model, vllm_config, _single_group(engine), rank, _gather_tp)
     if mode is None:
-        mode = "load_weights" if engine_framework(engine, replica) == "hf" else "direct"
+        mode = "load_weights" if framework == "hf" else "direct"
     if mode == "load_weights":
         protocol = VllmReload(model, model_config, vllm_config, load_kind="hf")
         return EngineSync(model, coordinator, engine, replica, rank, mode=mode, protocol=protocol,
@@ -318,3 +349,88 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
                       keep_previous=keep_previous, **options)
     sync.fallback_reason = blockers[0]
     return sync
+
+
+def _loading_tensors(model: Any) -> list:
+    """[(module name, module, {param name: template})] of every module with
+    parameters: the template is the parameter in its loading form (vLLM's
+    recorded metadata, on the meta device, where vLLM repacks after
+    loading), else the live parameter."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        LAYERWISE_INFO = {}
+    out = []
+    for mname, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module) if hasattr(LAYERWISE_INFO, "get") else None
+        templates = dict(info.restore_metadata[0]) if info is not None else {}
+        for pname, live in module._parameters.items():
+            if live is not None and pname not in templates:
+                templates[pname] = live
+        if templates:
+            out.append((mname, module, templates))
+    return out
+
+
+def derive_engine_config(model: Any, vllm_config: Any, base: dict, rank: int,
+                         gather: Any) -> dict:
+    """Engine framework "derived" (weightsync._derive): this worker traces
+    vLLM's own `load_weights` on probe tensors, layer by layer, over its
+    parameters in loading form; `gather(obj)` returns every TP rank's obj
+    (rank order). Returns the engine config every rank of the replica then
+    uses (identical on each). The model's tensors are put back as they were;
+    nothing the kernels read is touched."""
+    from . import _derive
+
+    try:
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    except ImportError:
+        def restore_layer_refs(tensor, layer):
+            return tensor
+
+    model_dir = vllm_config.model_config.model
+    keys, shapes, dtypes = _derive.checkpoint_tensors(model_dir)
+    groups = [_derive.layer_group(k) for k in keys]
+    modules = _loading_tensors(model)
+    saved = [(module, dict(module._parameters)) for _, module, _ in modules]
+
+    def put_back() -> None:
+        for module, params in saved:
+            for pname in list(module._parameters):
+                if pname not in params:
+                    del module._parameters[pname]
+            module._parameters.update(params)
+
+    def install(group: Optional[int]) -> dict:
+        put_back()
+        stand_ins = {}
+        for mname, module, templates in modules:
+            for pname, tmpl in templates.items():
+                full = f"{mname}.{pname}" if mname else pname
+                if _derive.layer_group(full) == group:
+                    t = _derive.target(tmpl.shape)
+                    stand_ins[full] = t
+                else:  # writes into other groups' parameters go nowhere
+                    t = torch.empty(tuple(tmpl.shape), dtype=torch.float64, device="meta")
+                if type(tmpl) is not torch.Tensor:
+                    t.__class__ = tmpl.__class__
+                t.__dict__ = tmpl.__dict__.copy()
+                restore_layer_refs(t, module)
+                module._parameters[pname] = t
+        return stand_ins
+
+    with VllmReload(model, vllm_config.model_config, vllm_config)._context():
+        found = _derive.trace(keys, shapes, groups, model.load_weights, install, put_back)
+    params = []
+    for mname, _, templates in modules:
+        for pname, tmpl in templates.items():
+            full = f"{mname}.{pname}" if mname else pname
+            params.append((full, _derive.dtype_name(tmpl.dtype), list(tmpl.shape)))
+    mine = _derive.rank_layout(rank, params, found, keys, dict(zip(keys, dtypes)))
+    ranks = gather(mine)
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf_config = json.load(f)
+    return _derive.engine_config(base, ranks, keys, shapes, dtypes, hf_config)

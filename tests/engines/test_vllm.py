@@ -91,6 +91,14 @@ def moe1(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def phi3_2(tmp_path_factory):
+    eng = Engine(str(tmp_path_factory.mktemp("phi3_2")), "phi3", tp=2, count=3)
+    print(f"\nphi3 tp=2 engine started in {eng.llm.weightsync_start_seconds:.1f} s")
+    yield eng
+    vs.stop_engine(eng.llm)
+
+
+@pytest.fixture(scope="module")
 def dense2(tmp_path_factory):
     eng = Engine(str(tmp_path_factory.mktemp("dense2")), "qwen3", tp=2, count=2)
     print(f"\nqwen3 tp=2 engine started in {eng.llm.weightsync_start_seconds:.1f} s")
@@ -112,7 +120,10 @@ class Job:
     def __init__(self, eng: Engine, framework: str, **trainer_options):
         self.coord = ws.Coordinator()
         self.config = vs.engine_config(eng.versions[0], framework, eng.tp)
-        self.trainer = vs.Trainer(self.coord.address, self.config, eng.versions[0],
+        # Framework "derived": the engine derives its layout at connect; the
+        # trainer takes it from the job (no engine config of its own).
+        trainer_engine = None if framework == "derived" else self.config
+        self.trainer = vs.Trainer(self.coord.address, trainer_engine, eng.versions[0],
                                   **trainer_options)
 
     def close(self) -> None:
@@ -309,3 +320,59 @@ def test_direct_mode_falls_back_to_the_reload_dense_tp2(dense2):
     # loading form on each rank; the reload then packs it.
     infos = _extension_steps(dense2, "vllm", steps=1)
     assert [i["mode"] for i in infos] == ["direct", "direct"] and infos[0]["protocol"], infos
+
+
+# ---- layouts derived from the engine's own loader (framework "derived") ----------
+
+def _by_name(rank_layout: dict) -> dict:
+    """{param name: (dtype, shape, sorted segments)} of one rank's layout."""
+    out = {}
+    for p in rank_layout["params"]:
+        segs = sorted((s["hf_key"], tuple(s["hf_box"]["offsets"]), tuple(s["hf_box"]["lengths"]),
+                       tuple(s["param_box"]["offsets"]), tuple(s["param_box"]["lengths"]),
+                       s["transpose"]) for s in p["segments"])
+        out[p["name"]] = (p["dtype"], list(p["shape"]), segs)
+    return out
+
+
+def _static_table(eng: Engine, tmp_path) -> list:
+    """weightsync's own "vllm" table for the engine's model (weightsync
+    engine-layout --json), per rank."""
+    import json
+    import subprocess
+
+    config = vs.write_json(str(tmp_path / "vllm.json"),
+                           vs.engine_config(eng.versions[0], "vllm", eng.tp))
+    out = subprocess.run([ws.cli_path(), "engine-layout", "--engine", config, "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    return [_by_name(r) for r in json.loads(out)["ranks"]]
+
+
+@pytest.mark.parametrize("which", ["dense1", "moe2"])
+def test_derived_layout_equals_the_vllm_table(which, request, tmp_path):
+    """vLLM 0.32's loader, traced, gives exactly weightsync's static "vllm"
+    table (the table stays for planning without an engine)."""
+    eng = request.getfixturevalue(which)
+    derived = eng.llm.collective_rpc("test_derived_config",
+                                     kwargs=dict(base={"tp": eng.tp, "replicas": 1}))
+    assert all(d == derived[0] for d in derived), "the ranks derived different configs"
+    ranks = [_by_name(r) for r in derived[0]["derived"]["ranks"]]
+    table = _static_table(eng, tmp_path)
+    assert len(ranks) == len(table) == eng.tp
+    for r, (got, want) in enumerate(zip(ranks, table)):
+        assert sorted(got) == sorted(want), f"rank {r}: param names differ"
+        for name in want:
+            assert got[name] == want[name], f"rank {r} {name}: {got[name]} != {want[name]}"
+    # The engine still serves its version, untouched by the trace.
+    eng.check(eng.current, "after the trace")
+
+
+def test_family_without_table_syncs_through_the_derived_layout(phi3_2):
+    """Phi-3 (no weightsync table; its checkpoint fuses q/k/v and gate/up,
+    which vLLM slices per rank): framework "derived" at tp=2, each step bit
+    for bit a fresh engine's, tokens too."""
+    eng = phi3_2
+    with pytest.raises(ws.Error, match="unsupported architecture"):
+        ws.engine_params(vs.engine_config(eng.versions[0], "vllm", eng.tp))
+    infos = _extension_steps(eng, "derived", steps=2)
+    assert [i["mode"] for i in infos] == ["direct", "direct"], infos

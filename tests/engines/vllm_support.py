@@ -46,6 +46,14 @@ CONFIGS = {
                       mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False,
                       max_position_embeddings=512, rms_norm_eps=1e-6),
+    # A family weightsync has no table for (engine framework "derived"): the
+    # checkpoint fuses q/k/v and gate/up, which vLLM's loader slices per rank.
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=128,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False,
+                 max_position_embeddings=512, original_max_position_embeddings=512,
+                 rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 rope_scaling=None, sliding_window=None),
 }
 
 
@@ -165,6 +173,16 @@ class VllmTestExtension(_Base):
 
     def test_kernel_state(self) -> bytes:
         return _dump(kernel_state(self.model_runner.model))
+
+    def test_derived_config(self, base: dict) -> dict:
+        """The engine config of framework "derived" this worker's replica
+        derives (weightsync's connect does the same)."""
+        from weightsync import _vllm_reload
+
+        return _vllm_reload.derive_engine_config(
+            self.model_runner.model, self.vllm_config, base,
+            self.weightsync_tp_rank(),
+            _vllm_reload._gather_tp)
 
     def test_transfer_engine(self) -> Optional[str]:
         engine = getattr(self, "weight_transfer_engine", None)
