@@ -10,6 +10,9 @@ processes holding their params as torch tensors behind ws.Subscriber. Both
 report GB/s per engine rank the same way: the busiest engine rank's bytes
 over the median step time (a step: the slowest trainer's push). The ratio
 says what the Python layer costs (goal: >= 0.95).
+
+`python -m weightsync.bench engine`: a model pushed into a live real vLLM
+against vLLM's own reload and a restart (weightsync.bench_engine).
 """
 
 from __future__ import annotations
@@ -117,6 +120,11 @@ def cpp_sync(work: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: Any = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine"]:  # into a live vLLM (weightsync.bench_engine)
+        from . import bench_engine
+
+        return bench_engine.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m weightsync.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")

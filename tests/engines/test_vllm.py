@@ -376,3 +376,11 @@ def test_family_without_table_syncs_through_the_derived_layout(phi3_2):
         ws.engine_params(vs.engine_config(eng.versions[0], "vllm", eng.tp))
     infos = _extension_steps(eng, "derived", steps=2)
     assert [i["mode"] for i in infos] == ["direct", "direct"], infos
+
+
+def test_direct_mode_moe_tp2(moe2):
+    # The "vllm" table's fused experts (experts.routed_experts.w13_weight /
+    # w2_weight, each rank's slice of every expert) in vLLM's loading form,
+    # then vLLM's reload pads and prepacks them for its CPU experts.
+    infos = _extension_steps(moe2, "vllm", steps=1)
+    assert [i["mode"] for i in infos] == ["direct", "direct"] and infos[0]["protocol"], infos
