@@ -69,6 +69,11 @@ struct Subscriber::Impl {
   std::atomic<bool> stopping{false};
   int64_t current_step = -1;
   std::string abort_reason;
+  // The member id of each trainer rank this rank's transport talks to; a
+  // trainer that left (MemberLeft) and came back as a new process is
+  // reconnected at the next step it begins (follow_trainers).
+  std::vector<uint64_t> trainer_member;
+  bool trainers_changed = false;
 
   const EngineRankLayout& rank_layout() const { return engine.rank_layout(global); }
   std::string key(const std::string& what) const { return opt.job + "/" + what; }
@@ -81,6 +86,11 @@ struct Subscriber::Impl {
   void open_arena(const Plan& plan);
   void deliver(size_t k);
   void poll();
+  // A MemberLeft event: a trainer that left is looked for at the next step.
+  void note(const control::Event& ev);
+  // Before a step: trainer ranks now held by a new process get a new
+  // connection (the transport's reconnect), as publishers do for engines.
+  void follow_trainers();
   StepOutcome run_one(const control::StepBegin& begin);
   // Runs a hook; "" when it returned, else the failure (naming the hook).
   std::string run_hook(const std::function<void(int64_t)>& hook, const char* name, int64_t step);
@@ -146,6 +156,11 @@ void Subscriber::Impl::ensure_ready() {
   }
   // Elastic: engines only ever talk with trainers, and other replicas come and go.
   pipeline::connect_peers(*transport, elastic ? static_cast<int>(trainer->mesh.world()) : 0);
+  trainer_member.assign(static_cast<size_t>(trainer->mesh.world()), 0);
+  for (const auto& mem : client->members())
+    if (mem.role == control::Role::trainer && mem.rank >= 0 &&
+        mem.rank < static_cast<int>(trainer_member.size()))
+      trainer_member[static_cast<size_t>(mem.rank)] = mem.id;
   if (elastic) {
     // Ready for steps: trainer rank 0 may now include this rank's replica.
     const std::string id = std::to_string(client->member_id());
@@ -226,8 +241,38 @@ void Subscriber::Impl::deliver(size_t k) {
   }
 }
 
+void Subscriber::Impl::note(const control::Event& ev) {
+  if (const auto* left = std::get_if<control::MemberLeft>(&ev))
+    trainers_changed = trainers_changed || left->member.role == control::Role::trainer;
+}
+
+void Subscriber::Impl::follow_trainers() {
+  bool failed = false;
+  for (size_t r = 0; r < trainer_member.size(); ++r)
+    failed = failed || transport->peer_failed(static_cast<int>(r));
+  if (!trainers_changed && !failed) return;
+  trainers_changed = false;
+  for (const auto& mem : client->members()) {
+    if (mem.role != control::Role::trainer || mem.rank < 0 ||
+        mem.rank >= static_cast<int>(trainer_member.size()))
+      continue;
+    uint64_t& known = trainer_member[static_cast<size_t>(mem.rank)];
+    if (known == mem.id) continue;
+    if (known != 0) {
+      try {
+        transport->reconnect(mem.rank);
+      } catch (const Error& e) {
+        if (e.code() != Errc::unsupported) throw;
+        continue;  // this backend cannot take a new process in: the step fails naming it
+      }
+    }
+    known = mem.id;
+  }
+}
+
 void Subscriber::Impl::poll() {
   while (auto ev = client->poll_event()) {
+    note(*ev);
     if (auto* abort = std::get_if<control::Abort>(&*ev); abort && abort->step == current_step) {
       abort_reason = abort->reason;
       fail(Errc::cancelled, "engine rank ", global, ": step ", current_step,
@@ -490,8 +535,10 @@ std::optional<StepOutcome> Subscriber::run_step(std::chrono::milliseconds wait) 
       if (e.code() == Errc::timeout) return std::nullopt;
       throw;
     }
+    m.note(*ev);
     if (auto* begin = std::get_if<control::StepBegin>(&*ev)) {
       m.adopt_error.clear();
+      m.follow_trainers();
       if (begin->replicas) {
         // Elastic replicas: a step that does not serve this rank's replica
         // is not its business (it keeps its version); one that does brings

@@ -1,0 +1,123 @@
+"""A trainer process killed in the middle of a step, and a new process that
+takes its rank in the same job: the engine keeps its version through the
+killed step, reconnects to the new process (over UCX, shared memory or TCP:
+a new endpoint to the new worker address) and commits the next step bit for
+bit."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+
+import pytest
+import torch
+
+import weightsync as ws
+import weightsync.torch as wst
+from helpers import cli, model_config
+
+MODEL = model_config("tiny-llama") + "/config.json"
+ENGINE = {"framework": "vllm", "hf_config": MODEL, "tp": 1, "replicas": 1, "dtype": "BF16"}
+
+
+def _layout() -> dict:
+    return json.loads(cli("trainer-layout", "--hf-config", MODEL, "--mesh", "fsdp=1").stdout)
+
+
+def _tensors(layout: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {p["name"]: torch.randn(p["global_shape"], generator=g).to(torch.bfloat16)
+            for p in layout["params"]}
+
+
+def _trainer(address: str, layout: dict, steps: list, die_in_last: bool, transport: str,
+             results) -> None:
+    """Pushes `steps` (step k carries the tensors of seed k); with
+    `die_in_last`, SIGKILLs itself one second into the last push."""
+    with ws.Publisher(coordinator=address, rank=0, layout=layout, engine=ENGINE,
+                      transport=transport, bucket_bytes=16 << 10, step_timeout=20.0) as pub:
+        held = _tensors(layout, 0)
+        for name, t in held.items():
+            pub.register(name, t)
+        for step in steps:
+            for name, t in _tensors(layout, step).items():
+                held[name].copy_(t)
+            if die_in_last and step == steps[-1]:
+                pub.push_async(step)
+                time.sleep(1.0)
+                os.kill(os.getpid(), signal.SIGKILL)
+            res = pub.push(step)
+            results.put((step, list(res.committed), [tuple(f) for f in res.failed]))
+
+
+@pytest.mark.parametrize("tls", ["shm,self", "tcp,self"])
+def test_a_new_trainer_process_takes_the_rank_of_a_killed_one(tmp_path, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", tls)  # this process's transport and the trainers'
+    transport = "ucx"
+    layout = _layout()
+    coord = ws.Coordinator()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    # staging: a failed step never shows in the registered tensors.
+    sub = ws.Subscriber(coordinator=coord.address, engine=ENGINE, replica=0, rank=0,
+                        step_timeout=10.0, staging=True)
+    params = wst.allocate_engine_params(ENGINE)
+    for name, t in params.items():
+        sub.register(name, t)
+    procs = []
+    try:
+        # Trainer A: step 1 commits; step 2 is slow (delayed sends) and A dies in it.
+        a = ctx.Process(target=_trainer, args=(coord.address, layout, [1, 2], True,
+                                               f"fault:{transport}?delay_ms=300", results))
+        procs.append(a)
+        a.start()
+        out = sub.run_step(timeout=60.0)
+        assert out is not None and out.step == 1 and out.committed, out
+        v1 = {name: t.clone() for name, t in params.items()}
+        out = sub.run_step(timeout=60.0)
+        assert out is not None and out.step == 2 and not out.committed, out
+        a.join(timeout=30)
+        assert a.exitcode == -signal.SIGKILL
+        assert sub.version == 1
+        for name, t in params.items():  # the killed step left the version whole
+            assert torch.equal(t.view(torch.int16), v1[name].view(torch.int16)), name
+        # Trainer B: a new process as rank 0 of the same job.
+        b = ctx.Process(target=_trainer, args=(coord.address, layout, [3], False, transport,
+                                               results))
+        procs.append(b)
+        b.start()
+        out = sub.run_step(timeout=60.0)
+        assert out is not None and out.step == 3 and out.committed, out
+        got = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(got) < 2:
+            try:
+                got.append(results.get(timeout=1))
+            except queue.Empty:
+                pass
+        assert (3, [0], []) in got, got
+        # Bit for bit the tensors of step 3, as `weightsync materialize` lays them out.
+        want = _tensors(layout, 3)
+        ckpt = str(tmp_path / "ckpt.safetensors")
+        from safetensors.torch import load_file, save_file
+
+        save_file(want, ckpt)
+        (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
+        cli("materialize", "--checkpoint", ckpt, "--engine", str(tmp_path / "engine.json"),
+            "--rank", "0", "--out", str(tmp_path / "ref.safetensors"))
+        ref = load_file(str(tmp_path / "ref.safetensors"))
+        assert sorted(ref) == sorted(params)
+        for name, t in params.items():
+            assert torch.equal(t.view(torch.int16), ref[name].view(torch.int16)), name
+            assert not torch.equal(t.view(torch.int16), v1[name].view(torch.int16)), name
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        sub.close()
+        coord.close()
