@@ -105,8 +105,9 @@ TrainerLayout make_trainer_layout(const HfModelConfig& config, const Mesh& mesh,
 //   local layer index, `decoder.layers.{local}.`; the embedding on the first
 //   stage, decoder.final_layernorm and output_layer on the last.
 // - Errc::invalid_layout where Megatron-Core refuses the configuration
-//   (uneven stages, query groups, heads or FFN rows not divisible by tp,
-//   experts by ep, expert FFN rows by etp, etp x ep not dividing a stage).
+//   (uneven stages, heads or FFN rows not divisible by tp, query groups
+//   neither a multiple nor a divisor of tp, experts not divisible by ep,
+//   expert FFN rows by etp, etp x ep not dividing a stage).
 TrainerLayout make_megatron_layout(const HfModelConfig& config, const MegatronParallel& parallel,
                                    const MegatronOptions& options = {},
                                    std::optional<DType> dtype = std::nullopt);

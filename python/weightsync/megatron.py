@@ -57,8 +57,8 @@ def trainer_layout(model_config: Any, parallel: Optional[str] = None, *, pp: int
     `first_stage_layers` / `last_stage_layers` are
     num_layers_in_first/last_pipeline_stage. `dtype` (a safetensors name,
     "BF16") overrides the config's. Raises weightsync.Error where
-    Megatron-Core refuses the configuration (uneven stages, query groups not
-    divisible by tp, experts not divisible by ep, ...)."""
+    Megatron-Core refuses the configuration (uneven stages, query groups
+    neither a multiple nor a divisor of tp, experts not divisible by ep, ...)."""
     if parallel is None:
         sizes = {"pp": pp, "tp": tp, "dp": dp, "cp": cp, "ep": ep}
         if etp is not None:

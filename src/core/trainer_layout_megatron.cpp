@@ -124,7 +124,9 @@ class Builder {
   }
 
   // Grouped QKV: per query group g, its nh/nkv query heads, then k head g,
-  // then v head g; tensor parallel splits whole groups.
+  // then v head g. Tensor parallel cuts these rows into tp equal blocks:
+  // whole groups when tp divides nkv, a group's rows in tp/nkv blocks when nkv
+  // divides tp (Megatron-Core all-gathers the QKV activations then).
   void qkv(const std::string& name, const std::string& hf, const char* what) {
     const std::string q = hf + "self_attn.q_proj." + what, k = hf + "self_attn.k_proj." + what,
                       v = hf + "self_attn.v_proj." + what;
@@ -132,6 +134,7 @@ class Builder {
     const Shape& qs = shape(q);
     const bool bias = qs.size() == 1;
     const int64_t rows = (c_.num_heads + 2 * nkv) * hd;
+    need_divisible(name, rows, par_.tp, "tp");
     LoadSpec& p = add(name, {q, k, v}, bias ? Shape{rows} : Shape{rows, qs[1]}, on(mesh_.tp, 0, 1));
     p.segments.emplace();
     auto box = [&](int64_t row, int64_t len) {
@@ -146,10 +149,12 @@ class Builder {
   }
 
   void add_gqa(const std::string& hf, const std::string& mg) {
-    if (c_.num_kv_heads % par_.tp != 0 || c_.num_heads % par_.tp != 0)
-      fail(Errc::invalid_layout, "megatron layout: ", c_.num_heads, " query heads in ",
-           c_.num_kv_heads, " groups do not split over tp=", par_.tp,
-           " (Megatron-Core splits whole query groups: num_query_groups % tp == 0)");
+    const int64_t nkv = c_.num_kv_heads, tp = par_.tp;
+    if (c_.num_heads % tp != 0 || (nkv % tp != 0 && tp % nkv != 0))
+      fail(Errc::invalid_layout, "megatron layout: ", c_.num_heads, " query heads in ", nkv,
+           " groups do not split over tp=", tp,
+           " (Megatron-Core needs num_attention_heads % tp == 0 and num_query_groups a multiple"
+           " or a divisor of tp)");
     replicated(mg + "self_attention.linear_qkv.layer_norm_weight", hf + "input_layernorm.weight");
     qkv(mg + "self_attention.linear_qkv.weight", hf, "weight");
     if (has(hf + "self_attn.q_proj.bias")) qkv(mg + "self_attention.linear_qkv.bias", hf, "bias");

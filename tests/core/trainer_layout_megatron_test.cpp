@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <map>
+#include <ostream>
 #include <set>
 
 namespace weightsync {
@@ -46,6 +48,79 @@ void expect_error(const std::function<void()>& f, Errc code, const std::string& 
     EXPECT_EQ(e.code(), code) << e.what();
     EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
   }
+}
+
+// The config with its attention heads changed.
+HfModelConfig with_heads(const std::string& name, int64_t heads, int64_t groups, int64_t head_dim) {
+  nlohmann::json j = model(name).raw;
+  j["num_attention_heads"] = heads;
+  j["num_key_value_heads"] = groups;
+  j["head_dim"] = head_dim;
+  return HfModelConfig::from_json(j);
+}
+
+// A run of rows of a rank's local tensor: local rows [local, local + rows)
+// hold rows [hf, hf + rows) of hf_keys[key].
+struct Rows {
+  int64_t local, key, hf, rows;
+  friend bool operator==(const Rows&, const Rows&) = default;
+};
+
+std::ostream& operator<<(std::ostream& os, const Rows& r) {
+  return os << "{local " << r.local << ", key " << r.key << ", hf " << r.hf << ", rows " << r.rows
+            << "}";
+}
+
+// The rows of `p` that `rank` holds, in local order (whole rows: every piece
+// spans all columns).
+std::vector<Rows> rank_rows(const TrainerLayout& l, const LoadSpec& p, int64_t rank) {
+  std::vector<Rows> out;
+  for (const Piece& x : local_pieces(p, l.mesh, rank)) {
+    for (size_t d = 1; d < x.hf_box.rank(); ++d) {
+      EXPECT_EQ(x.hf_box.offsets[d], 0);
+      EXPECT_EQ(x.hf_box.lengths[d], p.global_shape[d]);
+    }
+    out.push_back({x.local_box.offsets[0], x.key, x.hf_box.offsets[0], x.hf_box.lengths[0]});
+  }
+  std::sort(out.begin(), out.end(), [](const Rows& a, const Rows& b) { return a.local < b.local; });
+  return out;
+}
+
+// Megatron-Core's linear_qkv (a column-parallel linear over the grouped rows:
+// per query group, its query heads, its key head, its value head) on a layout
+// of tp ranks only: tp rank r holds grouped rows [r * R / tp, (r + 1) * R / tp)
+// whatever the number of groups (attention.py, SelfAttention). Checks every
+// local row of every rank against that, and that the ranks hold every row of
+// q, k and v exactly once.
+void expect_megatron_qkv_rows(const TrainerLayout& l, const LoadSpec& p, const HfModelConfig& c,
+                              int64_t tp) {
+  const int64_t hd = c.head_dim, per = c.num_heads / c.num_kv_heads, group = (per + 2) * hd;
+  const int64_t rows = (c.num_heads + 2 * c.num_kv_heads) * hd;
+  ASSERT_EQ(p.global_shape[0], rows);
+  ASSERT_EQ(l.mesh.world(), tp);
+  std::vector<std::vector<int>> seen = {std::vector<int>(c.num_heads * hd),
+                                        std::vector<int>(c.num_kv_heads * hd),
+                                        std::vector<int>(c.num_kv_heads * hd)};
+  for (int64_t r = 0; r < tp; ++r) {
+    SCOPED_TRACE(r);
+    EXPECT_EQ(local_shape(p, l.mesh, r)[0], rows / tp);
+    int64_t next = 0;
+    for (const Rows& x : rank_rows(l, p, r)) {
+      EXPECT_EQ(x.local, next);  // no gap: no padding
+      next = x.local + x.rows;
+      for (int64_t i = 0; i < x.rows; ++i) {
+        const int64_t at = r * rows / tp + x.local + i, g = at / group, o = at % group;
+        const int64_t key = o < per * hd ? 0 : o < (per + 1) * hd ? 1 : 2;
+        const int64_t hf = key == 0 ? g * per * hd + o : g * hd + o - (per + key - 1) * hd;
+        EXPECT_EQ(x.key, key) << "grouped row " << at;
+        EXPECT_EQ(x.hf + i, hf) << "grouped row " << at;
+        ++seen[static_cast<size_t>(x.key)][static_cast<size_t>(x.hf + i)];
+      }
+    }
+    EXPECT_EQ(next, rows / tp);
+  }
+  for (const auto& key : seen)
+    EXPECT_EQ(std::count(key.begin(), key.end(), 1), static_cast<int64_t>(key.size()));
 }
 
 TEST(MegatronLayout, DenseMeshIsPpDpTpInMegatronOrder) {
@@ -149,6 +224,71 @@ TEST(MegatronLayout, VocabPaddingAndGroupedQkv) {
   EXPECT_EQ((*qkv.segments)[5].param_box.offsets[0], 88);
 }
 
+TEST(MegatronLayout, MoreTpRanksThanQueryGroupsSplitEachGroup) {
+  // Qwen3-30B-A3B at tp=8: 32 query heads in 4 groups, head dim 128. A
+  // group's 1280 rows [q x8, k, v] are two ranks' 640: rank 2g holds query
+  // heads 8g..8g+4, rank 2g+1 query heads 8g+5..8g+7, then k and v head g.
+  const HfModelConfig big = model("Qwen3-30B-A3B");
+  ASSERT_EQ(big.num_heads, 32);
+  ASSERT_EQ(big.num_kv_heads, 4);
+  const TrainerLayout l = megatron(big, "tp=8,ep=8,etp=1");
+  const LoadSpec& qkv = find(l, "decoder.layers.0.self_attention.linear_qkv.weight");
+  for (int64_t g = 0; g < 4; ++g) {
+    EXPECT_EQ(rank_rows(l, qkv, 2 * g), (std::vector<Rows>{{0, 0, 1024 * g, 640}}));
+    EXPECT_EQ(rank_rows(l, qkv, 2 * g + 1),
+              (std::vector<Rows>{
+                  {0, 0, 1024 * g + 640, 384}, {384, 1, 128 * g, 128}, {512, 2, 128 * g, 128}}));
+  }
+  expect_megatron_qkv_rows(l, qkv, big, 8);
+  // The q/k norms (head dim wide) are whole on every rank; o_proj is split
+  // by columns as with fewer ranks.
+  EXPECT_TRUE(find(l, "decoder.layers.0.self_attention.q_layernorm.weight").shards.empty());
+  EXPECT_TRUE(find(l, "decoder.layers.0.self_attention.k_layernorm.weight").shards.empty());
+  EXPECT_EQ(local_shape(find(l, "decoder.layers.0.self_attention.linear_proj.weight"), l.mesh, 3),
+            (Shape{big.hidden_size, 32 * 128 / 8}));
+
+  // 2 groups at tp=4 (tiny-llama: 8 heads, head dim 8): a group [q x4, k, v]
+  // is 48 rows, two ranks' 24.
+  const HfModelConfig llama = model("tiny-llama");
+  const TrainerLayout l4 = megatron(llama, "tp=4");
+  const LoadSpec& w = find(l4, "decoder.layers.1.self_attention.linear_qkv.weight");
+  EXPECT_EQ(rank_rows(l4, w, 0), (std::vector<Rows>{{0, 0, 0, 24}}));
+  EXPECT_EQ(rank_rows(l4, w, 1), (std::vector<Rows>{{0, 0, 24, 8}, {8, 1, 0, 8}, {16, 2, 0, 8}}));
+  EXPECT_EQ(rank_rows(l4, w, 2), (std::vector<Rows>{{0, 0, 32, 24}}));
+  EXPECT_EQ(rank_rows(l4, w, 3), (std::vector<Rows>{{0, 0, 56, 8}, {8, 1, 8, 8}, {16, 2, 8, 8}}));
+  expect_megatron_qkv_rows(l4, w, llama, 4);
+  // One group over tp=8: 80 grouped rows, 10 a rank, so the blocks cut
+  // heads: rank 6 holds the last 4 rows of query head 7 and the first 6 of k,
+  // rank 7 the last 2 of k and all of v.
+  const TrainerLayout l8 = megatron(with_heads("tiny-llama", 8, 1, 8), "tp=8");
+  const LoadSpec& one = find(l8, "decoder.layers.0.self_attention.linear_qkv.weight");
+  EXPECT_EQ(rank_rows(l8, one, 6), (std::vector<Rows>{{0, 0, 60, 4}, {4, 1, 0, 6}}));
+  EXPECT_EQ(rank_rows(l8, one, 7), (std::vector<Rows>{{0, 1, 6, 2}, {2, 2, 0, 8}}));
+  expect_megatron_qkv_rows(l8, one, with_heads("tiny-llama", 8, 1, 8), 8);
+
+  // The QKV bias (qwen2: 4 heads in 2 groups, head dim 16) splits as its
+  // weight: rank 2g holds query heads 2g, 2g+1, rank 2g+1 k and v head g.
+  const HfModelConfig qwen2 = model("tiny-qwen2");
+  const TrainerLayout b4 = megatron(qwen2, "tp=4");
+  const LoadSpec& bias = find(b4, "decoder.layers.0.self_attention.linear_qkv.bias");
+  EXPECT_EQ(bias.global_shape, (Shape{128}));
+  EXPECT_EQ(rank_rows(b4, bias, 2), (std::vector<Rows>{{0, 0, 32, 32}}));
+  EXPECT_EQ(rank_rows(b4, bias, 3), (std::vector<Rows>{{0, 1, 16, 16}, {16, 2, 16, 16}}));
+  expect_megatron_qkv_rows(b4, bias, qwen2, 4);
+  expect_megatron_qkv_rows(b4, find(b4, "decoder.layers.0.self_attention.linear_qkv.weight"), qwen2,
+                           4);
+  // And with fewer ranks than groups, whole groups as before.
+  const TrainerLayout q2 = megatron(model("tiny-qwen3"), "tp=2");
+  expect_megatron_qkv_rows(q2, find(q2, "decoder.layers.0.self_attention.linear_qkv.weight"),
+                           model("tiny-qwen3"), 2);
+
+  // Grouped rows that tp does not divide: Megatron-Core's column-parallel
+  // linear refuses them (4 heads of dim 3 in 1 group: 18 rows over tp=4).
+  expect_error([] { megatron(with_heads("tiny-llama", 4, 1, 3), "tp=4"); }, Errc::invalid_layout,
+               "'decoder.layers.0.self_attention.linear_qkv.weight' has 18 rows/columns to split "
+               "over tp=4");
+}
+
 TEST(MegatronLayout, StageLayersFollowMegatronsRules) {
   EXPECT_EQ(megatron_stage_layers(8, 4, {}), (std::vector<int64_t>{2, 2, 2, 2}));
   MegatronOptions o;
@@ -182,7 +322,11 @@ TEST(MegatronLayout, StageLayersFollowMegatronsRules) {
 
 TEST(MegatronLayout, RefusesWhatMegatronRefuses) {
   const HfModelConfig llama = model("tiny-llama");  // 8 heads, 2 kv groups
-  expect_error([&] { megatron(llama, "tp=4"); }, Errc::invalid_layout, "num_query_groups % tp");
+  // 12 heads in 6 groups over tp=4: neither 6 nor 4 divides the other.
+  expect_error([] { megatron(with_heads("tiny-llama", 12, 6, 8), "tp=4"); }, Errc::invalid_layout,
+               "12 query heads in 6 groups do not split over tp=4");
+  expect_error([&] { megatron(llama, "tp=16"); }, Errc::invalid_layout,
+               "8 query heads in 2 groups do not split over tp=16");
   expect_error([&] { megatron(llama, "tp=1,ep=2"); }, Errc::invalid_layout, "needs experts");
   const HfModelConfig moe = model("tiny-qwen3-moe");  // 6 experts, I=32
   expect_error([&] { megatron(moe, "dp=4,ep=4"); }, Errc::invalid_layout, "6 experts");

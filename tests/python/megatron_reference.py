@@ -139,6 +139,8 @@ class _Rank:
                 if q in hf:
                     qkv = grouped_qkv(hf[q], hf[h + f"self_attn.k_proj.{what}"],
                                       hf[h + f"self_attn.v_proj.{what}"], heads, groups)
+                    # Column parallel: tp equal row blocks, also with more tp ranks
+                    # than groups (Megatron all-gathers the QKV activations then).
                     out[m + f"self_attention.linear_qkv.{what}"] = self.tp(qkv)
             if h + "self_attn.q_norm.weight" in hf:
                 out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]

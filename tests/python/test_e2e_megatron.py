@@ -74,6 +74,8 @@ CASES = {
     "llama-pp2-tp2": ("tiny-llama", {"pp": 2, "tp": 2}, "p2p"),
     "qwen3_moe-pp3-tp2-ep2-etp1": ("tiny-qwen3-moe", {"pp": 3, "tp": 2, "ep": 2, "etp": 1},
                                    "broadcast"),
+    # 2 query groups over tp=4: each group's grouped QKV rows on two ranks.
+    "llama-tp4-2-groups": ("tiny-llama", {"pp": 1, "tp": 4}, "p2p"),
 }
 
 

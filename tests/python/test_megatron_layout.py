@@ -27,8 +27,9 @@ FAMILIES = {  # family -> tiny config directory
 MOE = {"qwen3_moe", "mixtral", "deepseek_v3"}
 
 
-def _config(family: str, tp: int, layers: int, tie: bool) -> dict:
-    """A tiny config of `family` whose heads, groups and FFN rows split over tp."""
+def _config(family: str, tp: int, layers: int, tie: bool, groups: int | None = None) -> dict:
+    """A tiny config of `family` whose heads, groups and FFN rows split over tp
+    (`groups` query groups, default tp; fewer than tp: each split in blocks)."""
     with open(os.path.join(model_config(FAMILIES[family]), "config.json")) as f:
         c = json.load(f)
     c["num_hidden_layers"] = layers
@@ -41,7 +42,7 @@ def _config(family: str, tp: int, layers: int, tie: bool) -> dict:
         c["moe_intermediate_size"] = 16
         c["first_k_dense_replace"] = 1
     else:
-        c["num_attention_heads"], c["num_key_value_heads"] = 2 * tp, tp
+        c["num_attention_heads"], c["num_key_value_heads"] = 2 * tp, groups or tp
         c["hidden_size"] = 48
         c.pop("head_dim", None)  # hidden / heads
         if family in ("qwen3", "qwen3_moe"):
@@ -135,6 +136,17 @@ FIXED_CASES = {
     "llama-pp3-empty-middle-stage": {"family": "llama", "layers": 4, "tie": True,
                                      "opts": {"first": 2, "last": 2},
                                      "sizes": {"pp": 3, "tp": 2, "dp": 1}},
+    # More tp ranks than query groups (Megatron-Core >= 0.16): each group's
+    # grouped QKV rows (and bias) in tp/groups blocks; blocks cut heads.
+    "llama-tp4-1-group": {"family": "llama", "layers": 2, "tie": False, "opts": {}, "groups": 1,
+                          "sizes": {"pp": 1, "tp": 4, "dp": 1}},
+    "qwen2-tp2-dp2-1-group": {"family": "qwen2", "layers": 2, "tie": True, "opts": {},
+                              "groups": 1, "sizes": {"pp": 1, "tp": 2, "dp": 2}},
+    "qwen3-pp2-tp4-2-groups": {"family": "qwen3", "layers": 2, "tie": False, "opts": {},
+                               "groups": 2, "sizes": {"pp": 2, "tp": 4, "dp": 1}},
+    "qwen3_moe-tp4-ep2-2-groups": {"family": "qwen3_moe", "layers": 2, "tie": False, "opts": {},
+                                   "groups": 2,
+                                   "sizes": {"pp": 1, "tp": 4, "dp": 1, "ep": 2, "etp": 1}},
 }
 
 
@@ -144,7 +156,8 @@ def test_shard_equals_the_reference_on_fixed_meshes(tmp_path, name):
 
 
 def _check_every_rank(tmp_path, case: dict) -> None:
-    config = _config(case["family"], case["sizes"]["tp"], case["layers"], case["tie"])
+    config = _config(case["family"], case["sizes"]["tp"], case["layers"], case["tie"],
+                     case.get("groups"))
     config_path = str(tmp_path / "config.json")
     with open(config_path, "w") as f:
         json.dump(config, f)
