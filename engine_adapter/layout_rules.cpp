@@ -3,9 +3,7 @@
 // - vLLM stacks q/k/v into qkv_proj and gate/up into gate_up_proj
 //   (stacked_params_mapping in models/llama.py, qwen2.py, ...), keeps norms,
 //   routers and q_norm/k_norm replicated, and fuses routed experts into
-//   experts.routed_experts.w13_weight / w2_weight (vLLM >= 0.32: FusedMoE holds
-//   them in its RoutedExperts submodule; make_expert_params_mapping); SGLang
-//   into experts.w13_weight / experts.w2_weight.
+//   experts.w13_weight / experts.w2_weight (FusedMoE.make_expert_params_mapping).
 // - MLA with q_lora_rank: vLLM merges q_a_proj and kv_a_proj_with_mqa into
 //   fused_qkv_a_proj (replicated); SGLang names the same fusion
 //   fused_qkv_a_proj_with_mqa.
@@ -165,16 +163,15 @@ std::string_view split_name(Split split) {
 namespace {
 
 // The fused-experts rules of each MoE layer, keyed by the first gate key.
-std::map<std::string, std::vector<Rule>> expert_rules(const EngineConfig& config) {
+std::map<std::string, std::vector<Rule>> expert_rules(const HfModelConfig& hf) {
   std::map<std::string, std::vector<Rule>> out;
-  const char* fused = config.framework == "vllm" ? "experts.routed_experts." : "experts.";
-  for (const auto& layer : hf_moe_layers(config.hf)) {
+  for (const auto& layer : hf_moe_layers(hf)) {
     const std::string& first = layer.gate.front();
     // The engine keeps the HF block name: "mlp." or Mixtral's "block_sparse_moe.".
-    const std::string block = first.substr(0, first.find("experts.")) + fused;
-    Rule w13{block + "w13_weight", Split::experts_w13, layer.gate};
+    const std::string block = first.substr(0, first.find("experts."));
+    Rule w13{block + "experts.w13_weight", Split::experts_w13, layer.gate};
     w13.keys.insert(w13.keys.end(), layer.up.begin(), layer.up.end());
-    Rule w2{block + "w2_weight", Split::experts_w2, layer.down};
+    Rule w2{block + "experts.w2_weight", Split::experts_w2, layer.down};
     out[first] = {std::move(w13), std::move(w2)};
   }
   return out;
@@ -186,7 +183,7 @@ std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
                             const std::vector<HfTensorSpec>& tensors) {
   std::vector<Rule> rules;
   std::set<std::string> consumed;
-  auto experts = expert_rules(config);
+  auto experts = expert_rules(config.hf);
   for (const auto& layer : hf_moe_layers(config.hf)) {
     for (const auto* list : {&layer.gate, &layer.up, &layer.down})
       for (const auto& k : *list)

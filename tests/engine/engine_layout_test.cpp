@@ -91,14 +91,14 @@ TEST(EngineLayout, ExpertPlacementLinearVsRoundRobin) {
   const auto l = make_engine_layout(rr);
   const std::string pre = "model.layers.2.mlp.experts.";
   // With EP, MoE tp is 1: whole experts, I = 32.
-  const auto& w13 = param(l, 1, "model.layers.2.mlp.experts.routed_experts.w13_weight");
+  const auto& w13 = param(l, 1, "model.layers.2.mlp.experts.w13_weight");
   EXPECT_EQ(w13.shape, (Shape{2, 64, 64}));
   ASSERT_EQ(w13.segments.size(), 4u);
   expect_segment(w13, 2, pre + "5.gate_proj.weight", Box{{0, 0}, {32, 64}},
                  Box{{1, 0, 0}, {1, 32, 64}});
   expect_segment(w13, 3, pre + "5.up_proj.weight", Box{{0, 0}, {32, 64}},
                  Box{{1, 32, 0}, {1, 32, 64}});
-  const auto& w2 = param(l, 3, "model.layers.2.mlp.experts.routed_experts.w2_weight");
+  const auto& w2 = param(l, 3, "model.layers.2.mlp.experts.w2_weight");
   EXPECT_EQ(w2.shape, (Shape{1, 64, 32}));
   expect_segment(w2, 0, pre + "3.down_proj.weight", Box{{0, 0}, {64, 32}},
                  Box{{0, 0, 0}, {1, 64, 32}});
@@ -154,7 +154,7 @@ TEST(EngineLayout, MlaFusedQkvAProjAndSplits) {
   expect_segment(shared, 1, "model.layers.2.mlp.shared_experts.up_proj.weight",
                  Box{{16, 0}, {16, 64}}, Box{{16, 0}, {16, 64}});
   EXPECT_EQ(param(layout, 0, "model.layers.0.mlp.gate_up_proj.weight").shape, (Shape{96, 64}));
-  EXPECT_FALSE(has_param(layout, 0, "model.layers.0.mlp.experts.routed_experts.w13_weight"));
+  EXPECT_FALSE(has_param(layout, 0, "model.layers.0.mlp.experts.w13_weight"));
   // SGLang names the fusion fused_qkv_a_proj_with_mqa.
   const auto sg = make_engine_layout(engine("tiny-deepseek-v3", 2, false, "linear", "sglang"));
   EXPECT_TRUE(has_param(sg, 0, a + "fused_qkv_a_proj_with_mqa.weight"));
@@ -186,12 +186,11 @@ TEST(EngineLayout, MixtralAndQwen2MoeNames) {
   const auto mix = make_engine_layout(engine("tiny-mixtral", 2));
   const std::string b = "model.layers.1.block_sparse_moe.";
   EXPECT_EQ(param(mix, 0, b + "gate.weight").shape, (Shape{6, 64}));
-  const auto& w13 = param(mix, 0, b + "experts.routed_experts.w13_weight");
+  const auto& w13 = param(mix, 0, b + "experts.w13_weight");
   EXPECT_EQ(w13.shape, (Shape{6, 64, 64}));
   EXPECT_EQ(w13.segments[0].hf_key, b + "experts.0.w1.weight");
   EXPECT_EQ(w13.segments[1].hf_key, b + "experts.0.w3.weight");
-  EXPECT_EQ(param(mix, 0, b + "experts.routed_experts.w2_weight").segments[0].hf_key,
-            b + "experts.0.w2.weight");
+  EXPECT_EQ(param(mix, 0, b + "experts.w2_weight").segments[0].hf_key, b + "experts.0.w2.weight");
 
   const auto q2 = make_engine_layout(engine("tiny-qwen2-moe", 2));
   const std::string m = "model.layers.0.mlp.";

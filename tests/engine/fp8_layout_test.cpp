@@ -123,7 +123,7 @@ TEST(Fp8Layout, LlamaWeightsAndScales) {
 TEST(Fp8Layout, MoeExpertsWithAndWithoutExpertParallel) {
   for (bool ep : {false, true}) {
     const EngineLayout l = layout_of(fp8_engine("tiny-fp8-qwen3-moe", 4, ep));
-    const std::string e = "model.layers.0.mlp.experts.routed_experts.";
+    const std::string e = "model.layers.0.mlp.experts.";
     const EngineParam& w13 = param(l, 3, e + "w13_weight");
     const EngineParam& w2 = param(l, 3, e + "w2_weight");
     EXPECT_EQ(w13.dtype, DType::F8_E4M3);

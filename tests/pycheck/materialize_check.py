@@ -148,7 +148,7 @@ def expert_ids(E, ep, r, placement):
     return list(range(start, start + base + (1 if r < rem else 0)))
 
 
-def vllm_rank(m, hf, tp, r, ep_on, placement, order, unit=1, framework="vllm"):
+def vllm_rank(m, hf, tp, r, ep_on, placement, order, unit=1):
     """Engine rank r's params as vLLM's loaders build them. With unit=128 the
     HF arrays are FP8 scale tensors (one entry per 128 x 128 block) and the
     params come out in block space, as the loaders compose scales."""
@@ -211,10 +211,8 @@ def vllm_rank(m, hf, tp, r, ep_on, placement, order, unit=1, framework="vllm"):
             u = rows(hf[blk + f"experts.{e}.{names[1]}.weight"], mr, mtp)
             w13.append(np.concatenate([u, g] if order == "w31" else [g, u]))
             w2.append(cols(hf[blk + f"experts.{e}.{names[2]}.weight"], mr, mtp))
-        # vLLM >= 0.32 holds the fused experts in FusedMoE's routed_experts.
-        fused = blk + ("experts.routed_experts." if framework == "vllm" else "experts.")
-        out[fused + "w13_weight"] = np.stack(w13)
-        out[fused + "w2_weight"] = np.stack(w2)
+        out[blk + "experts.w13_weight"] = np.stack(w13)
+        out[blk + "experts.w2_weight"] = np.stack(w2)
         if m.type == "deepseek_v3":
             out[blk + "gate.e_score_correction_bias"] = hf[blk + "gate.e_score_correction_bias"]
             mlp(p + "mlp.shared_experts.", p + "mlp.shared_experts.")
@@ -270,8 +268,7 @@ def main():
                 if res.returncode != 0:
                     print(f"{what} rank {r}: materialize failed: {res.stderr}")
                     return 1
-                got = read_safetensors(out)
-                want = vllm_rank(m, hf, tp, r, ep_on, placement, order, framework=framework)
+                got, want = read_safetensors(out), vllm_rank(m, hf, tp, r, ep_on, placement, order)
                 if set(got) != set(want):
                     print(f"{what} rank {r}: names differ\n  only ours: {sorted(set(got) - set(want))}\n"
                           f"  only reference: {sorted(set(want) - set(got))}")
