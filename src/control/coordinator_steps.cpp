@@ -4,11 +4,14 @@
 // begin_step arrives; members joining later wait for the next step. The step
 // is decided as soon as the outcome is known: at once when a trainer fails or
 // dies (every engine aborts), otherwise once every trainer reported sent ok
-// and no engine is still pending (acked, failed, died, or timed out).
+// and no engine is still pending (acked, failed, died, or timed out). A
+// replica commits whole or not at all: a rank that failed aborts the step on
+// every rank of its replica.
 #include "coordinator_state.h"
 #include "metrics.h"
 
 #include <algorithm>
+#include <map>
 
 namespace weightsync::control {
 namespace {
@@ -244,9 +247,36 @@ void CoordinatorState::decide() {
   for (const auto& [id, p] : s.engines) engines.push_back(&p);
   std::sort(engines.begin(), engines.end(),
             [](auto* a, auto* b) { return a->member.rank < b->member.rank; });
+  // A replica commits whole or not at all: its ranks serve one model
+  // together, so one rank that failed (or died, or did not ack) aborts the
+  // step on every rank of its replica, which keep their previous version.
+  // (An engine that named no replica is a replica of its own.)
+  auto replica_of = [](const Member& m) { return m.replica >= 0 ? m.replica : -1 - m.rank; };
+  std::map<int, std::string> replica_failure;
+  for (const Participant* p : engines) {
+    if (p->outcome == Outcome::ok && conns_.count(p->conn) > 0) continue;
+    std::string& why = replica_failure[replica_of(p->member)];
+    if (why.empty())
+      why = p->outcome == Outcome::pending ? cat(who(p->member), " did not ack")
+            : p->reason.empty()            ? cat(who(p->member), " failed")
+                                           : p->reason;
+  }
   Json committed = Json::array(), failed = Json::array();
   for (const Participant* p : engines) {
     const bool alive = conns_.count(p->conn) > 0;
+    const auto replica_failed = replica_failure.find(replica_of(p->member));
+    if (trainers_ok && p->outcome == Outcome::ok && alive &&
+        replica_failed != replica_failure.end()) {
+      // Acked ok, but another rank of its replica did not.
+      const std::string reason =
+          cat("replica ", p->member.replica, " aborts whole: ", replica_failed->second);
+      Json abort = wire::make(Kind::abort);
+      abort["step"] = s.step;
+      abort["reason"] = reason;
+      outbox_.send(p->conn, abort);
+      failed.push_back(Json{{"rank", p->member.rank}, {"reason", reason}});
+      continue;
+    }
     if (trainers_ok && p->outcome == Outcome::ok && alive) {
       Json commit = wire::make(Kind::commit);
       commit["step"] = s.step;

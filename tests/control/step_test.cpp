@@ -109,6 +109,49 @@ TEST(Steps, AnEngineDyingMidStepDoesNotStopTheOthersFromCommitting) {
   EXPECT_EQ(expect_event<Commit>(*job.engines[2]).step, 1);
 }
 
+// A replica serves one model from all its ranks: one rank failing (or dying)
+// aborts the step on every rank of its replica; other replicas commit.
+TEST(Steps, AReplicaCommitsWholeOrNotAtAll) {
+  Coordinator coord(fast_coordinator());
+  Client trainer(client_of(coord, Role::trainer, 0, 1));
+  std::vector<std::unique_ptr<Client>> engines;
+  for (int r = 0; r < 4; ++r) {  // replicas of tp=2: ranks 0,1 -> 0; 2,3 -> 1
+    ClientOptions o = client_of(coord, Role::engine, r, 4);
+    o.replica = r / 2;
+    engines.push_back(std::make_unique<Client>(o));
+  }
+  trainer.begin_step(3, "plan-1");
+  for (auto& e : engines) EXPECT_EQ(expect_event<StepBegin>(*e).step, 3);
+  engines[0]->ack({3, true, 10, 1, ""});
+  engines[1]->ack({3, false, 0, 0, "bucket 2 never arrived"});
+  engines[2]->ack({3, true, 10, 1, ""});
+  engines[3]->ack({3, true, 10, 1, ""});
+  trainer.sent(3, true);
+  const Abort a0 = expect_event<Abort>(*engines[0]);  // acked ok, its replica did not
+  EXPECT_NE(a0.reason.find("replica 0"), std::string::npos) << a0.reason;
+  EXPECT_NE(a0.reason.find("bucket 2 never arrived"), std::string::npos) << a0.reason;
+  EXPECT_EQ(expect_event<Abort>(*engines[1]).step, 3);
+  EXPECT_EQ(expect_event<Commit>(*engines[2]).step, 3);
+  EXPECT_EQ(expect_event<Commit>(*engines[3]).step, 3);
+  const StepResult r = trainer.wait_step_result(3, 20s);
+  EXPECT_EQ(r.committed, (std::vector<int>{2, 3}));
+  ASSERT_EQ(r.failed.size(), 2u);
+  EXPECT_EQ(coord.committed_version(0), -1);
+  EXPECT_EQ(coord.committed_version(2), 3);
+  // A rank that dies: the rest of its replica aborts too.
+  trainer.begin_step(4, "plan-1");
+  for (auto& e : engines) EXPECT_EQ(expect_event<StepBegin>(*e).step, 4);
+  engines[0]->ack({4, true, 10, 1, ""});
+  engines[1]->ack({4, true, 10, 1, ""});
+  engines[2]->ack({4, true, 10, 1, ""});
+  engines[3].reset();
+  trainer.sent(4, true);
+  EXPECT_EQ(expect_event<Commit>(*engines[0]).step, 4);
+  EXPECT_EQ(expect_event<Commit>(*engines[1]).step, 4);
+  EXPECT_NE(expect_event<Abort>(*engines[2]).reason.find("replica 1"), std::string::npos);
+  EXPECT_EQ(trainer.wait_step_result(4, 20s).committed, (std::vector<int>{0, 1}));
+}
+
 // begin_step names the step's engines with their member ids: a rank whose
 // process left is absent, and a new process for it comes with a new id.
 TEST(Steps, BeginStepNamesTheStepsEnginesAndNewProcesses) {

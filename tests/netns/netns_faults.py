@@ -334,6 +334,7 @@ class Job:
         for s in trainer["mesh"]["shape"]:
             self.trainers *= s
         engine = json.load(open(job["engine"]))
+        self.tp = engine["tp"]
         self.engines = engine["tp"] * engine["replicas"]
         self.coord_host = net.host("c")
         self.trainer_hosts = [net.host(f"t{t}") for t in range(self.trainers)]
@@ -438,6 +439,30 @@ def bad_checks(stats):
 
 
 
+def outside_replica(job, victim):
+    """The engine ranks of the other replicas (a step commits on a replica
+    whole or not at all, so the victim's replica-mates abort with it)."""
+    return [g for g in range(job.engines) if g // job.tp != victim // job.tp]
+
+
+def replica_mates(job, victim):
+    return [g for g in range(job.engines) if g != victim and g // job.tp == victim // job.tp]
+
+
+def check_mates_follow(job, victim):
+    """The victim's replica-mates commit what their replica commits whole:
+    every step in which the victim committed or took no part (its process
+    gone), none in which it failed (trainer 0's rows say which), bit-exact."""
+    rows = trainer_steps(job, 0)
+    check_engines_verified(job, replica_mates(job, victim))
+    want = [s for s, r in sorted(rows.items())
+            if victim in r["committed"] or all(f["rank"] != victim for f in r["failed"])]
+    for g in replica_mates(job, victim):
+        done = committed_steps(job.stats("engine", g))
+        expect(done == want, f"engine {g} (replica of {victim}) committed {done}, expected {want} "
+               f"(the steps the victim did not fail): {rows}")
+
+
 def check_engines_verified(job, engines, skip=()):
     for g in engines:
         if g in skip:
@@ -458,7 +483,8 @@ def trainer_steps(job, t):
 
 def scenario_engine_link_cut(cli, work):
     """An engine's link is cut in the middle of a step's transfer: the other
-    engines commit that step and the ones after; no process hangs; once the
+    replicas commit that step and the ones after (its replica-mate aborts the
+    steps the victim fails in); no process hangs; once the
     link is back the cut engine's process ends (its coordinator connection is
     gone) and, started again on its host as a supervisor would, rejoins and
     is bit-exact on every later step."""
@@ -498,9 +524,10 @@ def scenario_engine_link_cut(cli, work):
         rows = trainer_steps(job, 0)
         expect(sorted(rows) == list(range(1, steps + 1)) and all(r["ok"] for r in rows.values()),
                f"trainer 0 steps: {rows}")
-        others = [g for g in range(job.engines) if g != victim]
+        others = outside_replica(job, victim)
         for s, r in rows.items():
             expect(set(others) <= set(r["committed"]), f"step {s}: committed {r['committed']}")
+        check_mates_follow(job, victim)
         dropped = [s for s, r in rows.items() if victim not in r["committed"]]
         expect(2 in dropped, f"the cut step 2 committed on engine {victim}: {rows[2]}")
         reasons = [f["reason"] for f in rows[2]["failed"] if f["rank"] == victim]
@@ -523,7 +550,8 @@ def scenario_engine_link_cut(cli, work):
 
 
 def scenario_engine_link_lost(cli, work):
-    """An engine's link goes down for good: the others commit every step;
+    """An engine's link goes down for good: the other replicas commit every
+    step (its replica-mate aborts the step it was cut in, with it);
     the cut engine's process does not wait on TCP's retransmissions (many
     minutes) but ends on its own once its coordinator connection has gone
     unacknowledged for ClientOptions::link_timeout (10 s)."""
@@ -546,11 +574,12 @@ def scenario_engine_link_lost(cli, work):
         codes = job.wait(list(job.workers), 60)
         bad = {k: c for k, c in codes.items() if c != 0 and k != f"engine{victim}"}
         expect(not bad, f"processes failed or hang: {bad}")
-        others = [g for g in range(job.engines) if g != victim]
+        others = outside_replica(job, victim)
         check_engines_verified(job, others)
         for g in others:
             done = committed_steps(job.stats("engine", g))
             expect(done == list(range(1, steps + 1)), f"engine {g} committed {done}")
+        check_mates_follow(job, victim)
 
 
 def scenario_coordinator_partition(cli, work):
@@ -604,8 +633,8 @@ def scenario_coordinator_partition(cli, work):
 def scenario_engine_partition(cli, work):
     """The coordinator and one engine lose each other in the middle of a
     step (routes blackholed both ways; the engine still reaches the trainers):
-    the coordinator drops it and the other engines commit that step and the
-    rest; the cut-off engine commits nothing it was not told to, its params
+    the coordinator drops it and the other replicas commit that step and the
+    rest (its replica-mate aborts with it); the cut-off engine commits nothing it was not told to, its params
     are exactly the version it holds (staging), and its process ends within
     the step's timeout instead of waiting on the coordinator."""
     steps, victim, cut_step = 5, 2, 2
@@ -628,12 +657,13 @@ def scenario_engine_partition(cli, work):
         bad = {k: c for k, c in codes.items() if c != 0 and k != f"engine{victim}"}
         expect(not bad, f"processes failed or hang: {bad}: "
                + "".join(job.log_tail(k) for k in bad))
-        others = [g for g in range(job.engines) if g != victim]
+        others = outside_replica(job, victim)
         check_engines_verified(job, others)
         for g in others:
             done = committed_steps(job.stats("engine", g))
             expect(done == list(range(1, steps + 1)), f"engine {g} committed {done}")
         rows = trainer_steps(job, 0)
+        check_mates_follow(job, victim)
         expect(victim not in rows[cut_step]["committed"],
                f"step {cut_step} committed on the partitioned engine {victim}: {rows[cut_step]}")
         st = job.stats("engine", victim)
