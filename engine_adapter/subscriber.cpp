@@ -82,6 +82,10 @@ struct Subscriber::Impl {
   // The plan for `replicas` and a receive pipeline for it, unless the
   // current plan is for them already.
   void use_plan(const std::vector<int>& replicas);
+  // A static job's step under a plan this rank does not have: the plan
+  // trainer rank 0 publishes now (a new trainer process took rank 0 with
+  // other options), adopted when it is the step's; else adopt_error says why.
+  void follow_published_plan(const control::StepBegin& begin);
   pipeline::RankMemory weights_memory() const;
   void open_arena(const Plan& plan);
   void deliver(size_t k);
@@ -196,6 +200,31 @@ void Subscriber::Impl::use_plan(const std::vector<int>& replicas) {
   Plan p = make_plan(*trainer, engine, Topology{}, o);
   build_receiver(p);
   plan = std::move(p);
+}
+
+void Subscriber::Impl::follow_published_plan(const control::StepBegin& begin) {
+  if (elastic || !trainer || (plan && begin.plan_id == plan->plan_id_hex())) return;
+  const std::string who = cat("engine rank ", global);
+  try {
+    pipeline::PublishedPlan now =
+        pipeline::fetch_published_plan(*client, opt.job, who, opt.connect_timeout);
+    if (now.trainer.mesh.world() != trainer->mesh.world())
+      fail(Errc::unsupported, "the trainers are now ", now.trainer.mesh.world(), " ranks, were ",
+           trainer->mesh.world(), " (a job keeps its trainer world)");
+    Plan p = make_plan(now.trainer, engine, Topology{}, now.options);
+    if (p.plan_id_hex() != begin.plan_id)
+      fail(Errc::mismatch, "trainer rank 0 publishes plan ", p.plan_id_hex(), ", not the step's");
+    plan.reset();
+    trainer = std::move(now.trainer);
+    plan_options = now.options;
+    wire = now.wire;
+    build_receiver(p);
+    plan = std::move(p);
+  } catch (const Error& e) {
+    adopt_error = cat(who, ": step ", begin.step, " uses plan ", begin.plan_id,
+                      ", this engine has plan ", plan ? plan->plan_id_hex() : std::string("none"),
+                      ", and taking the job's current one failed: ", e.what());
+  }
 }
 
 pipeline::RankMemory Subscriber::Impl::weights_memory() const {
@@ -539,6 +568,7 @@ std::optional<StepOutcome> Subscriber::run_step(std::chrono::milliseconds wait) 
     if (auto* begin = std::get_if<control::StepBegin>(&*ev)) {
       m.adopt_error.clear();
       m.follow_trainers();
+      m.follow_published_plan(*begin);
       if (begin->replicas) {
         // Elastic replicas: a step that does not serve this rank's replica
         // is not its business (it keeps its version); one that does brings

@@ -117,6 +117,21 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
 
 }  // namespace
 
+PublishedPlan fetch_published_plan(control::Client& client, const std::string& job,
+                                   const std::string& who, std::chrono::milliseconds wait) {
+  SetupSpec spec;
+  spec.who = who;
+  spec.job = job;
+  const auto deadline = Clock::now() + wait;
+  PublishedPlan out{
+      TrainerLayout::from_json(fetch_json(client, spec, "layout/trainer", deadline)), {}, {}};
+  const nlohmann::json po = fetch_json(client, spec, "plan_options", deadline);
+  out.wire = WireOptions::from_json(po.is_object() ? po.value("wire", nlohmann::json::object())
+                                                   : nlohmann::json::object());
+  out.options = plan_options_of(po, spec);
+  return out;
+}
+
 std::string memory_str(MemoryKind memory, int device) {
   return memory == MemoryKind::host ? std::string("host memory") : cat("CUDA device ", device);
 }

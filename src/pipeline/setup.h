@@ -81,6 +81,17 @@ struct DataPath {
 // weightsync::Error naming `who` (malformed JSON in the store included).
 DataPath open_data_path(control::Client& client, const SetupSpec& spec);
 
+// What trainer rank 0 publishes in the job's store now: a trainer process
+// that took rank 0 over publishes its own layout and plan options, which may
+// differ from its predecessor's (another bucket size, say).
+struct PublishedPlan {
+  TrainerLayout trainer;
+  PlanOptions options;
+  WireOptions wire;
+};
+PublishedPlan fetch_published_plan(control::Client& client, const std::string& job,
+                                   const std::string& who, std::chrono::milliseconds wait);
+
 // Registers `transport`'s progress with the client's waits (a decision, a
 // store key, an event), so that a rank blocked there still completes what
 // its transport owes its peers (Client::while_waiting). Errors are left to

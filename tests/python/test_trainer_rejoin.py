@@ -1,8 +1,8 @@
 """A trainer process killed in the middle of a step, and a new process that
 takes its rank in the same job: the engine keeps its version through the
 killed step, reconnects to the new process (over UCX, shared memory or TCP:
-a new endpoint to the new worker address) and commits the next step bit for
-bit."""
+a new endpoint to the new worker address), takes the plan the new process
+publishes (its buckets differ) and commits the next step bit for bit."""
 
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ def _tensors(layout: dict, seed: int) -> dict:
 
 
 def _trainer(address: str, layout: dict, steps: list, die_in_last: bool, transport: str,
-             results) -> None:
+             bucket_bytes: int, results) -> None:
     """Pushes `steps` (step k carries the tensors of seed k); with
     `die_in_last`, SIGKILLs itself one second into the last push."""
     with ws.Publisher(coordinator=address, rank=0, layout=layout, engine=ENGINE,
-                      transport=transport, bucket_bytes=16 << 10, step_timeout=20.0) as pub:
+                      transport=transport, bucket_bytes=bucket_bytes, step_timeout=20.0) as pub:
         held = _tensors(layout, 0)
         for name, t in held.items():
             pub.register(name, t)
@@ -72,7 +72,8 @@ def test_a_new_trainer_process_takes_the_rank_of_a_killed_one(tmp_path, monkeypa
     try:
         # Trainer A: step 1 commits; step 2 is slow (delayed sends) and A dies in it.
         a = ctx.Process(target=_trainer, args=(coord.address, layout, [1, 2], True,
-                                               f"fault:{transport}?delay_ms=300", results))
+                                               f"fault:{transport}?delay_ms=300", 16 << 10,
+                                               results))
         procs.append(a)
         a.start()
         out = sub.run_step(timeout=60.0)
@@ -85,9 +86,10 @@ def test_a_new_trainer_process_takes_the_rank_of_a_killed_one(tmp_path, monkeypa
         assert sub.version == 1
         for name, t in params.items():  # the killed step left the version whole
             assert torch.equal(t.view(torch.int16), v1[name].view(torch.int16)), name
-        # Trainer B: a new process as rank 0 of the same job.
+        # Trainer B: a new process as rank 0 of the same job, with other
+        # buckets (another plan: the engine takes the one B publishes).
         b = ctx.Process(target=_trainer, args=(coord.address, layout, [3], False, transport,
-                                               results))
+                                               1 << 20, results))
         procs.append(b)
         b.start()
         out = sub.run_step(timeout=60.0)
