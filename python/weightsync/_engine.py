@@ -123,7 +123,8 @@ class EngineSync:
     def __init__(self, model: Any, coordinator: Any, engine: Any, replica: int, rank: int,
                  mode: str = "direct", post_load: Optional[Callable[[int], Any]] = None,
                  strict: bool = True, protocol: Optional[UpdateProtocol] = None,
-                 keep_previous: bool = True, **subscriber_options: Any):
+                 keep_previous: bool = True, aliases: Optional[dict] = None,
+                 **subscriber_options: Any):
         if mode not in MODES:
             raise Error("invalid_argument", f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.model = model
@@ -149,7 +150,12 @@ class EngineSync:
         self._failed = False        # this step already failed on this rank
         self._restored: Optional[tuple] = None  # (failed step, what was restored), last one
         if mode == "direct":
-            if protocol is None:
+            if protocol is None and aliases:
+                # Layout names the engine holds under other names (aliases:
+                # {layout name: the model's name}), registered one by one.
+                for name, _, _ in self.sub.params():
+                    self.sub.register(name, model.get_parameter(aliases.get(name, name)))
+            elif protocol is None:
                 self.sub.register_module(model, strict=strict)
             else:
                 self._stage_engine_params()

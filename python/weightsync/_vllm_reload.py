@@ -81,8 +81,9 @@ class VllmReload(UpdateProtocol):
     """
 
     def __init__(self, model: Any, model_config: Any, vllm_config: Any = None,
-                 load_kind: str = "hf"):
+                 load_kind: str = "hf", aliases: Optional[dict] = None):
         self.model = model
+        self.aliases = aliases or {}
         self.model_config = model_config
         self.vllm_config = vllm_config
         self.load_kind = load_kind
@@ -160,7 +161,8 @@ class VllmReload(UpdateProtocol):
                         f"tensors of the engine's layout ({e}); use mode 'load_weights' with an "
                         "engine group of framework 'hf'") from None
         targets = []
-        for name, tensor in batch:
+        for layout_name, tensor in batch:
+            name = self.aliases.get(layout_name, layout_name)
             module_name, _, param_name = name.rpartition(".")
             layer = self.model.get_submodule(module_name)
             param = getattr(layer, param_name, None)
@@ -276,6 +278,24 @@ def inplace_blockers(model: Any) -> list:
     return reasons
 
 
+def table_aliases(model: Any, names: Iterable[str]) -> dict:
+    """{layout name: vLLM's name} for the names of weightsync's "vllm" table
+    that this vLLM holds elsewhere: vLLM >= 0.32 nests FusedMoE's fused
+    experts in a RoutedExperts submodule (`mlp.experts.routed_experts.
+    w13_weight`), where the table (and older vLLMs) say `mlp.experts.
+    w13_weight`."""
+    have = {n for n, _ in model.named_parameters()}
+    out = {}
+    for name in names:
+        if name in have:
+            continue
+        module, _, pname = name.rpartition(".")
+        nested = f"{module}.routed_experts.{pname}"
+        if module.endswith(".experts") and nested in have:
+            out[name] = nested
+    return out
+
+
 def _single_group(engine: Any) -> dict:
     import json
 
@@ -329,12 +349,18 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
                           keep_previous=keep_previous, **options)
     if mode != "direct":
         raise Error("invalid_argument", f"mode {mode!r}: expected 'direct' or 'load_weights'")
+    aliases = {}
+    if framework == "vllm":
+        from ._api import engine_params
+
+        aliases = table_aliases(model, [p.name for p in engine_params(engine, replica, rank)])
     blockers = inplace_blockers(model)
     if not blockers:
         # In place; staging keeps a failed step from showing (the copy is
         # published at commit).
         options.setdefault("staging", True)
-        return EngineSync(model, coordinator, engine, replica, rank, mode=mode, **options)
+        return EngineSync(model, coordinator, engine, replica, rank, mode=mode, aliases=aliases,
+                          **options)
     if not _warned_fallback:
         _warned_fallback = True
         more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
@@ -343,7 +369,7 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
                "each committed step is received into private tensors and then reloaded "
                "through the engine")
         logger.warning(msg)
-    protocol = VllmReload(model, model_config, vllm_config, load_kind="engine")
+    protocol = VllmReload(model, model_config, vllm_config, load_kind="engine", aliases=aliases)
     options.pop("staging", None)  # the private tensors are the staging copy
     sync = EngineSync(model, coordinator, engine, replica, rank, mode=mode, protocol=protocol,
                       keep_previous=keep_previous, **options)

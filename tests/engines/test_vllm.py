@@ -339,7 +339,16 @@ def _static_table(eng: Engine, tmp_path) -> list:
                            vs.engine_config(eng.versions[0], "vllm", eng.tp))
     out = subprocess.run([ws.cli_path(), "engine-layout", "--engine", config, "--json"],
                          check=True, capture_output=True, text=True).stdout
-    return [_by_name(r) for r in json.loads(out)["ranks"]]
+    # The table keeps the names of its contract (vLLM < 0.32: the fused
+    # experts are mlp.experts.w13_weight / w2_weight); vLLM 0.32 nests them
+    # in routed_experts, which weightsync.vllm resolves (table_aliases).
+    ranks = json.loads(out)["ranks"]
+    for r in ranks:
+        for p in r["params"]:
+            head, _, last = p["name"].rpartition(".")
+            if head.endswith(".experts") and last in ("w13_weight", "w2_weight"):
+                p["name"] = f"{head}.routed_experts.{last}"
+    return [_by_name(r) for r in ranks]
 
 
 @pytest.mark.parametrize("which", ["dense1", "moe2"])
@@ -373,8 +382,9 @@ def test_family_without_table_syncs_through_the_derived_layout(phi3_2):
 
 
 def test_direct_mode_moe_tp2(moe2):
-    # The "vllm" table's fused experts (experts.routed_experts.w13_weight /
-    # w2_weight, each rank's slice of every expert) in vLLM's loading form,
-    # then vLLM's reload pads and prepacks them for its CPU experts.
+    # The "vllm" table's fused experts (experts.w13_weight / w2_weight, which
+    # vLLM 0.32 holds as experts.routed_experts.*: resolved by name), each
+    # rank's slice of every expert in vLLM's loading form; vLLM's reload then
+    # pads and prepacks them for its CPU experts.
     infos = _extension_steps(moe2, "vllm", steps=1)
     assert [i["mode"] for i in infos] == ["direct", "direct"] and infos[0]["protocol"], infos
