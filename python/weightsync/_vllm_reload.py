@@ -441,6 +441,15 @@ def derive_engine_config(model: Any, vllm_config: Any, base: dict, rank: int,
                 if type(tmpl) is not torch.Tensor:
                     t.__class__ = tmpl.__class__
                 t.__dict__ = tmpl.__dict__.copy()
+                # After a reload, vLLM's loading tensors keep its layerwise
+                # wrapper (it buffers and then writes the kernel tensors): the
+                # trace calls the loader underneath.
+                for key in ("weight_loader", "_weight_loader"):
+                    loader = t.__dict__.get(key)
+                    while getattr(loader, "__name__", "") == "online_process_loader":
+                        loader = getattr(loader, "__wrapped__")
+                    if loader is not None:
+                        t.__dict__[key] = loader
                 restore_layer_refs(t, module)
                 module._parameters[pname] = t
         return stand_ins
