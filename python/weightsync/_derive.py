@@ -189,7 +189,7 @@ def trace(keys: list, shapes: list, groups: list, load: Callable[[list], None],
     return found
 
 
-def rank_layout(rank: int, params: list, found: dict, keys: list, dtypes: dict) -> dict:
+def rank_layout(rank: int, params: list, found: dict, keys: list) -> dict:
     """One rank's layout as the engine config's "derived" field holds it:
     `params` [(name, dtype name, shape)] in the engine's order, `found` from
     trace. Parameters the loader never wrote are left out (tied or derived

@@ -461,7 +461,7 @@ def derive_engine_config(model: Any, vllm_config: Any, base: dict, rank: int,
         for pname, tmpl in templates.items():
             full = f"{mname}.{pname}" if mname else pname
             params.append((full, _derive.dtype_name(tmpl.dtype), list(tmpl.shape)))
-    mine = _derive.rank_layout(rank, params, found, keys, dict(zip(keys, dtypes)))
+    mine = _derive.rank_layout(rank, params, found, keys)
     ranks = gather(mine)
     import json
     import os
