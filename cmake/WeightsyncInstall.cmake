@@ -2,8 +2,9 @@
 # the targets for find_package(weightsync).
 include(CMakePackageConfigHelpers)
 install(DIRECTORY include/weightsync DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-set(_ws_targets weightsync weightsync_options weightsync_core weightsync_control
-    weightsync_transport weightsync_engine weightsync_trainer)
+set(_ws_targets weightsync weightsync_options weightsync_core weightsync_layouts
+    weightsync_control weightsync_transport weightsync_pipeline weightsync_engine
+    weightsync_trainer)
 install(TARGETS ${_ws_targets} EXPORT weightsyncTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}

@@ -7,6 +7,7 @@
 #include "core/cuda/gpu.h"
 #include "subscriber_fp8.h"
 #include "subscriber_pipeline.h"
+#include "transport/staging.h"
 #include "weights_delivery.h"
 
 #include <nlohmann/json.hpp>
@@ -22,9 +23,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+using pipeline::seconds_since;
 
 Millis left_until(Clock::time_point deadline) {
   return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));

@@ -3,9 +3,13 @@
 #include <weightsync/checksum.h>
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
-#include <weightsync/wire.h>
+
+#include "pipeline/wire.h"
 
 #include "core/fp8.h"
+#include "transport/staging.h"
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <utility>
@@ -17,9 +21,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kPublishSlot = 2;  // the copier's event for publish_staging
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+using pipeline::seconds_since;
 
 std::uintptr_t addr(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p);

@@ -19,13 +19,14 @@
 #include <weightsync/plan.h>
 #include <weightsync/subscriber.h>
 #include <weightsync/transport.h>
-#include <weightsync/wire.h>
+#include "pipeline/wire.h"
 
 #include "core/copy_program.h"
 #include "core/cuda/gpu.h"
 #include "pipeline/copier.h"
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
+#include "transport/staging.h"
 
 #include <chrono>
 #include <functional>

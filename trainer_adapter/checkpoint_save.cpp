@@ -4,6 +4,7 @@
 #include <weightsync/error.h>
 
 #include "core/cuda/gpu.h"
+#include "transport/staging.h"
 
 #include <algorithm>
 #include <cstring>

@@ -26,7 +26,8 @@
 
 #include <weightsync/plan.h>
 #include <weightsync/transport.h>
-#include <weightsync/wire.h>
+#include "pipeline/wire.h"
+#include "transport/staging.h"
 
 #include <chrono>
 #include <functional>

@@ -6,6 +6,8 @@
 #include <weightsync/checksum.h>
 #include <weightsync/error.h>
 
+#include "transport/staging.h"
+
 #include <algorithm>
 
 namespace weightsync::trainer {

@@ -16,9 +16,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+using pipeline::seconds_since;
 
 Millis left_until(Clock::time_point deadline) {
   return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
@@ -54,9 +52,6 @@ void Publisher::Impl::ensure_ready() {
   spec.transport = opt.transport;
   spec.trainer = opt.layout;
   if (opt.engine) spec.engine = make_engine_layout(*opt.engine);
-  spec.engine_from_json = [](const nlohmann::json& j) {
-    return make_engine_layout(EngineSpec::from_json(j, "."));
-  };
   spec.plan = PlanOptions{opt.mode, opt.bucket_bytes, opt.fp8_site};
   spec.memory = pipeline::rank_memory(
       tensors, [&](size_t i) { return opt.layout.params[i].name; }, spec.who);

@@ -8,6 +8,7 @@
 #include "checkpoint_save.h"
 #include "pipeline/setup.h"
 #include "publisher_pipeline.h"
+#include "transport/staging.h"
 
 #include <map>
 #include <memory>

@@ -3,7 +3,11 @@
 #include <weightsync/checksum.h>
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
-#include <weightsync/wire.h>
+
+#include "pipeline/wire.h"
+#include "transport/staging.h"
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 
@@ -12,9 +16,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+using pipeline::seconds_since;
 
 std::uintptr_t addr(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p);

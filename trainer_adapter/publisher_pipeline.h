@@ -20,7 +20,7 @@
 #include <weightsync/plan.h>
 #include <weightsync/publisher.h>
 #include <weightsync/transport.h>
-#include <weightsync/wire.h>
+#include "pipeline/wire.h"
 
 #include "core/copy_program.h"
 #include "core/cuda/gpu.h"
@@ -28,6 +28,7 @@
 #include "pipeline/copier.h"
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
+#include "transport/staging.h"
 
 #include <chrono>
 #include <functional>

@@ -5,7 +5,7 @@
 #include <weightsync/box.h>
 #include <weightsync/hf_model.h>
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <memory>
 #include <optional>
@@ -165,6 +165,12 @@ std::vector<HfTensorSpec> engine_hf_tensors(const EngineConfig& config);
 // the param and the field for anything malformed.
 nlohmann::json rank_layout_to_json(const EngineRankLayout& rank);
 EngineRankLayout rank_layout_from_json(const nlohmann::json& j);
+// The "derived" field of an engine config of framework "derived":
+// {"tensors": [{"key", "shape", "dtype"}], "ranks": [tp rank layouts]}.
+// Errc::format naming the field, Errc::invalid_layout when the ranks are not
+// tp layouts in rank order.
+std::shared_ptr<const DerivedLayout> derived_layout_from_json(const nlohmann::json& j, int tp);
+nlohmann::json derived_layout_to_json(const DerivedLayout& derived);
 
 // Derives every rank's parameters from the config (engine_adapter/). Throws
 // Errc::invalid_layout when tp does not divide what the engine requires.

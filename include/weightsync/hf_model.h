@@ -7,8 +7,9 @@
 #include <weightsync/dtype.h>
 #include <weightsync/tensor.h>
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,10 @@ struct HfModelConfig {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
 
-  nlohmann::json raw;  // the config as given
+  // The config as given (a null JSON for a config built field by field).
+  const nlohmann::json& raw() const noexcept;
+  void set_raw(nlohmann::json config);
+  std::shared_ptr<const nlohmann::json> raw_;  // raw()'s; shared by copies
 
   // Errc::invalid_argument for an unknown architecture; Errc::format for a
   // missing or mistyped field (naming it).

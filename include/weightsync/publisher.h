@@ -188,8 +188,9 @@ class Publisher {
   // Sends this rank's part of version `step` (steps increase) and returns when
   // the coordinator decided it. Every param must be registered first.
   PushResult push(int64_t step);
-  // The same on a background thread; one push at a time.
-  std::future<PushResult> push_async(int64_t step);
+  // The same on a background thread; one push at a time. The future is the
+  // only way to learn whether the step committed or why it failed.
+  [[nodiscard]] std::future<PushResult> push_async(int64_t step);
 
   // Writes the registered shards as a Hugging Face checkpoint directory
   // `dir`: a collective of every trainer rank (DESIGN.md "HF checkpoints").

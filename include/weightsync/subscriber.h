@@ -126,7 +126,7 @@ class Subscriber {
   // Waits up to `wait` for the next step to begin, then runs it to its
   // decision. nullopt when no step began in time. Throws Errc::peer_failure
   // when the coordinator is lost.
-  std::optional<StepOutcome> run_step(std::chrono::milliseconds wait);
+  [[nodiscard]] std::optional<StepOutcome> run_step(std::chrono::milliseconds wait);
   // run_step until stop() (from another thread or a hook).
   void serve();
   void stop();

@@ -8,10 +8,11 @@
 // different processes line up.
 #pragma once
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -28,8 +29,10 @@ class Tracer {
   Tracer(std::string process, int pid);
 
   // Records [start_us, end_us) of `name` on `lane`. Thread-safe.
+  void complete(std::string_view name, std::string_view lane, int64_t start_us, int64_t end_us);
+  // The same with the event's "args" (an object).
   void complete(std::string_view name, std::string_view lane, int64_t start_us, int64_t end_us,
-                nlohmann::json args = nlohmann::json::object());
+                const nlohmann::json& args);
   std::size_t size() const;
   // {"traceEvents": [...], "displayTimeUnit": "ms"}, with process and lane names.
   nlohmann::json to_json() const;
@@ -43,7 +46,7 @@ class Tracer {
   int pid_;
   mutable std::mutex mutex_;
   std::map<std::string, int, std::less<>> lanes_;
-  std::vector<nlohmann::json> events_;
+  std::shared_ptr<nlohmann::json> events_;  // an array; shared_ptr: json stays incomplete here
 };
 
 // Records the enclosing scope as one event when a tracer is given (null: off).

@@ -1,6 +1,8 @@
 // Layouts and plans: what the package needs to describe tensors and engines.
 #include "bindings.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/engine_layout.h>
 #include <weightsync/hf_model.h>
 #include <weightsync/load_spec.h>

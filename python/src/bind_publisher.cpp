@@ -1,6 +1,8 @@
 // The coordinator and the trainer side. Every call that waits releases the GIL.
 #include "bindings.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/control.h>
 #include <weightsync/engine_layout.h>
 #include <weightsync/publisher.h>

@@ -1,5 +1,7 @@
 #include "bindings.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/dtype.h>
 
 #include <nanobind/stl/string.h>

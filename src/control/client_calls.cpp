@@ -1,6 +1,8 @@
 // Client's blocking calls and the decoding of coordinator events.
 #include "client_impl.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <utility>
 

@@ -10,6 +10,8 @@
 #include "coordinator_state.h"
 #include "metrics.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <map>
 

@@ -2,6 +2,8 @@
 // the error model only), so the fuzz target can build it.
 #include "protocol.h"
 
+#include <nlohmann/json.hpp>
+
 #include <limits>
 
 namespace weightsync::control::wire {

@@ -1,5 +1,7 @@
 #include "protocol.h"
 
+#include <nlohmann/json.hpp>
+
 #include <array>
 #include <limits>
 

@@ -6,6 +6,8 @@
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <array>
 #include <fstream>
@@ -221,7 +223,7 @@ HfModelConfig HfModelConfig::from_json(const json& j) {
     c.v_head_dim = req_int(j, "v_head_dim");
   }
   read_moe_fields(c, j, f.moe);
-  c.raw = j;
+  c.set_raw(j);
   validate(c);
   return c;
 }
@@ -383,6 +385,15 @@ std::vector<MoeLayerKeys> hf_moe_layers(const HfModelConfig& c) {
     layers.push_back(std::move(k));
   }
   return layers;
+}
+
+const nlohmann::json& HfModelConfig::raw() const noexcept {
+  static const nlohmann::json kNull;
+  return raw_ ? *raw_ : kNull;
+}
+
+void HfModelConfig::set_raw(nlohmann::json config) {
+  raw_ = std::make_shared<const nlohmann::json>(std::move(config));
 }
 
 }  // namespace weightsync

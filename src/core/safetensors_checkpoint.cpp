@@ -2,6 +2,8 @@
 // as one map from key to tensor. Every key lives in exactly one file.
 #include "safetensors_json.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/error.h>
 #include <weightsync/safetensors.h>
 

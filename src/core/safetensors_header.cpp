@@ -5,6 +5,8 @@
 // tensors cover the data section exactly, from 0 to its last byte.
 #include "safetensors_json.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/error.h>
 #include <weightsync/safetensors.h>
 

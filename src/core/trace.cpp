@@ -1,6 +1,8 @@
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 #include <fstream>
 
@@ -16,7 +18,10 @@ int64_t trace_now_us() noexcept {
   return static_cast<int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
 }
 
-Tracer::Tracer(std::string process, int pid) : process_(std::move(process)), pid_(pid) {}
+Tracer::Tracer(std::string process, int pid)
+    : process_(std::move(process)),
+      pid_(pid),
+      events_(std::make_shared<nlohmann::json>(nlohmann::json::array())) {}
 
 int Tracer::lane_id(std::string_view lane) {
   auto it = lanes_.find(lane);
@@ -27,18 +32,23 @@ int Tracer::lane_id(std::string_view lane) {
 }
 
 void Tracer::complete(std::string_view name, std::string_view lane, int64_t start_us,
-                      int64_t end_us, nlohmann::json args) {
+                      int64_t end_us) {
+  complete(name, lane, start_us, end_us, nlohmann::json::object());
+}
+
+void Tracer::complete(std::string_view name, std::string_view lane, int64_t start_us,
+                      int64_t end_us, const nlohmann::json& args) {
   std::lock_guard lock(mutex_);
-  nlohmann::json e = {
-      {"name", name},           {"ph", "X"},      {"pid", pid_},
-      {"tid", lane_id(lane)},   {"ts", start_us}, {"dur", std::max<int64_t>(0, end_us - start_us)},
-      {"args", std::move(args)}};
-  events_.push_back(std::move(e));
+  nlohmann::json e = {{"name", name},   {"ph", "X"},
+                      {"pid", pid_},    {"tid", lane_id(lane)},
+                      {"ts", start_us}, {"dur", std::max<int64_t>(0, end_us - start_us)},
+                      {"args", args}};
+  events_->push_back(std::move(e));
 }
 
 std::size_t Tracer::size() const {
   std::lock_guard lock(mutex_);
-  return events_.size();
+  return events_->size();
 }
 
 nlohmann::json Tracer::to_json() const {
@@ -56,7 +66,7 @@ nlohmann::json Tracer::to_json() const {
                       {"pid", pid_},
                       {"tid", id},
                       {"args", {{"name", lane}}}});
-  for (const auto& e : events_) events.push_back(e);
+  for (const auto& e : *events_) events.push_back(e);
   return {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
 }
 

@@ -2,6 +2,8 @@
 
 #include <weightsync/error.h>
 
+#include "transport/staging.h"
+
 namespace weightsync::pipeline {
 
 void Copier::prepare(const std::vector<const CopyProgram*>& programs, const RankMemory& memory,

@@ -10,6 +10,7 @@
 #include "core/cuda/gpu.h"
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
+#include "transport/staging.h"
 
 #include <cstdint>
 #include <vector>

@@ -2,6 +2,8 @@
 
 #include <weightsync/error.h>
 
+#include "transport/staging.h"
+
 namespace weightsync::pipeline {
 
 Loop::Loop(std::string who, Transport& transport, std::function<void()> poll,

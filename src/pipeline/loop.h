@@ -10,6 +10,8 @@
 #include <weightsync/error.h>
 #include <weightsync/transport.h>
 
+#include "transport/staging.h"
+
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -17,6 +19,11 @@
 #include <vector>
 
 namespace weightsync::pipeline {
+
+// Seconds of the steady clock since `t`: what every phase time of a step is.
+inline double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
 
 using Clock = std::chrono::steady_clock;
 

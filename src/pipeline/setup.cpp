@@ -4,6 +4,8 @@
 #include <weightsync/topology.h>
 
 #include "core/cuda/gpu.h"
+#include "pipeline/wire.h"
+#include "transport/staging.h"
 
 #include <nlohmann/json.hpp>
 
@@ -71,9 +73,9 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
   dp.trainer = spec.trainer
                    ? *spec.trainer
                    : TrainerLayout::from_json(fetch_json(client, spec, "layout/trainer", deadline));
-  dp.engine = spec.engine
-                  ? *spec.engine
-                  : spec.engine_from_json(fetch_json(client, spec, "layout/engine", deadline));
+  dp.engine = spec.engine ? *spec.engine
+                          : make_engine_layout(EngineSpec::from_json(
+                                fetch_json(client, spec, "layout/engine", deadline), "."));
   const nlohmann::json po = fetch_json(client, spec, "plan_options", deadline);
   dp.wire = WireOptions::from_json(po.is_object() ? po.value("wire", nlohmann::json::object())
                                                   : nlohmann::json::object());

@@ -12,6 +12,8 @@
 #include <weightsync/transport.h>
 #include <weightsync/wire.h>
 
+#include "transport/staging.h"
+
 #include <nlohmann/json_fwd.hpp>
 
 #include <chrono>
@@ -47,11 +49,8 @@ struct SetupSpec {
   std::string job;
   std::string transport;
   std::optional<TrainerLayout> trainer;  // else trainer rank 0's from the store
-  std::optional<EngineLayout> engine;    // else from engine rank 0's config in the store,
-  // through `engine_from_json` (EngineConfig::from_json and make_engine_layout
-  // live in engine_adapter, above this library)
-  std::function<EngineLayout(const nlohmann::json& config)> engine_from_json;
-  std::optional<PlanOptions> plan;  // else trainer rank 0's from the store
+  std::optional<EngineLayout> engine;    // else from engine rank 0's config in the store
+  std::optional<PlanOptions> plan;       // else trainer rank 0's from the store
   RankMemory memory;
   std::chrono::milliseconds connect_timeout{60000};
 };

@@ -7,6 +7,7 @@
 
 #include "builtin.h"
 #include "core/cuda/gpu.h"
+#include "transport/staging.h"
 
 #include <algorithm>
 #include <mutex>

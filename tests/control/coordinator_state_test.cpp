@@ -2,6 +2,8 @@
 // moves by hand, so deadline behaviour is checked without waiting.
 #include "control/coordinator_state.h"
 
+#include <nlohmann/json.hpp>
+
 #include <gtest/gtest.h>
 
 namespace weightsync::control {

@@ -3,6 +3,8 @@
 // client keeps being served.
 #include "control/raw_peer.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/control.h>
 #include <weightsync/error.h>
 

@@ -2,7 +2,11 @@
 // errors and its temp-file discipline.
 #include "core/safetensors_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/safetensors.h>
+
+#include "transport/staging.h"
 
 #include <gtest/gtest.h>
 

@@ -24,7 +24,7 @@ HfModelConfig model(const std::string& name) {
 
 // The config with `num_hidden_layers` changed (for stage splits).
 HfModelConfig with_layers(const std::string& name, int64_t layers) {
-  nlohmann::json j = model(name).raw;
+  nlohmann::json j = model(name).raw();
   j["num_hidden_layers"] = layers;
   return HfModelConfig::from_json(j);
 }
@@ -52,7 +52,7 @@ void expect_error(const std::function<void()>& f, Errc code, const std::string& 
 
 // The config with its attention heads changed.
 HfModelConfig with_heads(const std::string& name, int64_t heads, int64_t groups, int64_t head_dim) {
-  nlohmann::json j = model(name).raw;
+  nlohmann::json j = model(name).raw();
   j["num_attention_heads"] = heads;
   j["num_key_value_heads"] = groups;
   j["head_dim"] = head_dim;

@@ -6,6 +6,8 @@
 #include "e2e/e2e_helpers.h"
 #include "mixed_layout.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/hf_checkpoint.h>
 #include <weightsync/transport.h>
 

@@ -5,6 +5,8 @@
 // and weightsync's own UCX settings cause no UCX warning.
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/transport.h>
 
 #include <gtest/gtest.h>

@@ -9,6 +9,8 @@
 // This tests behaviour, not speed: the bound is the step timeout.
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <gtest/gtest.h>
 
 #include <csignal>

@@ -4,6 +4,8 @@
 // are a message the fault transport drops and a trainer killed mid-step.
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <gtest/gtest.h>
 
 #include <cstdlib>

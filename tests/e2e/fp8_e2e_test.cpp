@@ -6,6 +6,8 @@
 // dumps must equal `weightsync materialize` of the checkpoint bit for bit.
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/transport.h>
 
 #include <gtest/gtest.h>

@@ -6,6 +6,8 @@
 // connections, is the benchmark's default; this is a smaller one for CI.)
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <gtest/gtest.h>
 
 namespace weightsync::e2e {

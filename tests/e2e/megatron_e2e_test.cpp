@@ -16,6 +16,8 @@
 // (test_megatron_layout.py, test_e2e_megatron.py).
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/transport.h>
 
 #include <gtest/gtest.h>

@@ -7,6 +7,8 @@
 #include <weightsync/subscriber.h>
 #include <weightsync/trace.h>
 
+#include "pipeline/wire.h"
+
 #include <nlohmann/json.hpp>
 
 #include <gtest/gtest.h>

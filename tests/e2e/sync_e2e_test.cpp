@@ -5,8 +5,10 @@
 // summary the demo writes and compare dumps with `materialize`.
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/transport.h>
-#include <weightsync/wire.h>
+#include "pipeline/wire.h"
 
 #include <gtest/gtest.h>
 

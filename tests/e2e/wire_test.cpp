@@ -4,11 +4,14 @@
 // their C++ API over UCX (bit-exact against the checkpoint).
 #include "e2e/e2e_helpers.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/control.h>
 #include <weightsync/publisher.h>
 #include <weightsync/subscriber.h>
 #include <weightsync/transport.h>
-#include <weightsync/wire.h>
+#include "pipeline/wire.h"
+#include "transport/staging.h"
 
 #include <gtest/gtest.h>
 

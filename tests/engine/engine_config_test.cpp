@@ -1,6 +1,8 @@
 // The engine config JSON: paths, inline configs, typed fields, round trip.
 #include "engine/engine_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/hf_model.h>
 
 #include <gtest/gtest.h>
@@ -63,7 +65,7 @@ TEST(EngineConfig, RelativePathsResolveAgainstTheEngineFile) {
 
 TEST(EngineConfig, InlineHfConfig) {
   auto j = base();
-  j["hf_config"] = testing::model("tiny-llama").raw;
+  j["hf_config"] = testing::model("tiny-llama").raw();
   EXPECT_EQ(EngineConfig::from_json(j, "").hf.family, "llama");
 }
 
@@ -276,6 +278,21 @@ TEST(DerivedLayout, BadLayoutsAreRefusedNamingWhat) {
     j["hf_config"] = "config.json";
     EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "inline"));
   }
+}
+
+// The frameworks come from one registry (src/layouts/engine_frameworks.cpp):
+// an unknown name is refused by the config reader and by make_engine_layout,
+// both listing the registered ones.
+TEST(EngineConfig, UnknownFrameworkListsTheRegisteredOnes) {
+  const std::string expected =
+      "framework 'trtllm' is not supported (expected \"vllm\", \"sglang\", \"hf\" or "
+      "\"derived\")";
+  auto j = base();
+  j["framework"] = "trtllm";
+  EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::invalid_layout, expected));
+  EngineConfig c = EngineConfig::from_json(base(), "");
+  c.framework = "trtllm";
+  EXPECT_TRUE(throws_errc([&] { make_engine_layout(c); }, Errc::invalid_layout, expected));
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // Engine layouts against small hand-computed cases.
 #include "engine/engine_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <gtest/gtest.h>
 
 namespace weightsync {
@@ -161,7 +163,7 @@ TEST(EngineLayout, MlaFusedQkvAProjAndSplits) {
   EXPECT_FALSE(has_param(sg, 0, a + "fused_qkv_a_proj.weight"));
   // Without q LoRA: a column-parallel q_proj and a replicated kv_a_proj_with_mqa.
   auto c = engine("tiny-deepseek-v3", 2);
-  auto raw = c.hf.raw;
+  auto raw = c.hf.raw();
   raw.erase("q_lora_rank");
   c.hf = HfModelConfig::from_json(raw);
   const auto nolora = make_engine_layout(c);
@@ -204,7 +206,7 @@ TEST(EngineLayout, ValidationNamesWhatTpMustDivide) {
   EXPECT_TRUE(
       throws_errc([&] { make_engine_layout(c); }, Errc::invalid_layout, "num_attention_heads"));
   // 12 heads, 4 KV heads, tp=6: 6 is neither a multiple nor a divisor of 4.
-  auto raw = c.hf.raw;
+  auto raw = c.hf.raw();
   raw["num_attention_heads"] = 12;
   raw["num_key_value_heads"] = 4;
   raw["hidden_size"] = 96;
@@ -220,14 +222,14 @@ TEST(EngineLayout, ValidationNamesWhatTpMustDivide) {
   EXPECT_TRUE(throws_errc([&] { make_engine_layout(c); }, Errc::invalid_layout, "vocab"));
   // intermediate_size 90 on tp=4.
   auto l = engine("tiny-llama", 4);
-  raw = l.hf.raw;
+  raw = l.hf.raw();
   raw["intermediate_size"] = 90;
   l.hf = HfModelConfig::from_json(raw);
   EXPECT_TRUE(
       throws_errc([&] { make_engine_layout(l); }, Errc::invalid_layout, "intermediate_size"));
   // moe_intermediate_size 30 on tp=4 fails without EP and is fine with it.
   auto moe = engine("tiny-qwen3-moe", 4);
-  raw = moe.hf.raw;
+  raw = moe.hf.raw();
   raw["moe_intermediate_size"] = 30;
   moe.hf = HfModelConfig::from_json(raw);
   EXPECT_TRUE(

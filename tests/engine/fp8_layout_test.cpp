@@ -3,6 +3,8 @@
 // would cut a block.
 #include "engine/engine_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/dtype.h>
 #include <weightsync/hf_model.h>
 

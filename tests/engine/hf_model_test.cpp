@@ -1,6 +1,8 @@
 // HF model facts: config parsing, the tensor lists of each family, MoE keys.
 #include "engine/engine_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/hf_model.h>
 
 #include <gtest/gtest.h>
@@ -97,7 +99,7 @@ TEST(HfModel, Qwen3HasQkNormsAndMoeSkipsMlpOnlyLayers) {
 // transformers >= 5.2x's to_dict() of a Qwen MoE config names the expert
 // count num_local_experts.
 TEST(HfModel, QwenMoeExpertCountUnderEitherName) {
-  nlohmann::json j = model("tiny-qwen3-moe").raw;
+  nlohmann::json j = model("tiny-qwen3-moe").raw();
   const int64_t experts = j.at("num_experts");
   j.erase("num_experts");
   j["num_local_experts"] = experts;
@@ -146,7 +148,7 @@ TEST(HfModel, DeepSeekMlaDenseFirstLayersSharedExpertsNoMtp) {
   EXPECT_FALSE(m.count("model.layers.0.self_attn.q_proj.weight"));
   EXPECT_EQ(hf_moe_layers(cfg).size(), 2u);
   // Without q LoRA (DeepSeek-V2-Lite style): one q_proj.
-  auto raw = cfg.raw;
+  auto raw = cfg.raw();
   raw["q_lora_rank"] = nullptr;
   const auto m2 = tensor_map(HfModelConfig::from_json(raw));
   EXPECT_EQ(m2.at("model.layers.0.self_attn.q_proj.weight"), (Shape{48, 64}));
@@ -154,7 +156,7 @@ TEST(HfModel, DeepSeekMlaDenseFirstLayersSharedExpertsNoMtp) {
 }
 
 TEST(HfModel, RecognisedByModelTypeOrArchitectures) {
-  auto raw = model("tiny-deepseek-v3").raw;
+  auto raw = model("tiny-deepseek-v3").raw();
   raw["model_type"] = "kimi_k2";
   EXPECT_EQ(HfModelConfig::from_json(raw).family, "deepseek_v3");
   raw["model_type"] = "some_fork";  // unknown type, known architecture
@@ -165,16 +167,16 @@ TEST(HfModel, RecognisedByModelTypeOrArchitectures) {
 }
 
 TEST(HfModel, BadFieldsAreFormatErrorsNamingTheField) {
-  auto raw = model("tiny-llama").raw;
+  auto raw = model("tiny-llama").raw();
   raw["hidden_size"] = "64";
   EXPECT_TRUE(throws_errc([&] { HfModelConfig::from_json(raw); }, Errc::format, "hidden_size"));
-  raw = model("tiny-llama").raw;
+  raw = model("tiny-llama").raw();
   raw.erase("vocab_size");
   EXPECT_TRUE(throws_errc([&] { HfModelConfig::from_json(raw); }, Errc::format, "vocab_size"));
-  raw = model("tiny-llama").raw;
+  raw = model("tiny-llama").raw();
   raw["torch_dtype"] = "int4";
   EXPECT_TRUE(throws_errc([&] { HfModelConfig::from_json(raw); }, Errc::format, "int4"));
-  raw = model("tiny-mixtral").raw;
+  raw = model("tiny-mixtral").raw();
   raw.erase("num_local_experts");
   EXPECT_TRUE(
       throws_errc([&] { HfModelConfig::from_json(raw); }, Errc::format, "num_local_experts"));

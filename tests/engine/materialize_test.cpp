@@ -2,6 +2,8 @@
 // CLI against the library, and the checkpoint errors; random checkpoints.
 #include "engine/engine_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/random_checkpoint.h>
 #include <weightsync/safetensors.h>
 

@@ -7,6 +7,8 @@
 #include "e2e/e2e_helpers.h"
 #include "gpu/gpu_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/transport.h>
 
 #include <fstream>

@@ -9,6 +9,8 @@
 #include "e2e/e2e_helpers.h"
 #include "gpu/gpu_test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/transport.h>
 
 namespace weightsync::gpu_test {

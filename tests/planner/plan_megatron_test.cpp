@@ -8,6 +8,8 @@
 #include <weightsync/topology.h>
 #include <weightsync/trainer_layout.h>
 
+#include <nlohmann/json.hpp>
+
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -18,7 +20,7 @@ namespace {
 HfModelConfig model(const std::string& name, int64_t layers) {
   nlohmann::json j = HfModelConfig::load(std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs/models/" +
                                          name + "/config.json")
-                         .raw;
+                         .raw();
   j["num_hidden_layers"] = layers;
   return HfModelConfig::from_json(j);
 }

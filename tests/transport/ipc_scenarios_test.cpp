@@ -5,6 +5,7 @@
 // process and reconnected. Each runs over "ipc_host" (the protocol over shared
 // host memory, everywhere) and "cuda_ipc" (one GPU; skipped without one).
 #include "harness.h"
+#include "transport/staging.h"
 
 #include <gtest/gtest.h>
 

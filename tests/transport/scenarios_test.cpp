@@ -1,6 +1,7 @@
 // The conformance scenarios: every rank runs the same function (see harness.h).
 // Rank 0 is the test process; the others are spawned peers.
 #include "harness.h"
+#include "transport/staging.h"
 
 #include <map>
 #include <thread>

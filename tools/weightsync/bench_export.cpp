@@ -6,6 +6,8 @@
 #include "demo_setup.h"
 #include "export_job.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/error.h>
 #include <weightsync/plan.h>
 #include <weightsync/publisher.h>

@@ -8,6 +8,7 @@
 #include "demo_job.h"
 #include "demo_run.h"
 #include "demo_setup.h"
+#include "pipeline/loop.h"
 
 #include <weightsync/control.h>
 #include <weightsync/error.h>
@@ -52,9 +53,7 @@ constexpr const char* kUsage =
     "(default 120 s). Exit 1 unless every engine committed and verified every step\n"
     "and every join succeeded.\n";
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+using pipeline::seconds_since;
 
 struct Churn {
   int target = 0, open_at_once = 0;

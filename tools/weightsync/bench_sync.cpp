@@ -14,6 +14,8 @@
 #include "demo_run.h"
 #include "demo_setup.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/load_spec.h>

@@ -7,12 +7,14 @@
 #include "demo_run.h"
 #include "demo_setup.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>
-#include <weightsync/wire.h>
+#include "pipeline/wire.h"
 
 #include <charconv>
 #include <filesystem>

@@ -2,6 +2,8 @@
 // names, derived from an engine config (and checked with check_coverage).
 #include "cli.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 

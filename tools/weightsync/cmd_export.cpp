@@ -4,6 +4,8 @@
 #include "demo_run.h"
 #include "export_job.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/error.h>
 #include <weightsync/hf_checkpoint.h>
 #include <weightsync/load_spec.h>

@@ -2,6 +2,8 @@
 // checkpoint: the reference a weight sync must reproduce.
 #include "cli.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/safetensors.h>

@@ -1,6 +1,8 @@
 // `weightsync shard`: one trainer rank's local tensors, cut from a checkpoint.
 #include "cli.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/error.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/safetensors.h>

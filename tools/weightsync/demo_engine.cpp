@@ -6,6 +6,8 @@
 #include "demo_job.h"
 #include "demo_raw.h"
 
+#include <nlohmann/json.hpp>
+
 #include "core/fp8.h"
 
 #include <weightsync/error.h>

@@ -1,5 +1,7 @@
 #include "demo_job.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/error.h>
 
 #include <cstring>

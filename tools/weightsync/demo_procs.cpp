@@ -2,6 +2,8 @@
 
 #include <weightsync/error.h>
 
+#include "transport/staging.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>

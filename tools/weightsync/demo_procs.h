@@ -12,6 +12,8 @@
 
 #include <sys/types.h>
 
+#include "transport/staging.h"
+
 namespace weightsync::demo {
 
 // The path of the running executable, for re-executing it.

@@ -1,9 +1,13 @@
 #include "demo_raw.h"
 
+#include <nlohmann/json.hpp>
+
 #include "demo_device.h"
 
 #include <weightsync/error.h>
 #include <weightsync/transport.h>
+
+#include "transport/staging.h"
 
 namespace weightsync::demo {
 namespace {

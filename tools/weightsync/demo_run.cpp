@@ -1,11 +1,15 @@
 #include "demo_run.h"
 #include "progress.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/control.h>
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/trace.h>
+
+#include "transport/staging.h"
 
 #include <cstdlib>
 #include <fstream>

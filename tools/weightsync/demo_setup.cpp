@@ -1,5 +1,7 @@
 #include "demo_setup.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>

@@ -5,6 +5,8 @@
 #include "demo_job.h"
 #include "demo_raw.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/control.h>
 #include <weightsync/error.h>
 #include <weightsync/publisher.h>

@@ -1,6 +1,8 @@
 #include "export_job.h"
 #include "progress.h"
 
+#include <nlohmann/json.hpp>
+
 #include "demo_job.h"
 #include "demo_procs.h"
 #include "demo_run.h"
@@ -11,6 +13,9 @@
 #include <weightsync/load_spec.h>
 #include <weightsync/publisher.h>
 #include <weightsync/safetensors.h>
+
+#include "pipeline/loop.h"
+#include "transport/staging.h"
 
 #include <algorithm>
 #include <cstring>
@@ -30,9 +35,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+using pipeline::seconds_since;
 
 nlohmann::json read_json_or_null(const std::string& path) {
   std::ifstream in(path);

@@ -2,6 +2,8 @@
 #include "cli.h"
 #include "json_stdout.h"
 
+#include <nlohmann/json.hpp>
+
 #include <weightsync/error.h>
 
 #include <cstdio>

@@ -1,4 +1,5 @@
 #include "ipc_peer.h"
+#include "transport/staging.h"
 
 #include <algorithm>
 

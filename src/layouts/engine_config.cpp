@@ -1,10 +1,13 @@
 // The engine config JSON of DESIGN.md's contract: parsing with typed field
 // checks (Errc::format naming the field), value checks (Errc::invalid_layout)
-// and the inverse, to_json (hf_config inline).
+// against the config's framework (engine_framework.h), and the inverse,
+// to_json (hf_config inline).
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 
-#include "layout_derived.h"
+#include "engine_framework.h"
+
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -95,55 +98,29 @@ std::optional<BlockQuant> get_quantization(const json& j) {
   return out;
 }
 
-// Framework "derived": the layout the engine derived, the HF config kept as
-// given (an object; its family may have no table), the engine dtype stated.
-EngineConfig derived_from_json(const json& j, const json& hf) {
-  EngineConfig c;
-  c.framework = "derived";
-  if (!hf.is_object())
-    fail(Errc::format, "engine config: framework \"derived\" takes 'hf_config' inline (an object)");
-  c.hf.raw = hf;
-  c.hf.model_type = hf.value("model_type", std::string());
-  if (!field(j, "tp")) fail(Errc::format, "engine config: missing field 'tp'");
-  c.tp = get_int(j, "tp", 1);
-  c.replicas = get_int(j, "replicas", 1);
-  if (c.tp < 1 || c.replicas < 1)
-    fail(Errc::invalid_layout, "engine config: tp (", c.tp, ") and replicas (", c.replicas,
-         ") must be positive");
-  const std::string dtype = get_string(j, "dtype", "");
-  if (dtype.empty()) fail(Errc::format, "engine config: framework \"derived\" needs 'dtype'");
-  c.dtype = dtype_from_name(dtype, "engine config field 'dtype'");
-  if (field(j, "quantization") && !j["quantization"].is_null())
-    fail(Errc::unsupported, "engine config: framework \"derived\" with quantization");
-  const json* d = field(j, "derived");
-  if (!d) fail(Errc::format, "engine config: framework \"derived\" needs field 'derived'");
-  c.derived = engine::derived_from_json(*d, c.tp);
-  return c;
-}
-
 }  // namespace
-
-std::string_view scale_format_name(ScaleFormat format) noexcept {
-  return format == ScaleFormat::ue8m0 ? "ue8m0" : "fp32";
-}
 
 EngineConfig EngineConfig::from_json(const json& j, const std::string& base_dir) {
   if (!j.is_object()) fail(Errc::format, "engine config: expected a JSON object");
   EngineConfig c;
   c.framework = get_string(j, "framework", "");
-  if (c.framework != "vllm" && c.framework != "sglang" && c.framework != "hf" &&
-      c.framework != "derived")
-    fail(Errc::invalid_layout, "engine config: framework '", c.framework,
-         "' is not supported (expected \"vllm\", \"sglang\", \"hf\" or \"derived\")");
+  const engine::Framework& framework = engine::find_framework(c.framework);
   const json* hf = field(j, "hf_config");
   if (!hf) fail(Errc::format, "engine config: missing field 'hf_config' (a path or an object)");
-  if (c.framework == "derived") return derived_from_json(j, *hf);
-  if (hf->is_string())
+  if (framework.any_model) {
+    // Kept as given: the layout does not come from the family's name tables.
+    if (!hf->is_object())
+      fail(Errc::format, "engine config: framework \"", framework.name,
+           "\" takes 'hf_config' inline (an object)");
+    c.hf.set_raw(*hf);
+    c.hf.model_type = hf->value("model_type", std::string());
+  } else if (hf->is_string()) {
     c.hf = load_hf_config(hf->get<std::string>(), base_dir);
-  else if (hf->is_object())
+  } else if (hf->is_object()) {
     c.hf = HfModelConfig::from_json(*hf);
-  else
+  } else {
     fail(Errc::format, "engine config: field 'hf_config' must be a path or an object");
+  }
   if (!field(j, "tp")) fail(Errc::format, "engine config: missing field 'tp'");
   c.tp = get_int(j, "tp", 1);
   c.replicas = get_int(j, "replicas", 1);
@@ -153,15 +130,15 @@ EngineConfig EngineConfig::from_json(const json& j, const std::string& base_dir)
     fail(Errc::invalid_layout, "engine config: expert_placement '", c.expert_placement,
          "' is not supported (expected \"linear\" or \"round_robin\")");
   const std::string dtype = get_string(j, "dtype", "");
+  if (dtype.empty() && framework.any_model)
+    fail(Errc::format, "engine config: framework \"", framework.name, "\" needs 'dtype'");
   c.dtype = dtype.empty() ? c.hf.dtype : dtype_from_name(dtype, "engine config field 'dtype'");
   c.moe_order = get_string(j, "moe_order", "w13");
-  if (c.moe_order != "w13" && c.moe_order != "w31")
-    fail(Errc::invalid_layout, "engine config: moe_order '", c.moe_order,
-         "' is not supported (expected \"w13\" or \"w31\")");
-  if (c.moe_order == "w31" && c.framework != "sglang")
-    fail(Errc::invalid_layout, "engine config: moe_order \"w31\" is an SGLang option; ",
-         c.framework, " stores w13 (gate first)");
+  engine::check_framework_options(framework, c);
   c.quantization = get_quantization(j);
+  if (c.quantization && !framework.quantizable)
+    fail(Errc::unsupported, "engine config: framework \"", framework.name, "\" with quantization");
+  if (framework.read) framework.read(j, c);
   return c;
 }
 
@@ -214,14 +191,14 @@ json EngineSpec::to_json() const {
 
 json EngineConfig::to_json() const {
   json j = {{"framework", framework},
-            {"hf_config", hf.raw},
+            {"hf_config", hf.raw()},
             {"tp", tp},
             {"expert_parallel", expert_parallel},
             {"expert_placement", expert_placement},
             {"replicas", replicas},
             {"dtype", std::string(dtype_name(dtype))}};
   if (moe_order != "w13") j["moe_order"] = moe_order;
-  if (derived) j["derived"] = engine::derived_to_json(*derived);
+  if (derived) j["derived"] = derived_layout_to_json(*derived);
   if (quantization)
     j["quantization"] = {
         {"method", "fp8"},

@@ -1,10 +1,11 @@
-// Framework "derived": rank layouts a live engine derived from its own loader
-// (python/weightsync/_derive.py), carried in the engine config as JSON, and
-// the JSON form of any rank layout (weightsync engine-layout --json writes it).
+// The JSON form of rank layouts (weightsync engine-layout --json writes it)
+// and of the rank layouts a live engine derived from its own loader
+// (python/weightsync/_derive.py; framework "derived" carries them in the
+// engine config).
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 
-#include "layout_derived.h"
+#include <nlohmann/json.hpp>
 
 #include <set>
 #include <string>
@@ -124,10 +125,7 @@ EngineRankLayout rank_layout_from_json(const json& j) {
   return rank;
 }
 
-namespace engine {
-
-// The "derived" field of an engine config of framework "derived" (tp ranks).
-std::shared_ptr<const DerivedLayout> derived_from_json(const json& j, int tp) {
+std::shared_ptr<const DerivedLayout> derived_layout_from_json(const json& j, int tp) {
   auto out = std::make_shared<DerivedLayout>();
   const std::string where = "engine config (derived)";
   const json& tensors = member(j, "tensors", where);
@@ -156,7 +154,7 @@ std::shared_ptr<const DerivedLayout> derived_from_json(const json& j, int tp) {
   return out;
 }
 
-json derived_to_json(const DerivedLayout& d) {
+json derived_layout_to_json(const DerivedLayout& d) {
   json tensors = json::array();
   for (const auto& t : d.tensors)
     tensors.push_back(
@@ -165,8 +163,6 @@ json derived_to_json(const DerivedLayout& d) {
   for (const auto& r : d.ranks) ranks.push_back(rank_layout_to_json(r));
   return {{"tensors", std::move(tensors)}, {"ranks", std::move(ranks)}};
 }
-
-}  // namespace engine
 
 std::vector<HfTensorSpec> engine_hf_tensors(const EngineConfig& config) {
   if (config.framework == "derived") {

@@ -1,4 +1,5 @@
 // From rules to one rank's parameters, and the checks of what tp must divide.
+#include "engine_framework.h"
 #include "layout_rules.h"
 
 #include <weightsync/error.h>
@@ -200,17 +201,9 @@ void require_divides(int tp, int64_t n, const char* what) {
 void validate(const EngineConfig& c) {
   const HfModelConfig& hf = c.hf;
   const int tp = c.tp;
-  if (tp < 1 || c.replicas < 1)
-    fail(Errc::invalid_layout, "engine config: tp (", tp, ") and replicas (", c.replicas,
-         ") must be positive");
-  if (c.framework != "vllm" && c.framework != "sglang" && c.framework != "hf")
-    fail(Errc::invalid_layout, "engine config: unknown framework '", c.framework, "'");
-  if (c.framework == "hf") return;  // whole tensors: tp divides nothing
   if (c.expert_placement != "linear" && c.expert_placement != "round_robin")
     fail(Errc::invalid_layout, "engine config: unknown expert_placement '", c.expert_placement,
          "'");
-  if (c.moe_order != "w13" && !(c.moe_order == "w31" && c.framework == "sglang"))
-    fail(Errc::invalid_layout, "engine config: moe_order '", c.moe_order, "' with ", c.framework);
   require_divides(tp, hf.num_heads, "num_attention_heads");
   if (hf.family != "deepseek_v3") {
     const int64_t nkv = hf.num_kv_heads;
@@ -246,62 +239,33 @@ void add_param(EngineRankLayout& rank, const Rule& rule, const EngineConfig& c,
   rank.params.push_back(std::move(scale));
 }
 
-// Framework "hf": every HF tensor whole, under its own name, on every rank;
-// with FP8, the linear weights as an FP8 checkpoint stores them (the weight
-// and its "<key>_scale_inv").
-EngineRankLayout hf_rank(const EngineConfig& c, const std::vector<HfTensorSpec>& tensors, int r) {
-  EngineRankLayout rank;
-  rank.rank = r;
-  rank.params.reserve(tensors.size());
-  for (const HfTensorSpec& t : tensors) {
-    const Box whole = Box::full(t.shape);
-    rank.params.push_back({t.key, c.dtype, t.shape, {{t.key, whole, whole, false}}});
-    if (!c.quantization || t.shape.size() != 2 || !fp8_linear_key(t.key)) continue;
-    const auto index = static_cast<int32_t>(rank.params.size() - 1);
-    const HfShapes one{{t.key, t.shape}};
-    EngineParam scale = make_quantized(rank.params.back(), *c.quantization, one, r, c.tp, index);
-    rank.params.push_back(std::move(scale));
-  }
-  return rank;
-}
-
 }  // namespace
-}  // namespace engine
 
-EngineLayout make_engine_layout(const EngineConfig& config) {
-  if (config.framework == "derived") {
-    // The engine's own ranks, as it derived them.
-    if (!config.derived || config.derived->ranks.size() != static_cast<size_t>(config.tp))
-      fail(Errc::invalid_layout, "engine config: framework \"derived\" needs tp=", config.tp,
-           " derived rank layouts");
-    EngineLayout layout;
-    layout.config = config;
-    layout.ranks = config.derived->ranks;
-    layout.groups = {{config, 0, 0, 0}};
-    check_coverage(layout);  // it came from outside: every segment in bounds, no overlap
-    return layout;
-  }
-  engine::validate(config);
+std::vector<EngineRankLayout> rule_ranks(const EngineConfig& config, const Renames& renames) {
+  validate(config);
   const auto tensors = hf_tensors(config.hf);
-  if (config.framework == "hf") {
-    EngineLayout layout;
-    layout.config = config;
-    for (int r = 0; r < config.tp; ++r) layout.ranks.push_back(engine::hf_rank(config, tensors, r));
-    layout.groups = {{config, 0, 0, 0}};
-    return layout;
-  }
-  engine::HfShapes shapes;
+  HfShapes shapes;
   for (const auto& t : tensors) shapes.emplace(t.key, t.shape);
-  const auto rules = engine::rules_for(config, shapes, tensors);
-  EngineLayout layout;
-  layout.config = config;
-  layout.ranks.resize(static_cast<size_t>(config.tp));
+  const auto rules = rules_for(config, shapes, tensors, renames);
+  std::vector<EngineRankLayout> ranks(static_cast<size_t>(config.tp));
   for (int r = 0; r < config.tp; ++r) {
-    auto& rank = layout.ranks[static_cast<size_t>(r)];
+    auto& rank = ranks[static_cast<size_t>(r)];
     rank.rank = r;
     rank.params.reserve(rules.size());
-    for (const auto& rule : rules) engine::add_param(rank, rule, config, shapes, r);
+    for (const auto& rule : rules) add_param(rank, rule, config, shapes, r);
   }
+  return ranks;
+}
+
+}  // namespace engine
+
+// One replica's layout, from its framework (engine_frameworks.cpp).
+EngineLayout make_engine_layout(const EngineConfig& config) {
+  const engine::Framework& framework = engine::find_framework(config.framework);
+  engine::check_framework_options(framework, config);
+  EngineLayout layout;
+  layout.config = config;
+  layout.ranks = framework.ranks(config);
   layout.groups = {{config, 0, 0, 0}};
   return layout;
 }
@@ -324,43 +288,6 @@ EngineLayout make_engine_layout(const EngineSpec& spec) {
     out.groups.push_back(std::move(g));
   }
   return out;
-}
-
-int EngineLayout::world() const noexcept {
-  if (groups.empty()) return 0;
-  const EngineGroup& last = groups.back();
-  return last.first_rank + last.config.tp * last.config.replicas;
-}
-
-int EngineLayout::num_replicas() const noexcept {
-  return groups.empty() ? 0 : groups.back().first_replica + groups.back().config.replicas;
-}
-
-const EngineGroup& EngineLayout::group_of(int global_rank) const {
-  if (global_rank < 0 || global_rank >= world())
-    fail(Errc::invalid_argument, "engine rank ", global_rank, " outside the engines' ", world(),
-         " ranks");
-  size_t i = groups.size() - 1;
-  while (groups[i].first_rank > global_rank) --i;
-  return groups[i];
-}
-
-int EngineLayout::template_of(int global_rank) const {
-  const EngineGroup& g = group_of(global_rank);
-  return g.first_template + (global_rank - g.first_rank) % g.config.tp;
-}
-
-int EngineLayout::global_rank(int replica, int rank) const {
-  if (replica < 0 || replica >= num_replicas())
-    fail(Errc::invalid_argument, "replica ", replica, " outside the engines' ", num_replicas(),
-         " replicas");
-  size_t i = groups.size() - 1;
-  while (groups[i].first_replica > replica) --i;
-  const EngineGroup& g = groups[i];
-  if (rank < 0 || rank >= g.config.tp)
-    fail(Errc::invalid_argument, "rank ", rank, " outside tp=", g.config.tp, " of replica ",
-         replica);
-  return g.first_rank + (replica - g.first_replica) * g.config.tp + rank;
 }
 
 }  // namespace weightsync

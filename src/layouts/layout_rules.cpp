@@ -6,7 +6,7 @@
 //   experts.w13_weight / experts.w2_weight (FusedMoE.make_expert_params_mapping).
 // - MLA with q_lora_rank: vLLM merges q_a_proj and kv_a_proj_with_mqa into
 //   fused_qkv_a_proj (replicated); SGLang names the same fusion
-//   fused_qkv_a_proj_with_mqa.
+//   fused_qkv_a_proj_with_mqa (framework_sglang.cpp renames it).
 // - DeepSeek's shared experts: vLLM's default keeps them a separate
 //   DeepseekV2MLP module (mlp.shared_experts.gate_up_proj / down_proj, tensor
 //   parallel); only ROCm AITER's shared-expert fusion folds them into the
@@ -28,38 +28,29 @@
 namespace weightsync::engine {
 namespace {
 
-// Several HF tensors of one layer fused into one engine parameter. The
-// parameter name may differ per framework ("" in `sglang`: same as vllm).
+// Several HF tensors of one layer fused into one engine parameter (named as
+// vLLM names it; a framework renames it through its Renames).
 struct FusedRule {
-  std::string_view vllm;
-  std::string_view sglang;
+  std::string_view param;
   Split split;
   std::array<std::string_view, 3> keys;  // "" for unused entries
 };
 
 constexpr std::array<FusedRule, 6> kFused{{
     {"self_attn.qkv_proj.weight",
-     "",
      Split::qkv,
      {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}},
     {"self_attn.qkv_proj.bias",
-     "",
      Split::qkv,
      {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}},
     {"self_attn.fused_qkv_a_proj.weight",
-     "self_attn.fused_qkv_a_proj_with_mqa.weight",
      Split::replicated,
      {"self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", ""}},
-    {"mlp.gate_up_proj.weight",
-     "",
-     Split::column,
-     {"mlp.gate_proj.weight", "mlp.up_proj.weight", ""}},
+    {"mlp.gate_up_proj.weight", Split::column, {"mlp.gate_proj.weight", "mlp.up_proj.weight", ""}},
     {"mlp.shared_expert.gate_up_proj.weight",
-     "",
      Split::column,
      {"mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight", ""}},
     {"mlp.shared_experts.gate_up_proj.weight",
-     "",
      Split::column,
      {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", ""}},
 }};
@@ -180,7 +171,7 @@ std::map<std::string, std::vector<Rule>> expert_rules(const HfModelConfig& hf) {
 }  // namespace
 
 std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
-                            const std::vector<HfTensorSpec>& tensors) {
+                            const std::vector<HfTensorSpec>& tensors, const Renames& renames) {
   std::vector<Rule> rules;
   std::set<std::string> consumed;
   auto experts = expert_rules(config.hf);
@@ -189,7 +180,6 @@ std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
       for (const auto& k : *list)
         if (k != layer.gate.front()) consumed.insert(k);
   }
-  const bool sglang = config.framework == "sglang";
   for (const auto& t : tensors) {
     if (consumed.count(t.key)) continue;
     if (auto it = experts.find(t.key); it != experts.end()) {
@@ -214,7 +204,8 @@ std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
         if (keys.size() != static_cast<size_t>(std::count_if(f.keys.begin(), f.keys.end(),
                                                              [](auto k) { return !k.empty(); })))
           continue;  // not all parts present: e.g. MLA's q_proj without k/v
-        const std::string_view name = sglang && !f.sglang.empty() ? f.sglang : f.vllm;
+        const auto renamed = renames.find(f.param);
+        const std::string_view name = renamed != renames.end() ? renamed->second : f.param;
         for (const auto& k : keys) consumed.insert(k);
         rules.push_back({prefix + std::string(name), f.split, std::move(keys)});
         done = true;

@@ -45,11 +45,20 @@ std::string scale_param_name(const std::string& weight);
 // Shapes of the HF tensors by key.
 using HfShapes = std::map<std::string, Shape, std::less<>>;
 
-// Every rule of the model under `config.framework`'s names, in HF order.
-// Errc::invalid_layout when an HF tensor has no rule (a family this table
-// does not know yet).
+// Parameter names a framework gives differently from the tables (vLLM's
+// names): the name after "model.layers.N." -> the framework's.
+using Renames = std::map<std::string, std::string, std::less<>>;
+
+// Every rule of the model, in HF order, its params named as the tables name
+// them with `renames` applied. Errc::invalid_layout when an HF tensor has no
+// rule (a family this table does not know yet).
 std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
-                            const std::vector<HfTensorSpec>& tensors);
+                            const std::vector<HfTensorSpec>& tensors, const Renames& renames);
+
+// The rank layouts of one replica from the tables (frameworks "vllm" and
+// "sglang"): the checks of what tp must divide, then every rule's param on
+// each rank, with FP8 scale params where the config says.
+std::vector<EngineRankLayout> rule_ranks(const EngineConfig& config, const Renames& renames);
 
 // One rank's parameter for `rule`; Errc::invalid_layout when tp does not
 // divide what the rule splits.

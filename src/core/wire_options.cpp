@@ -1,0 +1,33 @@
+// WireOptions as JSON (trainer rank 0 publishes them with the plan options).
+#include <weightsync/error.h>
+#include <weightsync/wire.h>
+
+#include <nlohmann/json.hpp>
+
+namespace weightsync {
+
+nlohmann::json WireOptions::to_json() const {
+  return {{"checksums", checksums}, {"direct_min_bytes", direct_min_bytes}};
+}
+
+WireOptions WireOptions::from_json(const nlohmann::json& j) {
+  WireOptions w;
+  if (!j.is_object())
+    fail(Errc::invalid_argument, "wire options: expected an object, got ", j.dump());
+  if (j.contains("checksums")) {
+    if (!j["checksums"].is_boolean())
+      fail(Errc::invalid_argument, "wire options: \"checksums\" must be true or false, got ",
+           j["checksums"].dump());
+    w.checksums = j["checksums"].get<bool>();
+  }
+  if (j.contains("direct_min_bytes")) {
+    if (!j["direct_min_bytes"].is_number_integer() || j["direct_min_bytes"].get<int64_t>() < 1)
+      fail(Errc::invalid_argument,
+           "wire options: \"direct_min_bytes\" must be a positive integer, got ",
+           j["direct_min_bytes"].dump());
+    w.direct_min_bytes = j["direct_min_bytes"].get<int64_t>();
+  }
+  return w;
+}
+
+}  // namespace weightsync

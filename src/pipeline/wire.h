@@ -1,0 +1,115 @@
+// How a p2p bucket travels between a trainer rank and an engine rank.
+//
+// A bucket is cut into fragments, each one tagged message: every item of at
+// least `direct_min_bytes` is a fragment of its own, and each run of smaller
+// consecutive items is one fragment. Both sides cut the same way from the plan
+// alone, so message sizes match; each side then decides for itself, per
+// fragment, where its bytes live. A big item's fragment that is one dense run
+// of a registered tensor is sent straight from the trainer's tensor, or received
+// straight into the engine's param (zero copy); any other is packed into, or
+// landed in and applied from, the rank's bucket slot at its bucket offset.
+//
+// Fragments of one bucket share the bucket's tag (bucket_tag(step, b, 0)) and
+// are matched in posting order. With checksums on, the sender follows them
+// with one 8-byte message (part 1) holding the fold of the fragments'
+// checksum64 values; the receiver recomputes it before it accepts the bucket.
+// Broadcast buckets travel whole, with the trailer inline (kBucketTrailerBytes).
+#pragma once
+
+#include <weightsync/box.h>
+#include <weightsync/checksum.h>
+#include <weightsync/plan.h>
+#include <weightsync/transport.h>
+#include <weightsync/wire.h>
+
+#include "transport/staging.h"
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace weightsync {
+
+// How a bucket travels (publisher <-> subscriber): its payload followed by an
+// 8-byte little-endian trailer holding checksum64(payload, bytes, step), so
+// one message carries both and a flipped byte anywhere is caught.
+inline constexpr std::size_t kBucketTrailerBytes = 8;
+
+// The transport tag of bucket `bucket` of `step`; part 0 is the bucket itself,
+// part 1 a broadcast gather part on its way to the root. The step rides in the
+// tag so that a message of an aborted step never matches a later receive.
+// Below 2^47: fits every backend's tag space (UCX keeps 48 bits).
+inline uint64_t bucket_tag(int64_t step, int32_t bucket, int part) noexcept {
+  return ((static_cast<uint64_t>(step) & 0x7FFF) << 32) | (static_cast<uint64_t>(bucket) << 1) |
+         static_cast<uint64_t>(part & 1);
+}
+
+// Items [first, first + count) of plan.items(bucket), at [offset, offset + bytes)
+// of the packed bucket.
+struct Fragment {
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  uint32_t first = 0;
+  uint32_t count = 0;
+};
+
+// The fragments of p2p bucket `bucket` (Errc::internal when its items are not
+// packed back to back, which the planner guarantees).
+std::vector<Fragment> bucket_fragments(const Plan& plan, int32_t bucket, int64_t direct_min_bytes);
+
+// The messages of p2p bucket `bucket` on the wire: its fragments, plus the
+// checksum message when checksums are on.
+int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wire);
+
+// When the elements of `box`, in row-major order, are one dense run of memory
+// in a tensor with element `strides`: the element offset of its first element.
+std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box);
+
+// One fragment as one side moves it: straight from or into a registered
+// tensor (`direct`), or through the side's bucket slot at `slot_offset`, with
+// the copies of its items (pack or apply ops) at [first_op, first_op + num_ops)
+// of that side's op list.
+struct FragmentRoute {
+  int64_t bytes = 0;
+  char* direct = nullptr;  // nullptr: through the slot
+  MemoryKind memory = MemoryKind::host;
+  int device = -1;
+  int64_t slot_offset = 0;
+  uint32_t first_op = 0, num_ops = 0;
+};
+
+// The route straight from or into `box` of `tensor` when its elements are one
+// dense run in memory the transport can reach (`caps`); a route with a null
+// `direct` otherwise. CUDA memory only without checksums (they are computed
+// on the host).
+FragmentRoute direct_route(const TensorView& tensor, const Box& box, const Capabilities& caps,
+                           const WireOptions& wire);
+
+// Routes the fragments of p2p bucket `bucket` for one side. `direct(copy)`
+// offers a big item's direct route (direct_route, or none); every other item
+// is handed to `add_op(copy, shift)`, in order (its op index counts from 0),
+// its packed bytes lying at copy.offset + shift of the slot, where such
+// fragments lie back to back from `slot_bytes` on (which grows by them).
+std::vector<FragmentRoute> route_fragments(
+    const Plan& plan, int32_t bucket, int64_t direct_min_bytes,
+    const std::function<FragmentRoute(const Copy&)>& direct,
+    const std::function<void(const Copy&, int64_t shift)>& add_op, int64_t& slot_bytes);
+
+// Where a rank's staging slots live, from where its tensors are and what the
+// transport reaches (DESIGN.md "GPU data path"): host tensors use host slots;
+// CUDA tensors use device slots when the transport reaches device memory,
+// else pinned host slots when it reaches host memory. Checksums are computed
+// on the host, so with them on CUDA tensors take pinned slots. `who` ("trainer
+// rank 2") and `transport` name the parties of the Errc::unsupported thrown
+// when no slot fits (e.g. host tensors over NCCL).
+SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, const WireOptions& wire,
+                              const std::string& who, const std::string& transport);
+
+// The seed of fragment `index` of a bucket of `step` for checksum64.
+inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {
+  return static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL + index;
+}
+
+}  // namespace weightsync
