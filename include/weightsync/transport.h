@@ -235,6 +235,11 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //     dead=R1,R2       every operation to/from these ranks fails with
 //                      Errc::peer_failure
 //     after=N, tag=T, count=K  as described above
+//     freeze_send=N    posting its N-th send (counted from 1) the rank stops
+//     freeze_recv=N    (SIGSTOP), as a hung process would, after a line on
+//                      stderr; SIGCONT resumes it. The failure drills of
+//                      `weightsync demo --kill` and `export --kill` freeze
+//                      their victim and SIGKILL it from outside.
 //   With no fault set the wrapper passes everything through unchanged.
 
 }  // namespace weightsync

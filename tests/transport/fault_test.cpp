@@ -4,6 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <csignal>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
 namespace weightsync::transport_test {
 
 constexpr auto kWait = std::chrono::milliseconds(60000);
@@ -216,9 +221,40 @@ TEST(FaultTransport, SameSeedSameFaults) {
   EXPECT_LT(corrupted, 24);
 }
 
+// freeze_send=2: the rank stops (SIGSTOP) posting its second send, as a hung
+// process would, and goes on when continued. Run in a child process, which
+// the test sees stopped, then resumes; the round trips complete.
+TEST(FaultTransport, FreezeStopsTheRankAtItsNthSend) {
+  TempDir dir;
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int code = 1;
+    try {
+      auto t = self_transport(dir, "freeze_send=2");
+      TestBuffer in(256, MemoryKind::host), out(256, MemoryKind::host);
+      out.fill(5);
+      if (round_trip(*t, 1, in, out) == 256 && in.holds(5, 256) &&  // send 1
+          round_trip(*t, 2, in, out) == 256)                        // send 2: freezes first
+        code = 0;
+    } catch (...) {
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, WUNTRACED), pid);
+  ASSERT_TRUE(WIFSTOPPED(status)) << "the rank did not freeze (status " << status << ")";
+  EXPECT_EQ(WSTOPSIG(status), SIGSTOP);
+  ::kill(pid, SIGCONT);
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the round trips failed after the rank was continued";
+}
+
 TEST(FaultTransport, RejectsMalformedSettings) {
   TempDir dir;
-  for (const char* bad : {"corrupt_recv=2", "drop_send=x", "fail_after=-1", "dead=a,b"}) {
+  for (const char* bad :
+       {"corrupt_recv=2", "drop_send=x", "fail_after=-1", "dead=a,b", "freeze_send=0"}) {
     try {
       self_transport(dir, bad);
       ADD_FAILURE() << bad << " was accepted";

@@ -239,7 +239,6 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
 
 int run_engine_worker(const JobSpec& job, int global) {
   const auto started = Clock::now();
-  register_kill_transport();
   const EngineSpec spec = EngineSpec::load(job.engine);
   const EngineLayout layout = make_engine_layout(spec);
   const EngineRankLayout& rl = layout.rank_layout(global);

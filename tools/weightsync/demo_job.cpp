@@ -146,4 +146,12 @@ double peak_rss_mb() {
   return 0;
 }
 
+std::string with_freeze(const std::string& transport, const std::string& op, int64_t after) {
+  const char sep = transport.find('?') == std::string::npos ? '?' : '&';
+  const std::string freeze = cat(sep, "freeze_", op, "=", after);
+  // One fault wrapper takes every fault key: an inner one would get none.
+  if (transport.rfind("fault:", 0) == 0) return transport + freeze;
+  return cat("fault:", transport, freeze);
+}
+
 }  // namespace weightsync::demo

@@ -23,7 +23,9 @@
 namespace weightsync::demo {
 
 // Kills a worker at a chosen point: its `after`-th transport operation of
-// kind `op` ("send" or "recv"), counted from 1 over the whole job.
+// kind `op` ("send" or "recv"), counted from 1 over the whole job. The worker
+// freezes there (the fault transport's freeze_send / freeze_recv) and the
+// demo SIGKILLs it from outside (ProcessGroup, kill_when_stopped).
 struct KillSpec {
   std::string role;  // "trainer" | "engine"; empty: nobody dies
   int rank = -1;     // trainer rank or global engine rank
@@ -88,9 +90,9 @@ double peak_rss_mb();
 int run_trainer_worker(const JobSpec& job, int rank);
 int run_engine_worker(const JobSpec& job, int global_rank);
 
-// Registers the "kill" transport wrapper (demo_kill.cpp):
-// "kill:<inner>?op=send&after=N" SIGKILLs its own process when posting its
-// N-th operation of that kind.
-void register_kill_transport();
+// `transport` with the fault that freezes its rank when posting its
+// `after`-th operation of kind `op` ("send" or "recv"): the failure drills'
+// victim, which the drill then kills from outside.
+std::string with_freeze(const std::string& transport, const std::string& op, int64_t after);
 
 }  // namespace weightsync::demo

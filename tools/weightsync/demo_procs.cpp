@@ -43,12 +43,13 @@ ProcessGroup::~ProcessGroup() {
 }
 
 void ProcessGroup::spawn(const std::string& label, const std::vector<std::string>& args,
-                         bool may_fail) {
+                         bool may_fail, bool kill_when_stopped) {
   std::string file = label;
   std::replace(file.begin(), file.end(), ' ', '-');
   ChildResult child;
   child.label = label;
   child.may_fail = may_fail;
+  child.kill_when_stopped = kill_when_stopped;
   child.log_path = log_dir_ + "/" + file + ".log";
   const std::string exe = self_exe();
   std::vector<std::string> argv_s{exe};
@@ -84,8 +85,15 @@ void ProcessGroup::reap(bool block) {
   for (size_t i = 0; i < children_.size(); ++i) {
     if (!running_[i]) continue;
     int status = 0;
-    const pid_t r = ::waitpid(children_[i].pid, &status, block ? 0 : WNOHANG);
+    const pid_t r = ::waitpid(children_[i].pid, &status, (block ? 0 : WNOHANG) | WUNTRACED);
     if (r != children_[i].pid) continue;
+    if (WIFSTOPPED(status)) {
+      // A drill's victim froze where the drill wanted it dead: kill it from
+      // here (reaped as killed by SIGKILL on a later look). Anyone else
+      // stopped is left as it is.
+      if (children_[i].kill_when_stopped) ::kill(children_[i].pid, SIGKILL);
+      continue;
+    }
     running_[i] = false;
     if (WIFEXITED(status)) {
       children_[i].exited = true;

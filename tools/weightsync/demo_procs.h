@@ -25,7 +25,8 @@ struct ChildResult {
   bool exited = false;  // false: killed by a signal (or never reaped)
   int exit_code = -1;
   int signal = 0;
-  bool may_fail = false;  // a child whose failure is part of the scenario
+  bool may_fail = false;           // a child whose failure is part of the scenario
+  bool kill_when_stopped = false;  // a drill's victim: SIGKILL it once it stops (freezes)
   std::string log_path;
 
   bool ok() const { return exited && exit_code == 0; }
@@ -41,8 +42,11 @@ class ProcessGroup {
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
   // Starts `self_exe() args...`. `may_fail`: its failure does not fail the
-  // group (e.g. an engine the scenario kills on purpose).
-  void spawn(const std::string& label, const std::vector<std::string>& args, bool may_fail = false);
+  // group (e.g. an engine the scenario kills on purpose). `kill_when_stopped`:
+  // the group SIGKILLs the child as soon as it stops (a failure drill's
+  // victim, frozen at its chosen operation by the fault transport).
+  void spawn(const std::string& label, const std::vector<std::string>& args, bool may_fail = false,
+             bool kill_when_stopped = false);
 
   // Waits until every child has ended, or `timeout`. When a child that may not
   // fail ends badly, the others get `grace` to end on their own (they usually

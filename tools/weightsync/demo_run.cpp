@@ -122,7 +122,7 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
     const bool victim = job.kill.role == role && job.kill.rank == rank;
     group.spawn(cat(role, " ", rank),
                 {"worker", "--job", job_path, "--role", role, "--rank", std::to_string(rank)},
-                victim);
+                victim, /*kill_when_stopped=*/victim);
   };
   // --restart: the killed rank comes back as a new process (without the kill).
   bool restarted = false;

@@ -62,8 +62,7 @@ nlohmann::json push_json(const PushResult& r) {
 std::string with_kill(const JobSpec& job, std::string transport, const std::string& role,
                       int rank) {
   if (job.kill.role != role || job.kill.rank != rank) return transport;
-  const char sep = transport.find('?') == std::string::npos ? '?' : '&';
-  return cat("kill:", transport, sep, "op=", job.kill.op, "&after=", job.kill.after);
+  return with_freeze(transport, job.kill.op, job.kill.after);
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {
@@ -92,7 +91,6 @@ std::string worker_transport(const JobSpec& job, const std::string& role, int ra
 }
 
 int run_trainer_worker(const JobSpec& job, int rank) {
-  register_kill_transport();
   const Millis timeout(job.timeout_ms);
   const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
   const TrainerLayout layout = TrainerLayout::load(job.trainer);

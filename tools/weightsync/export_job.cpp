@@ -147,8 +147,7 @@ class PlainWrite {
 
 std::string worker_transport(const ExportJob& job, int rank) {
   if (rank != job.kill_rank) return job.transport;
-  const char sep = job.transport.find('?') == std::string::npos ? '?' : '&';
-  return cat("kill:", job.transport, sep, "op=send&after=", job.kill_after);
+  return demo::with_freeze(job.transport, "send", job.kill_after);
 }
 
 nlohmann::json save_json(const SaveHfResult& r) {
@@ -294,7 +293,6 @@ nlohmann::json run_rounds(const ExportJob& job, int rank, const Checkpoint& ckpt
 }  // namespace
 
 int run_export_worker(const ExportJob& job, int rank) {
-  demo::register_kill_transport();
   nlohmann::json stats = {{"rank", rank}, {"ok", false}};
   try {
     const Millis timeout(job.timeout_ms);
@@ -342,7 +340,7 @@ nlohmann::json run_export(ExportJob job) {
   for (int r = 0; r < ranks; ++r) std::filesystem::remove(job.stats_path(r));
   for (int r = 0; r < ranks; ++r)
     group.spawn(cat("export ", r), {"export", "--job", job_path, "--rank", std::to_string(r)},
-                r == job.kill_rank);
+                r == job.kill_rank, /*kill_when_stopped=*/r == job.kill_rank);
   // The save's bytes as they reach the disk, against the checkpoint's bytes
   // (each round rewrites them; a plain write goes elsewhere).
   double total = 0;

@@ -48,8 +48,9 @@ std::set<int> parse_ranks(const std::string& key, const std::string& value) {
 
 bool FaultConfig::is_fault_key(const std::string& key) {
   static const std::set<std::string> keys{
-      "seed",       "drop_send", "corrupt_send", "truncate_send", "corrupt_recv", "delay_ms",
-      "fail_after", "dead",      "after",        "tag",           "count"};
+      "seed",     "drop_send",   "corrupt_send", "truncate_send", "corrupt_recv",
+      "delay_ms", "fail_after",  "dead",         "after",         "tag",
+      "count",    "freeze_send", "freeze_recv"};
   return keys.count(key) > 0;
 }
 
@@ -67,6 +68,12 @@ FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params)
     if (key == "after") c.after = parse_uint(key, value);
     if (key == "tag") c.tag = parse_uint(key, value);
     if (key == "count") c.count = parse_uint(key, value);
+    if (key == "freeze_send" || key == "freeze_recv") {
+      const uint64_t n = parse_uint(key, value);
+      if (n == 0)
+        fail(Errc::invalid_argument, "fault transport: ", key, "=0: operations count from 1");
+      (key == "freeze_send" ? c.freeze_send : c.freeze_recv) = n;
+    }
   }
   return c;
 }

@@ -25,6 +25,8 @@ struct FaultConfig {
   uint64_t after = 0;
   std::optional<Tag> tag;
   std::optional<uint64_t> count;
+  std::optional<uint64_t> freeze_send;  // 1-based: the N-th send posted
+  std::optional<uint64_t> freeze_recv;
 
   // Reads the fault keys of `params`; the others are left for the inner
   // transport. Errc::invalid_argument names a malformed value.
@@ -45,6 +47,9 @@ class FaultPlan {
   Fault next_recv(Tag tag);
   // Counts one operation; true once more than fail_after operations were posted.
   bool next_fails();
+  // Counts one posted send (receive); true for the one that freezes the rank.
+  bool freezes_send() { return config_.freeze_send && ++posted_sends_ == *config_.freeze_send; }
+  bool freezes_recv() { return config_.freeze_recv && ++posted_recvs_ == *config_.freeze_recv; }
   bool dead(int peer) const { return config_.dead.count(peer) > 0; }
   // A position in [0, bytes) to corrupt.
   std::size_t position(std::size_t bytes) { return bytes ? random_() % bytes : 0; }
@@ -59,6 +64,8 @@ class FaultPlan {
   uint64_t recvs_ = 0;
   uint64_t ops_ = 0;
   uint64_t injected_ = 0;
+  uint64_t posted_sends_ = 0;
+  uint64_t posted_recvs_ = 0;
 };
 
 }  // namespace weightsync::transport::fault

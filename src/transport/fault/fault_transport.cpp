@@ -1,12 +1,15 @@
 // "fault:<inner>": wraps any transport and injects the faults its settings ask
-// for (drop, corrupt, truncate, delay, fail after N, dead peers), deterministically, so
-// that failure paths are tested on real transports without real failures.
+// for (drop, corrupt, truncate, delay, fail after N, dead peers, a frozen
+// rank), deterministically, so that failure paths are tested on real
+// transports without real failures.
 #include <weightsync/error.h>
 #include <weightsync/transport.h>
 
 #include "builtin.h"
 #include "fault_config.h"
 
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 
 namespace weightsync::transport::fault {
@@ -90,6 +93,7 @@ class FaultTransport final : public Transport {
   void reconnect(int peer) override { inner_->reconnect(peer); }
 
   std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override {
+    if (plan_.freezes_send()) freeze("send", peer, tag);
     FaultRequest::Setup s;
     s.not_before = Clock::now() + plan_.delay();
     if (!injected_failure(Request::Kind::send, peer, tag, buffer, s)) {
@@ -112,6 +116,7 @@ class FaultTransport final : public Transport {
   }
 
   std::unique_ptr<Request> recv(int peer, Tag tag, const Buffer& buffer) override {
+    if (plan_.freezes_recv()) freeze("receive", peer, tag);
     FaultRequest::Setup s;
     s.not_before = Clock::now() + plan_.delay();
     if (!injected_failure(Request::Kind::recv, peer, tag, buffer, s)) {
@@ -148,6 +153,15 @@ class FaultTransport final : public Transport {
       return true;
     }
     return false;
+  }
+
+  // The process stops where it stands, as a hung one would (a drill kills it
+  // from outside; SIGCONT resumes it and the operation is posted).
+  void freeze(const char* what, int peer, Tag tag) {
+    std::fprintf(stderr, "%s: rank %d freezes (SIGSTOP) posting a %s with rank %d, tag %llu\n",
+                 name().c_str(), rank(), what, peer, static_cast<unsigned long long>(tag));
+    std::fflush(stderr);
+    std::raise(SIGSTOP);
   }
 
   void require_host(const Buffer& b, const char* what) const {
