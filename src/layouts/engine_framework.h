@@ -26,6 +26,9 @@ struct Framework {
   bool takes_w31 = false;
   // Takes "quantization" (block FP8).
   bool quantizable = true;
+  // Its layouts come from outside (not from the name tables): make_engine_layout
+  // checks their coverage (every segment in bounds, no overlap).
+  bool checked_for_coverage = false;
   // Reads the framework's own fields of an engine config into `c`, after the
   // shared ones (nullptr: none). Errc::format naming the field. (to_json
   // writes every EngineConfig field there is, `derived` among them.)

@@ -267,6 +267,7 @@ EngineLayout make_engine_layout(const EngineConfig& config) {
   layout.config = config;
   layout.ranks = framework.ranks(config);
   layout.groups = {{config, 0, 0, 0}};
+  if (framework.checked_for_coverage) check_coverage(layout);
   return layout;
 }
 
