@@ -224,9 +224,9 @@ void CoordinatorState::handle_request(ConnId conn, Conn& c, const wire::Message&
     case Kind::begin_step:
       return begin_step(conn, c, id, b, now);
     case Kind::sent:
-      return record_sent(conn, c, id, b);
+      return record_report(conn, c, id, b, Role::trainer);
     case Kind::ack:
-      return record_ack(conn, c, id, b);
+      return record_report(conn, c, id, b, Role::engine);
     default:
       fail(Errc::internal, "unhandled request kind '", wire::kind_name(m.kind), "'");
   }

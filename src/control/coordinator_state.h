@@ -120,8 +120,8 @@ class CoordinatorState {
   void answer_followers();  // the followers of the open step (or of others: errors)
   void begin_step(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body,
                   Clock::time_point now);
-  void record_sent(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
-  void record_ack(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
+  // A trainer's "sent" (from == trainer) or an engine's "ack" of the open step.
+  void record_report(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body, Role from);
   bool report_applies(ConnId conn, uint64_t id, int64_t step, const std::string& what);
   void participant_lost(uint64_t member_id, const std::string& reason);
   void try_decide();

@@ -157,45 +157,30 @@ bool CoordinatorState::report_applies(ConnId conn, uint64_t id, int64_t step,
   return false;
 }
 
-void CoordinatorState::record_sent(ConnId conn, const Conn& c, uint64_t id, const Json& body) {
+void CoordinatorState::record_report(ConnId conn, const Conn& c, uint64_t id, const Json& body,
+                                     Role from) {
   const int64_t step = body.at("step").get<int64_t>();
-  if (c.member.role != Role::trainer)
+  const bool trainer = from == Role::trainer;
+  const char* what = trainer ? "sent from " : "ack from ";
+  if (c.member.role != from)
     return reply_error(conn, id, Errc::protocol,
-                       cat("sent from ", who(c.member), ": trainers only"));
-  if (!report_applies(conn, id, step, cat("sent from ", who(c.member)))) return;
-  auto p = open_step_->trainers.find(c.member.id);
-  if (p == open_step_->trainers.end())
+                       cat(what, who(c.member), trainer ? ": trainers only" : ": engines only"));
+  if (!report_applies(conn, id, step, cat(what, who(c.member)))) return;
+  auto& group = trainer ? open_step_->trainers : open_step_->engines;
+  auto p = group.find(c.member.id);
+  if (p == group.end())
     return reply_error(conn, id, Errc::protocol,
                        cat(who(c.member), " is not a participant of step ", step));
   if (p->second.outcome == Outcome::pending) {
     const bool ok = body.at("ok").get<bool>();
     p->second.outcome = ok ? Outcome::ok : Outcome::failed;
     if (!ok)
-      p->second.reason = cat(who(c.member), " reported failure: ", body.value("error", "(none)"));
+      p->second.reason =
+          trainer ? cat(who(c.member), " reported failure: ", body.value("error", "(none)"))
+                  : cat(who(c.member), " failed: ", body.value("error", "(no reason given)"));
+    if (!trainer) p->second.bytes = wire::get_u64(body, "bytes");
     if (metrics_ && body.contains("stats"))
-      metrics_->rank_stats(Role::trainer, c.member.rank, body["stats"]);
-  }
-  reply(conn, id);
-  try_decide();
-}
-
-void CoordinatorState::record_ack(ConnId conn, const Conn& c, uint64_t id, const Json& body) {
-  const int64_t step = body.at("step").get<int64_t>();
-  if (c.member.role != Role::engine)
-    return reply_error(conn, id, Errc::protocol, cat("ack from ", who(c.member), ": engines only"));
-  if (!report_applies(conn, id, step, cat("ack from ", who(c.member)))) return;
-  auto p = open_step_->engines.find(c.member.id);
-  if (p == open_step_->engines.end())
-    return reply_error(conn, id, Errc::protocol,
-                       cat(who(c.member), " is not a participant of step ", step));
-  if (p->second.outcome == Outcome::pending) {
-    const bool ok = body.at("ok").get<bool>();
-    p->second.outcome = ok ? Outcome::ok : Outcome::failed;
-    if (!ok)
-      p->second.reason = cat(who(c.member), " failed: ", body.value("error", "(no reason given)"));
-    p->second.bytes = wire::get_u64(body, "bytes");
-    if (metrics_ && body.contains("stats"))
-      metrics_->rank_stats(Role::engine, c.member.rank, body["stats"]);
+      metrics_->rank_stats(from, c.member.rank, body["stats"]);
   }
   reply(conn, id);
   try_decide();
