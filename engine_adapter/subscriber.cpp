@@ -25,24 +25,16 @@ using Millis = std::chrono::milliseconds;
 
 using pipeline::seconds_since;
 
-Millis left_until(Clock::time_point deadline) {
-  return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
-}
+using pipeline::left_until;
 
 }  // namespace
 
-struct Subscriber::Impl {
+struct Subscriber::Impl : pipeline::Endpoint {
   SubscriberOptions opt;
   EngineLayout engine;
   int global = 0;
-  std::unique_ptr<control::Client> client;
-  std::map<std::string, size_t, std::less<>> index;
   std::vector<TensorView> params;
-  std::vector<bool> registered;
   std::optional<TrainerLayout> trainer;
-  std::unique_ptr<Transport> transport;
-  control::Client::Progress progress;  // of `transport`, in the client's waits
-  std::optional<Plan> plan;
   std::unique_ptr<engine::ReceivePipeline> pipeline;
   // FP8 engines: the quantized weights' staging in the trainer's dtype.
   std::unique_ptr<engine::Fp8Staging> fp8;
@@ -54,19 +46,9 @@ struct Subscriber::Impl {
   std::unique_ptr<char[]> arena_host;
   gpu::Memory arena_device;
   std::string weights_error;  // the step's first failure of on_weights
-  bool ready = false;         // ensure_ready done
-  // What later plans and pipelines are made from (elastic replicas: a plan
-  // per membership).
-  PlanOptions plan_options;
-  bool elastic = false;
-  WireOptions wire;
-  pipeline::RankMemory memory;
-  SlotMemory slots = SlotMemory::host;
-  int slot_device = -1;
-  std::string adopt_error;  // elastic: why the step's plan could not be made
+  std::string adopt_error;    // elastic: why the step's plan could not be made
   std::atomic<int64_t> version{-1};
   std::atomic<bool> stopping{false};
-  int64_t current_step = -1;
   std::string abort_reason;
   // The member id of each trainer rank this rank's transport talks to; a
   // trainer that left (MemberLeft) and came back as a new process is
@@ -136,14 +118,7 @@ void Subscriber::Impl::ensure_ready() {
   spec.connect_timeout = opt.connect_timeout;
   pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
   trainer = std::move(dp.trainer);
-  transport = std::move(dp.transport);
-  progress = std::move(dp.progress);
-  wire = dp.wire;
-  memory = dp.memory;
-  slots = dp.slots;
-  slot_device = dp.slot_device;
-  plan_options = dp.options;
-  elastic = dp.elastic;
+  take(dp);
   if (elastic) {
     // The plan of the membership the next step most likely serves: the
     // replicas with a live engine, this one among them (a step that serves
@@ -492,8 +467,7 @@ Subscriber::~Subscriber() {
     if (impl_->client) impl_->client->leave();
   } catch (const Error&) {
   }
-  impl_->progress = {};
-  impl_->transport.reset();
+  impl_->close_transport();
 }
 
 void Subscriber::register_param(const std::string& name, const TensorView& param) {
@@ -506,20 +480,9 @@ void Subscriber::register_param(const std::string& name, const TensorView& param
     fail(Errc::not_found, "engine rank ", m.global, ": param '", name,
          "' is not in this rank's engine layout (", m.index.size(), " params)");
   const EngineParam& spec = m.rank_layout().params[it->second];
-  if (param.dtype != spec.dtype)
-    fail(Errc::mismatch, "engine rank ", m.global, ": param '", name, "' registered as ",
-         dtype_name(param.dtype), " but the engine layout says ", dtype_name(spec.dtype));
-  if (param.shape != spec.shape)
-    fail(Errc::mismatch, "engine rank ", m.global, ": param '", name, "' registered with shape ",
-         shape_str(param.shape), " but the engine layout says ", shape_str(spec.shape));
-  if (!param.data && param.numel() > 0)
-    fail(Errc::invalid_argument, "engine rank ", m.global, ": param '", name,
-         "' registered with a null pointer");
-  if (!param.is_non_overlapping())
-    fail(Errc::invalid_argument, "engine rank ", m.global, ": param '", name, "' has strides ",
-         shape_str(param.effective_strides()), " for shape ", shape_str(param.shape),
-         ": its elements overlap in memory, so writes into it would collide (an expanded or ",
-         "broadcast view?); register the tensor that owns the memory");
+  pipeline::check_registered(cat("engine rank ", m.global), name, param, spec.dtype, spec.shape,
+                             "the engine layout says", "the engine layout says",
+                             /*written=*/true);
   m.params[it->second] = param;
   m.registered[it->second] = true;
 }

@@ -4,6 +4,7 @@
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
 
+#include "pipeline/item_copies.h"
 #include "pipeline/wire.h"
 
 #include "core/fp8.h"
@@ -23,80 +24,9 @@ constexpr int kPublishSlot = 2;  // the copier's event for publish_staging
 
 using pipeline::seconds_since;
 
-std::uintptr_t addr(const void* p) {
-  return reinterpret_cast<std::uintptr_t>(p);
-}
-
-// Swaps the last two entries (a transposed param seen in HF orientation).
-Shape swap_last_two(Shape s) {
-  if (s.size() >= 2) std::swap(s[s.size() - 1], s[s.size() - 2]);
-  return s;
-}
-
-int64_t dot(const Shape& a, const Shape& b) {
-  int64_t out = 0;
-  for (size_t d = 0; d < a.size(); ++d) out += a[d] * b[d];
-  return out;
-}
-
-// Prepends `n` entries of `value` (a param may have leading length-1 expert
-// dims that the HF tensor lacks; engine_layout.h).
-Shape lead(Shape s, size_t n, int64_t value) {
-  s.insert(s.begin(), n, value);
-  return s;
-}
-
-// Appends the apply of one plan item: from the packed view at bucket offset
-// c.offset (+ `shift` where the slot compacts packed fragments) into
-// c.dst_box of `target`, through a transposed view when c.transpose.
-void add_apply(CopyProgram& program, const Copy& c, const TensorView& target, int64_t shift) {
-  if (c.dst_box.rank() < c.hf_box.rank())
-    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
-         " has fewer dims than HF box ", box_str(c.hf_box));
-  const size_t extra = c.dst_box.rank() - c.hf_box.rank();
-  const auto item = static_cast<int64_t>(itemsize(target.dtype));
-  const Box src = c.hf_box.relative_to(c.view_box);
-  const Shape packed_strides = contiguous_strides(c.view_box.lengths);
-  const Shape lengths = lead(c.hf_box.lengths, extra, 1);
-  // Seen through a transposed view, the param box has the HF box's lengths.
-  const Shape strides = target.effective_strides();
-  const Shape dst_offsets = c.transpose ? swap_last_two(c.dst_box.offsets) : c.dst_box.offsets;
-  const Shape dst_lengths = c.transpose ? swap_last_two(c.dst_box.lengths) : c.dst_box.lengths;
-  if (dst_lengths != lengths)
-    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
-         " does not match HF box ", box_str(c.hf_box), c.transpose ? " transposed" : "");
-  program.add(c.offset + shift + dot(src.offsets, packed_strides) * item,
-              lead(packed_strides, extra, 0),
-              static_cast<int64_t>(addr(target.data)) + dot(dst_offsets, strides) * item,
-              c.transpose ? swap_last_two(strides) : strides, lengths, itemsize(target.dtype));
-}
-
-// Appends the apply of an item its sender quantized (Copy::fp8): its codes
-// into the FP8 param, then its block scales into the scale param.
-void add_apply_fp8(CopyProgram& program, const Copy& c, const TensorView& codes,
-                   const TensorView& scales, int64_t shift) {
-  if (codes.dtype != DType::F8_E4M3 || scales.dtype != DType::F32)
-    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": quantized by its sender, ",
-         "but the param is ", dtype_name(codes.dtype), " and its scale param ",
-         dtype_name(scales.dtype));
-  add_apply(program, c, codes, shift);
-  const size_t n = c.hf_box.rank();
-  Copy s = c;
-  s.offset = c.offset + c.hf_box.numel();
-  s.hf_box = Box::full(Shape{(c.hf_box.lengths[n - 2] + fp8::kBlock - 1) / fp8::kBlock,
-                             (c.hf_box.lengths[n - 1] + fp8::kBlock - 1) / fp8::kBlock});
-  s.view_box = s.hf_box;
-  s.dst_box = c.scale_box;
-  s.dst_param = c.scale_param;
-  add_apply(program, s, scales, shift);
-}
-
-uint64_t read_trailer(const char* p) {
-  uint64_t v = 0;
-  for (int i = static_cast<int>(kBucketTrailerBytes) - 1; i >= 0; --i)
-    v = (v << 8) | static_cast<unsigned char>(p[i]);
-  return v;
-}
+using pipeline::add_apply;
+using pipeline::add_apply_fp8;
+using pipeline::addr;
 
 }  // namespace
 
@@ -163,9 +93,7 @@ FragmentRoute ReceivePipeline::direct_target(const Copy& c, const TensorView& ta
     fail(Errc::internal, "engine rank ", global_rank_,
          ": a bucket for it holds an item for engine rank ", c.dst_rank);
   // The packed item must be the param box in row-major order.
-  if (c.transpose || c.view_box != c.hf_box || c.dst_box.rank() < c.hf_box.rank() ||
-      c.dst_box.lengths != lead(c.hf_box.lengths, c.dst_box.rank() - c.hf_box.rank(), 1))
-    return {};
+  if (!pipeline::packed_as_dst_box(c)) return {};
   return direct_route(target, c.dst_box, caps_, wire_);
 }
 

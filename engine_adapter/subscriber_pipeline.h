@@ -16,9 +16,9 @@
 // params at commit.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/plan.h>
 #include <weightsync/subscriber.h>
-#include <weightsync/transport.h>
 #include "pipeline/wire.h"
 
 #include "core/copy_program.h"

@@ -34,7 +34,7 @@ std::vector<std::vector<uint32_t>> params_per_bucket(const Plan& plan, int globa
   const int engine_template = plan.engine_template(global_rank);
   for (size_t k = 0; k < order.size(); ++k) {
     auto add = [&](int32_t segment) {
-      out[k].push_back(static_cast<uint32_t>(plan.segments()[static_cast<size_t>(segment)].param));
+      out[k].push_back(static_cast<uint32_t>(plan.segment_param(segment)));
     };
     if (plan.mode() == PlanMode::p2p)
       for (const PlanItem& item : plan.items(order[k])) add(item.segment);

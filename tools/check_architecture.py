@@ -50,7 +50,7 @@ FOLDERS = {
 # Absent headers belong to core.
 PUBLIC_OWNER = {
     "control.h": "control",
-    "transport.h": "transport",
+    "backend/transport.h": "transport",
     "publisher.h": "trainer",
     "subscriber.h": "engine",
 }
@@ -82,6 +82,7 @@ SHARED_INTERNALS = {
     "src/core/fp8.h",
     "src/core/writer_layout.h",
     "src/pipeline/copier.h",
+    "src/pipeline/item_copies.h",
     "src/pipeline/loop.h",
     "src/pipeline/setup.h",
     "src/pipeline/wire.h",
@@ -97,7 +98,7 @@ SOURCE_EXT = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
 
 def component_of(rel: str) -> str | None:
     if rel.startswith("include/weightsync/"):
-        return PUBLIC_OWNER.get(os.path.basename(rel), "core")
+        return PUBLIC_OWNER.get(rel[len("include/weightsync/"):], "core")
     best = None
     for folder, comp in FOLDERS.items():
         if rel == folder or rel.startswith(folder + "/"):

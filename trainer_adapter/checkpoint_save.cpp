@@ -4,6 +4,7 @@
 #include <weightsync/error.h>
 
 #include "core/cuda/gpu.h"
+#include "pipeline/item_copies.h"
 #include "transport/staging.h"
 
 #include <algorithm>
@@ -13,9 +14,7 @@
 namespace weightsync::trainer {
 namespace {
 
-std::uintptr_t addr(const void* p) {
-  return reinterpret_cast<std::uintptr_t>(p);
-}
+using pipeline::addr;
 
 int64_t dot(const Shape& a, const Shape& b) {
   int64_t out = 0;
@@ -28,15 +27,6 @@ int64_t dot(const Shape& a, const Shape& b) {
 Shape lead_zeros(Shape strides, size_t rank) {
   strides.insert(strides.begin(), rank - strides.size(), 0);
   return strides;
-}
-
-// `box` of `tensor` into a contiguous place of the box's lengths at `dst`
-// (an offset from the destination base).
-void add_gather(CopyProgram& program, const TensorView& tensor, const Box& box, int64_t dst) {
-  const Shape strides = tensor.effective_strides();
-  const auto item = static_cast<int64_t>(itemsize(tensor.dtype));
-  program.add(static_cast<int64_t>(addr(tensor.data)) + dot(box.offsets, strides) * item, strides,
-              dst, contiguous_strides(box.lengths), box.lengths, itemsize(tensor.dtype));
 }
 
 }  // namespace
@@ -79,8 +69,7 @@ SavePipeline::SavePipeline(const WriterLayout& wl, const Plan* plan, int rank,
       a.bytes = bucket.bytes;
       receives_.push_back(std::move(a));
       std::vector<int> keys;
-      for (const PlanItem& item : plan_->items(b))
-        keys.push_back(plan_->pieces()[static_cast<size_t>(item.piece)].key);
+      for (const PlanItem& item : plan_->items(b)) keys.push_back(plan_->piece_key(item.piece));
       std::sort(keys.begin(), keys.end());
       keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
       keys_of_receive.push_back(std::move(keys));
@@ -115,8 +104,7 @@ void SavePipeline::compile_sends(const std::vector<int32_t>& order) {
                      : FragmentRoute{};
         },
         [&](const Copy& c, int64_t shift) {
-          add_gather(a.pack, tensors_.at(static_cast<size_t>(c.src_param)), c.src_box,
-                     c.offset + shift);
+          pipeline::add_pack(a.pack, c, tensors_.at(static_cast<size_t>(c.src_param)), -shift);
         },
         a.packed_bytes);
     send_slot_bytes_ = std::max(send_slot_bytes_, static_cast<size_t>(a.packed_bytes));
@@ -183,12 +171,11 @@ void SavePipeline::compile_receives() {
         *plan_, a.bucket, wire_.direct_min_bytes,
         [&](const Copy& c) { return direct_route(target(c), c.hf_box, caps_, wire_); },
         [&](const Copy& c, int64_t shift) {
-          const TensorView t = target(c);
-          const Shape strides = contiguous_strides(t.shape);
-          const auto item = static_cast<int64_t>(itemsize(t.dtype));
-          a.apply.add(c.offset + shift, contiguous_strides(c.hf_box.lengths),
-                      static_cast<int64_t>(addr(t.data)) + dot(c.hf_box.offsets, strides) * item,
-                      strides, c.hf_box.lengths, itemsize(t.dtype));
+          // Into the HF key itself: its box is the item's HF box.
+          Copy into_key = c;
+          into_key.dst_box = into_key.view_box = c.hf_box;
+          into_key.transpose = false;
+          pipeline::add_apply(a.apply, into_key, target(c), shift);
         },
         a.slot_bytes);
     recv_slot_bytes_ = std::max(recv_slot_bytes_, static_cast<size_t>(a.slot_bytes));

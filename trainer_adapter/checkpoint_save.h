@@ -24,8 +24,8 @@
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/plan.h>
-#include <weightsync/transport.h>
 #include "pipeline/wire.h"
 #include "transport/staging.h"
 

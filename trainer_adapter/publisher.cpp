@@ -18,9 +18,7 @@ using Millis = std::chrono::milliseconds;
 
 using pipeline::seconds_since;
 
-Millis left_until(Clock::time_point deadline) {
-  return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
-}
+using pipeline::left_until;
 
 // How long a control request of a step may wait for the coordinator: what is
 // left of the step, and at least a second (a reply may be on its way).
@@ -52,22 +50,14 @@ void Publisher::Impl::ensure_ready() {
   spec.transport = opt.transport;
   spec.trainer = opt.layout;
   if (opt.engine) spec.engine = make_engine_layout(*opt.engine);
-  spec.plan = PlanOptions{opt.mode, opt.bucket_bytes, opt.fp8_site};
+  spec.plan = opt.plan;
   spec.memory = pipeline::rank_memory(
       tensors, [&](size_t i) { return opt.layout.params[i].name; }, spec.who);
   spec.connect_timeout = opt.connect_timeout;
   pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
   const auto engines = static_cast<size_t>(dp.engine.world());
   engine = std::move(dp.engine);
-  transport = std::move(dp.transport);
-  progress = std::move(dp.progress);
-  wire = dp.wire;
-  memory = dp.memory;
-  slots = dp.slots;
-  slot_device = dp.slot_device;
-  plan_options = dp.options;
-  elastic = dp.elastic;
-  min_replicas = dp.min_replicas;
+  take(dp);
   if (dp.plan) build_sender(*dp.plan);
   // Endpoints now rather than inside the first step's timing (elastic: the
   // trainers; engines as their replicas join).
@@ -299,9 +289,12 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (m.opt.elastic && m.opt.min_replicas < 1)
     fail(Errc::invalid_argument, "publisher: min_replicas ", m.opt.min_replicas,
          " must be at least 1");
-  if (m.opt.bucket_bytes < 1024)
-    fail(Errc::invalid_argument, "publisher: bucket_bytes ", m.opt.bucket_bytes,
+  if (m.opt.plan.bucket_bytes < 1024)
+    fail(Errc::invalid_argument, "publisher: bucket_bytes ", m.opt.plan.bucket_bytes,
          " is below the minimum of 1024");
+  if (!m.opt.plan.replicas.empty())
+    fail(Errc::invalid_argument, "publisher: plan.replicas must be empty: a step serves the ",
+         "job's replicas, or with elastic on, the replicas that are ready");
   m.tensors.resize(m.opt.layout.params.size());
   m.registered.assign(m.opt.layout.params.size(), false);
   // Names are unique per rank, not per layout (pipeline stages name their
@@ -327,9 +320,9 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (m.opt.rank == 0) {
     // The engines plan from the same inputs: the layout and the plan options.
     m.client->set(m.key("layout/trainer"), bytes_of(m.opt.layout.to_json().dump()));
-    nlohmann::json po = {{"mode", plan_mode_name(m.opt.mode)},
-                         {"bucket_bytes", m.opt.bucket_bytes},
-                         {"fp8_site", fp8_site_name(m.opt.fp8_site)},
+    nlohmann::json po = {{"mode", plan_mode_name(m.opt.plan.mode)},
+                         {"bucket_bytes", m.opt.plan.bucket_bytes},
+                         {"fp8_site", fp8_site_name(m.opt.plan.fp8_site)},
                          {"wire", m.opt.wire.to_json()}};
     if (m.opt.elastic) po["elastic"] = {{"min_replicas", m.opt.min_replicas}};
     m.client->set(m.key("plan_options"), bytes_of(po.dump()));
@@ -340,8 +333,7 @@ Publisher::~Publisher() {
   if (!impl_) return;
   // Requests and regions go before their transport, the client last.
   impl_->pipeline.reset();
-  impl_->progress = {};
-  impl_->transport.reset();
+  impl_->close_transport();
   try {
     if (impl_->client) impl_->client->leave();
   } catch (const Error&) {
@@ -363,17 +355,9 @@ void Publisher::register_tensor(const std::string& name, const TensorView& tenso
          "' is not in the trainer layout (", m.index.size(), " params on this rank)");
   }
   const LoadSpec& spec = m.opt.layout.params[it->second];
-  const Shape expected = local_shape(spec, m.opt.layout.mesh, m.opt.rank);
-  if (tensor.dtype != spec.dtype)
-    fail(Errc::mismatch, "trainer rank ", m.opt.rank, ": param '", name, "' registered as ",
-         dtype_name(tensor.dtype), " but its LoadSpec says ", dtype_name(spec.dtype));
-  if (tensor.shape != expected)
-    fail(Errc::mismatch, "trainer rank ", m.opt.rank, ": param '", name, "' registered with shape ",
-         shape_str(tensor.shape), " but rank ", m.opt.rank, "'s local shape is ",
-         shape_str(expected));
-  if (!tensor.data && tensor.numel() > 0)
-    fail(Errc::invalid_argument, "trainer rank ", m.opt.rank, ": param '", name,
-         "' registered with a null pointer");
+  pipeline::check_registered(cat("trainer rank ", m.opt.rank), name, tensor, spec.dtype,
+                             local_shape(spec, m.opt.layout.mesh, m.opt.rank), "its LoadSpec says",
+                             cat("rank ", m.opt.rank, "'s local shape is"), /*written=*/false);
   m.tensors[it->second] = tensor;
   m.registered[it->second] = true;
 }

@@ -32,9 +32,7 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
-Millis left_until(Clock::time_point deadline) {
-  return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
-}
+using pipeline::left_until;
 
 std::vector<uint8_t> bytes_of(const std::string& s) {
   return {s.begin(), s.end()};
@@ -105,8 +103,7 @@ struct Publisher::SaveRun {
   Clock::time_point deadline;
   std::unique_ptr<EndWatch> watch;
   // Destroyed in reverse: the data path, its plan, the layout, the transport.
-  std::unique_ptr<Transport> transport;
-  control::Client::Progress progress;  // of `transport`, in the client's waits
+  pipeline::TransportEnd net;  // the transport, kept progressing in the client's waits
   std::optional<WriterLayout> wl;
   std::optional<Plan> plan;
   std::unique_ptr<trainer::SavePipeline> pipe;
@@ -234,18 +231,9 @@ trainer::SaveStats Publisher::SaveRun::transfer() {
   Capabilities caps;
   caps.host_memory = true;
   if (!wl->windows.empty()) {
-    TransportOptions t;
-    t.name = opt.transport;
-    t.store = m.client.get();
-    t.prefix = key("transport");
-    t.rank = rank();
-    t.world = world();
-    t.device = memory.memory == MemoryKind::cuda ? memory.device : -1;
-    t.bootstrap_timeout = left_until(deadline);
-    pipeline::use_device(memory);
-    transport = make_transport(t);
-    progress = pipeline::keep_progressing(*m.client, *transport);
-    caps = transport->capabilities();
+    net = pipeline::open_transport(*m.client, opt.transport, key("transport"), rank(), world(),
+                                   memory, left_until(deadline));
+    caps = net.transport->capabilities();
     // Every rank's address is in the store before anyone connects: a rank
     // that died or failed before it got here aborts this wait (poll) instead
     // of a connect waiting out the bootstrap timeout.
@@ -256,13 +244,14 @@ trainer::SaveStats Publisher::SaveRun::transfer() {
   }
   pipe = std::make_unique<trainer::SavePipeline>(*wl, plan ? &*plan : nullptr, rank(), m.tensors,
                                                  memory, caps, m.opt.wire.direct_min_bytes);
-  pipe->prepare(transport.get(), who, &m.save_arena);
+  Transport* transport = net.transport.get();
+  pipe->prepare(transport, who, &m.save_arena);
   // Endpoints now, to the ranks this one exchanges buckets with only.
   if (transport)
     for (int peer : pipe->peers()) transport->connect(peer);
   setup_s = std::chrono::duration<double>(Clock::now() - start).count();
   return pipe->run(
-      dir, opt.sync, opt.sync && opt.direct_io, seq, transport.get(), [this] { poll(); }, deadline);
+      dir, opt.sync, opt.sync && opt.direct_io, seq, transport, [this] { poll(); }, deadline);
 }
 
 // The value of `what` in the save's store, watching for aborts meanwhile.
@@ -338,7 +327,7 @@ SaveHfResult Publisher::save_hf(const std::string& dir, const SaveHfOptions& opt
   run.prefix = cat(m.opt.job, "/save/", run.seq, "/");
   run.who = cat("trainer rank ", m.opt.rank, ": save_hf to '", dir, "'");
   if (run.opt.bucket_bytes == 0)
-    run.opt.bucket_bytes = default_save_bucket_bytes(m.opt.layout, m.opt.bucket_bytes);
+    run.opt.bucket_bytes = default_save_bucket_bytes(m.opt.layout, m.opt.plan.bucket_bytes);
   if (run.opt.transport.empty()) run.opt.transport = m.opt.transport;
   run.deadline = start + (run.opt.timeout.count() > 0 ? run.opt.timeout : m.opt.step_timeout);
   SaveHfResult result;

@@ -19,32 +19,15 @@
 
 namespace weightsync {
 
-struct Publisher::Impl {
+struct Publisher::Impl : pipeline::Endpoint {
   PublisherOptions opt;
-  std::unique_ptr<control::Client> client;
-  std::map<std::string, size_t, std::less<>> index;  // param name -> layout index
   std::vector<TensorView> tensors;
-  std::vector<bool> registered;
   std::optional<EngineLayout> engine;
-  std::unique_ptr<Transport> transport;
-  control::Client::Progress progress;  // of `transport`, in the client's waits
-  std::optional<Plan> plan;
   std::unique_ptr<trainer::SendPipeline> pipeline;
-  bool ready = false;  // ensure_ready done
-  // What later plans and pipelines are made from (elastic replicas: a plan
-  // per membership).
-  PlanOptions plan_options;
-  bool elastic = false;
-  int min_replicas = 1;
-  WireOptions wire;
-  pipeline::RankMemory memory;
-  SlotMemory slots = SlotMemory::host;
-  int slot_device = -1;
   std::map<int, uint64_t> ready_member;  // engine rank -> member id seen ready (rank 0)
   std::vector<bool> dead;                // engine ranks dropped (died or failed)
   std::vector<uint64_t> engine_member;   // member id of each engine rank's process (0: none yet)
   std::optional<control::StepResult> early_result;
-  int64_t current_step = -1;
   int64_t saves = 0;  // save_hf calls so far: every rank counts alike (a collective)
   trainer::SaveArenaCache save_arena;  // kept for the next save_hf
   std::mutex push_mutex;

@@ -4,6 +4,7 @@
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
 
+#include "pipeline/item_copies.h"
 #include "pipeline/wire.h"
 #include "transport/staging.h"
 
@@ -18,23 +19,8 @@ using Clock = std::chrono::steady_clock;
 
 using pipeline::seconds_since;
 
-std::uintptr_t addr(const void* p) {
-  return reinterpret_cast<std::uintptr_t>(p);
-}
-
-// Appends the pack of one plan item: `c.src_box` of `tensor` into the slot,
-// row-major at bucket offset c.offset - base.
-void add_pack(CopyProgram& program, const Copy& c, const TensorView& tensor, int64_t base) {
-  if (!same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths))
-    fail(Errc::internal, "plan item of trainer param ", c.src_param, ": source box ",
-         box_str(c.src_box), " and HF box ", box_str(c.hf_box), " differ in size");
-  const Shape strides = tensor.effective_strides();
-  const auto item = static_cast<int64_t>(itemsize(tensor.dtype));
-  int64_t first = 0;
-  for (size_t d = 0; d < c.src_box.rank(); ++d) first += c.src_box.offsets[d] * strides[d];
-  program.add(static_cast<int64_t>(addr(tensor.data)) + first * item, strides, c.offset - base,
-              contiguous_strides(c.src_box.lengths), c.src_box.lengths, itemsize(tensor.dtype));
-}
+using pipeline::add_pack;
+using pipeline::addr;
 
 // Appends the quantization of one plan item its sender quantizes (Copy::fp8):
 // `c.src_box` of `tensor` into FP8 codes row-major at bucket offset c.offset
@@ -63,11 +49,6 @@ void add_quant(fp8::QuantProgram& program, const Copy& c, const TensorView& tens
   g.scale = g.dst + g.rows * g.cols;
   g.scale_rs = (g.cols + fp8::kBlock - 1) / fp8::kBlock;
   if (g.rows > 0 && g.cols > 0) fp8::add_region(program, g, tensor.dtype, c.fp8_format);
-}
-
-// The 8-byte little-endian trailer holding `sum` (checksum.h).
-void store_trailer(char* at, uint64_t sum) {
-  for (size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8) at[i] = static_cast<char>(sum & 0xff);
 }
 
 // This rank's actions in the plan's order (see the header).

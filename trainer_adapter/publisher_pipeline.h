@@ -17,9 +17,9 @@
 // which is that order there.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/plan.h>
 #include <weightsync/publisher.h>
-#include <weightsync/transport.h>
 #include "pipeline/wire.h"
 
 #include "core/copy_program.h"

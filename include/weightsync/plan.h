@@ -215,23 +215,27 @@ class Plan {
   // One JSON object per item (p2p and gather items; apply items in broadcast).
   void write_items_jsonl(std::ostream& out) const;
 
-  // The tables items index (internal to the planner and its tests).
-  struct PieceRef {
-    int32_t rank = 0, param = 0, key = 0;
-    Box hf_box, local_box;
-  };
-  struct SegmentRef {
-    int32_t tp_rank = 0, param = 0, key = 0;  // tp_rank: the engine template
-    bool transpose = false;
-    bool fp8_wire = false;  // quantized by the sender (see Copy::fp8)
-    ScaleFormat fp8_format = ScaleFormat::fp32;
-    int32_t scale_param = -1;  // the FP8 param's scale param, when fp8_wire
-    Box hf_box, param_box;
-  };
+  // The HF key a trainer piece (PlanItem::piece) moves, and the engine param
+  // an engine segment (PlanItem::segment, ApplyItem::segment) writes.
+  int32_t piece_key(int32_t piece) const;
+  int32_t segment_param(int32_t segment) const;
   // True when engine template t's param `param` is quantized by the senders.
   bool fp8_on_sender(int engine_template, int param) const;
+
+  // The tables items index: the planner's internals, defined in its private
+  // header (src/core/plan_tables.h).
+  struct PieceRef;
+  struct SegmentRef;
   const std::vector<PieceRef>& pieces() const noexcept { return pieces_; }
   const std::vector<SegmentRef>& segments() const noexcept { return segments_; }
+
+  // Out of line: the tables' types are complete in the planner only.
+  Plan();
+  ~Plan();
+  Plan(const Plan&);
+  Plan(Plan&&) noexcept;
+  Plan& operator=(const Plan&);
+  Plan& operator=(Plan&&) noexcept;
 
  private:
   friend class PlanBuilder;

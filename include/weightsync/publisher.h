@@ -55,11 +55,12 @@ struct PublisherOptions {
   std::optional<EngineSpec> engine;
   // "ucx", "nccl", or a wrapper such as "fault:ucx?corrupt_send=1&count=1".
   std::string transport = "ucx";
-  PlanMode mode = PlanMode::p2p;
-  int64_t bucket_bytes = int64_t{256} << 20;
-  // FP8 engines: quantize on the trainer ranks where they hold whole blocks
-  // (FP8 on the wire, plan.h) or always on the engines. Rank 0's holds.
-  Fp8Site fp8_site = Fp8Site::sender;
+  // How the sync is planned (plan.h), rank 0's for every rank: p2p or
+  // broadcast, the bucket size (at least 1024 bytes), and for FP8 engines
+  // where their weights are quantized (on the trainer ranks where they hold
+  // whole blocks, FP8 on the wire, or always on the engines). `replicas`
+  // stays empty: a step serves the job's replicas (elastic: its membership's).
+  PlanOptions plan;
   // Elastic engine replicas (docs/elastic.md); rank 0's hold.
   // Off: the engine config's replicas are the job's, all awaited before the
   // first push, and the plan covers them all (absent ones skipped). On: they

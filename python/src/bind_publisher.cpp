@@ -51,7 +51,7 @@ class PyPublisher : public Handle<Publisher> {
     PublisherOptions o;
     o.elastic = elastic;
     o.min_replicas = min_replicas;
-    o.fp8_site = parse_fp8_site(fp8_site);
+    o.plan.fp8_site = parse_fp8_site(fp8_site);
     o.producer_stream = reinterpret_cast<void*>(producer_stream);
     o.producer_event = reinterpret_cast<void*>(producer_event);
     o.coordinator = coordinator;
@@ -60,8 +60,8 @@ class PyPublisher : public Handle<Publisher> {
     if (engine)
       o.engine = EngineSpec::from_json(parse_json(*engine, "engine config"), engine_base_dir);
     o.transport = transport;
-    o.mode = parse_plan_mode(mode);
-    o.bucket_bytes = bucket_bytes;
+    o.plan.mode = parse_plan_mode(mode);
+    o.plan.bucket_bytes = bucket_bytes;
     o.wire.checksums = checksums;
     o.token = token;
     o.job = job;

@@ -132,6 +132,25 @@ Copy Plan::resolve(const PlanItem& item) const {
   return c;
 }
 
+Plan::Plan() = default;
+Plan::~Plan() = default;
+Plan::Plan(const Plan&) = default;
+Plan::Plan(Plan&&) noexcept = default;
+Plan& Plan::operator=(const Plan&) = default;
+Plan& Plan::operator=(Plan&&) noexcept = default;
+
+int32_t Plan::piece_key(int32_t piece) const {
+  if (piece < 0 || static_cast<size_t>(piece) >= pieces_.size())
+    fail(Errc::invalid_argument, "plan: piece ", piece, " outside [0, ", pieces_.size(), ")");
+  return pieces_[static_cast<size_t>(piece)].key;
+}
+
+int32_t Plan::segment_param(int32_t segment) const {
+  if (segment < 0 || static_cast<size_t>(segment) >= segments_.size())
+    fail(Errc::invalid_argument, "plan: segment ", segment, " outside [0, ", segments_.size(), ")");
+  return segments_[static_cast<size_t>(segment)].param;
+}
+
 bool Plan::fp8_on_sender(int engine_template, int param) const {
   return std::binary_search(fp8_sender_params_.begin(), fp8_sender_params_.end(),
                             std::pair<int32_t, int32_t>{engine_template, param});

@@ -4,6 +4,8 @@
 
 #include <weightsync/plan.h>
 
+#include "plan_tables.h"
+
 #include <cstdint>
 #include <vector>
 

@@ -7,11 +7,12 @@
 // adapters link it.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
-#include <weightsync/transport.h>
 
 #include "transport/staging.h"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -26,6 +27,12 @@ inline double seconds_since(std::chrono::steady_clock::time_point t) {
 }
 
 using Clock = std::chrono::steady_clock;
+
+// What is left until `deadline`, in whole milliseconds, never negative.
+inline std::chrono::milliseconds left_until(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(0),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+}
 
 class Loop {
  public:

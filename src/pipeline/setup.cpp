@@ -4,6 +4,7 @@
 #include <weightsync/topology.h>
 
 #include "core/cuda/gpu.h"
+#include "pipeline/loop.h"
 #include "pipeline/wire.h"
 #include "transport/staging.h"
 
@@ -14,13 +15,6 @@
 
 namespace weightsync::pipeline {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-using Millis = std::chrono::milliseconds;
-
-Millis left_until(Clock::time_point deadline) {
-  return std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
-}
 
 // The JSON under `key` of the job's store, Errc::format naming the key when
 // it is no JSON.
@@ -48,22 +42,6 @@ PlanOptions plan_options_of(const nlohmann::json& po, const SetupSpec& spec) {
     options.fp8_site = parse_fp8_site(po["fp8_site"].get<std::string>());
   }
   return options;
-}
-
-std::unique_ptr<Transport> open_transport(control::Client& client, const SetupSpec& spec,
-                                          DataPath& dp, Clock::time_point deadline) {
-  const int trainers = static_cast<int>(dp.trainer.mesh.world());
-  TransportOptions t;
-  t.name = spec.transport;
-  t.store = &client;
-  t.prefix = spec.job + "/transport";
-  t.rank = spec.trainer_side ? spec.rank : trainers + spec.rank;
-  t.world = trainers + dp.engine.world();
-  // GPU backends work on the tensors' device (NCCL binds its communicator to it).
-  t.device = spec.memory.memory == MemoryKind::cuda ? spec.memory.device : -1;
-  t.bootstrap_timeout = left_until(deadline);
-  dp.transport_rank = t.rank;
-  return make_transport(t);
 }
 
 DataPath open(control::Client& client, const SetupSpec& spec) {
@@ -103,9 +81,13 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
     fail(Errc::unsupported, spec.who, ": elastic replicas need a transport that takes new ",
          "processes in (ucx, cuda_ipc), not '", spec.transport,
          "': an NCCL communicator is fixed at its creation");
-  use_device(spec.memory);
-  dp.transport = open_transport(client, spec, dp, deadline);
-  dp.progress = keep_progressing(client, *dp.transport);
+  const int trainers = static_cast<int>(dp.trainer.mesh.world());
+  dp.transport_rank = spec.trainer_side ? spec.rank : trainers + spec.rank;
+  TransportEnd end =
+      open_transport(client, spec.transport, spec.job + "/transport", dp.transport_rank,
+                     trainers + dp.engine.world(), spec.memory, left_until(deadline));
+  dp.transport = std::move(end.transport);
+  dp.progress = std::move(end.progress);
   if (!dp.elastic) dp.plan = make_plan(dp.trainer, dp.engine, Topology{}, dp.options);
   // Up front: slots the transport cannot reach would fail deep inside a step.
   const Capabilities caps = dp.transport->capabilities();
@@ -181,6 +163,25 @@ control::Client::Progress keep_progressing(control::Client& client, Transport& t
   });
 }
 
+TransportEnd open_transport(control::Client& client, const std::string& name,
+                            const std::string& prefix, int rank, int world,
+                            const RankMemory& memory, std::chrono::milliseconds bootstrap_timeout) {
+  TransportOptions t;
+  t.name = name;
+  t.store = &client;
+  t.prefix = prefix;
+  t.rank = rank;
+  t.world = world;
+  // GPU backends work on the tensors' device (NCCL binds its communicator to it).
+  t.device = memory.memory == MemoryKind::cuda ? memory.device : -1;
+  t.bootstrap_timeout = bootstrap_timeout;
+  use_device(memory);
+  TransportEnd end;
+  end.transport = make_transport(t);
+  end.progress = keep_progressing(client, *end.transport);
+  return end;
+}
+
 DataPath open_data_path(control::Client& client, const SetupSpec& spec) {
   try {
     return open(client, spec);
@@ -194,6 +195,41 @@ void connect_peers(Transport& transport, int below) {
   const int end = below > 0 ? std::min(below, transport.world()) : transport.world();
   for (int peer = 0; peer < end; ++peer)
     if (peer != transport.rank()) transport.connect(peer);
+}
+
+void Endpoint::take(DataPath& dp) {
+  transport = std::move(dp.transport);
+  progress = std::move(dp.progress);
+  plan_options = dp.options;
+  elastic = dp.elastic;
+  min_replicas = dp.min_replicas;
+  wire = dp.wire;
+  memory = dp.memory;
+  slots = dp.slots;
+  slot_device = dp.slot_device;
+}
+
+void Endpoint::close_transport() {
+  progress = {};
+  transport.reset();
+}
+
+void check_registered(const std::string& who, const std::string& name, const TensorView& tensor,
+                      DType dtype, const Shape& shape, const std::string& says,
+                      const std::string& shape_says, bool written) {
+  if (tensor.dtype != dtype)
+    fail(Errc::mismatch, who, ": param '", name, "' registered as ", dtype_name(tensor.dtype),
+         " but ", says, " ", dtype_name(dtype));
+  if (tensor.shape != shape)
+    fail(Errc::mismatch, who, ": param '", name, "' registered with shape ",
+         shape_str(tensor.shape), " but ", shape_says, " ", shape_str(shape));
+  if (!tensor.data && tensor.numel() > 0)
+    fail(Errc::invalid_argument, who, ": param '", name, "' registered with a null pointer");
+  if (written && !tensor.is_non_overlapping())
+    fail(Errc::invalid_argument, who, ": param '", name, "' has strides ",
+         shape_str(tensor.effective_strides()), " for shape ", shape_str(tensor.shape),
+         ": its elements overlap in memory, so writes into it would collide (an expanded or ",
+         "broadcast view?); register the tensor that owns the memory");
 }
 
 std::string ready_key(const std::string& job, int global_engine_rank) {

@@ -5,11 +5,11 @@
 // against what the transport reaches, up front.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/control.h>
 #include <weightsync/engine_layout.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
-#include <weightsync/transport.h>
 #include <weightsync/wire.h>
 
 #include "transport/staging.h"
@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -75,6 +76,61 @@ struct DataPath {
   SlotMemory slots = SlotMemory::host;
   int slot_device = -1;  // device slots' GPU
 };
+
+// What a Publisher and a Subscriber hold alike: their control client, the
+// registration of their tensors, and their end of the data path once set up
+// (take). Their Impl derives from it; members declared after it (pipelines,
+// staging) go first on destruction, before the transport and the client.
+struct Endpoint {
+  std::unique_ptr<control::Client> client;
+  std::map<std::string, std::size_t, std::less<>> index;  // param name -> layout index
+  std::vector<bool> registered;
+  std::unique_ptr<Transport> transport;
+  control::Client::Progress progress;  // of `transport`, in the client's waits
+  std::optional<Plan> plan;
+  bool ready = false;  // set up (ensure_ready done)
+  // What later plans and pipelines are made from (elastic replicas: a plan
+  // per membership).
+  PlanOptions plan_options;
+  bool elastic = false;
+  int min_replicas = 1;
+  WireOptions wire;
+  RankMemory memory;
+  SlotMemory slots = SlotMemory::host;
+  int slot_device = -1;
+  int64_t current_step = -1;
+
+  // Takes `dp`'s transport, its progress and the settings above (not its
+  // layouts or plan, which each side keeps in its own way).
+  void take(DataPath& dp);
+  // Releases the transport: its progress first, then the transport itself.
+  void close_transport();
+};
+
+// Checks a tensor being registered against what its layout says, naming
+// `who` and the param. `says`: where the dtype comes from ("its LoadSpec
+// says"); `shape_says`: where the shape does ("rank 2's local shape is").
+// `written`: the tensor is written into (an engine's param), so its elements
+// must not overlap. Errc::mismatch or Errc::invalid_argument.
+void check_registered(const std::string& who, const std::string& name, const TensorView& tensor,
+                      DType dtype, const Shape& shape, const std::string& says,
+                      const std::string& shape_says, bool written);
+
+// A transport and its progress in the client's waits (keep_progressing);
+// the progress goes first on destruction.
+struct TransportEnd {
+  std::unique_ptr<Transport> transport;
+  control::Client::Progress progress;
+};
+
+// Creates transport `name` for `rank` of `world`, its addresses exchanged
+// under `prefix` of the client's store, on the device of `memory` (GPU
+// backends bind to it), and keeps it progressing while the client waits.
+// Every data path opens its transport here: the sync's (open_data_path) and
+// save_hf's.
+TransportEnd open_transport(control::Client& client, const std::string& name,
+                            const std::string& prefix, int rank, int world,
+                            const RankMemory& memory, std::chrono::milliseconds bootstrap_timeout);
 
 // Sets up this rank's end of the data path. Every failure is a
 // weightsync::Error naming `who` (malformed JSON in the store included).

@@ -16,10 +16,10 @@
 // Broadcast buckets travel whole, with the trailer inline (kBucketTrailerBytes).
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/box.h>
 #include <weightsync/checksum.h>
 #include <weightsync/plan.h>
-#include <weightsync/transport.h>
 #include <weightsync/wire.h>
 
 #include "transport/staging.h"
@@ -36,6 +36,18 @@ namespace weightsync {
 // 8-byte little-endian trailer holding checksum64(payload, bytes, step), so
 // one message carries both and a flipped byte anywhere is caught.
 inline constexpr std::size_t kBucketTrailerBytes = 8;
+
+// The trailer holding `sum`, little-endian, at `at`; and back.
+inline void store_trailer(char* at, uint64_t sum) noexcept {
+  for (std::size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8)
+    at[i] = static_cast<char>(sum & 0xff);
+}
+inline uint64_t read_trailer(const char* at) noexcept {
+  uint64_t v = 0;
+  for (std::size_t i = kBucketTrailerBytes; i-- > 0;)
+    v = (v << 8) | static_cast<unsigned char>(at[i]);
+  return v;
+}
 
 // The transport tag of bucket `bucket` of `step`; part 0 is the bucket itself,
 // part 1 a broadcast gather part on its way to the root. The step rides in the

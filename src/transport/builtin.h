@@ -1,7 +1,7 @@
 // The backends and wrappers compiled into this build, for the registry.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include <string>
 #include <vector>

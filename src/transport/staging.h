@@ -3,7 +3,7 @@
 // docs/architecture.md), not user API.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include <chrono>
 #include <cstddef>

@@ -1,7 +1,7 @@
 // The transport registry and the parts of the interface every backend shares:
 // bounded waits, request descriptions and the point-to-point broadcast.
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
-#include <weightsync/transport.h>
 
 #include <cstring>
 

@@ -8,8 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/hf_checkpoint.h>
-#include <weightsync/transport.h>
 
 #include <gtest/gtest.h>
 

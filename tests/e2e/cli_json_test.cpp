@@ -7,7 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include <gtest/gtest.h>
 

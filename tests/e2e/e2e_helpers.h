@@ -2,6 +2,7 @@
 // `weightsync` binary (which starts one process per rank), reading results.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
@@ -10,7 +11,6 @@
 #include <weightsync/safetensors.h>
 #include <weightsync/topology.h>
 #include <weightsync/trainer_layout.h>
-#include <weightsync/transport.h>
 
 #include <nlohmann/json.hpp>
 

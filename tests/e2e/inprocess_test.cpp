@@ -4,10 +4,10 @@
 // materialize of the checkpoint afterwards.
 #include "e2e/e2e_helpers.h"
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/control.h>
 #include <weightsync/publisher.h>
 #include <weightsync/subscriber.h>
-#include <weightsync/transport.h>
 
 #include <gtest/gtest.h>
 
@@ -65,7 +65,7 @@ class InProcess : public ::testing::Test {
     po.coordinator = coordinator_.address();
     po.layout = layout_;
     po.engine = config_;
-    po.bucket_bytes = 4096;
+    po.plan.bucket_bytes = 4096;
     auto pub = std::make_unique<Publisher>(po);
     for (const LoadSpec& spec : layout_.params) {
       const Shape shape = local_shape(spec, layout_.mesh, 0);

@@ -108,11 +108,54 @@ TEST(Publisher, RegistrationIsCheckedAgainstTheLoadSpec) {
     FAIL() << "a wrong local shape must be refused";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::mismatch);
-    EXPECT_NE(std::string(e.what()).find("[2, 4]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("trainer rank 1: param 'w' registered with shape [3, 4] "
+                                         "but rank 1's local shape is [2, 4]"),
+              std::string::npos)
+        << e.what();
   }
-  EXPECT_THROW(pub.register_tensor("w", data.data(), DType::F32, {2, 4}), Error);
+  try {
+    pub.register_tensor("w", data.data(), DType::F32, {2, 4});
+    FAIL() << "a wrong dtype must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::mismatch);
+    EXPECT_NE(std::string(e.what()).find("registered as F32 but its LoadSpec says BF16"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    pub.register_tensor("w", nullptr, DType::BF16, {2, 4});
+    FAIL() << "a null pointer must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("null pointer"), std::string::npos) << e.what();
+  }
   pub.register_tensor("w", data.data(), DType::BF16, {2, 4});
   EXPECT_THROW(pub.plan(), Error) << "no plan before the first push";
+}
+
+// Plan options a publisher cannot honour are refused before it connects.
+TEST(Publisher, RejectsPlanOptionsItCannotHonour) {
+  PublisherOptions opt;
+  opt.coordinator = "127.0.0.1:1";
+  opt.layout = two_param_layout();
+  opt.plan.bucket_bytes = 512;
+  try {
+    Publisher pub(opt);
+    FAIL() << "a bucket below 1024 bytes must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("bucket_bytes 512"), std::string::npos) << e.what();
+  }
+  opt.plan.bucket_bytes = 4096;
+  opt.plan.replicas = {0};
+  try {
+    Publisher pub(opt);
+    FAIL() << "replicas chosen by hand must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("plan.replicas must be empty"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Publisher, RejectsARankOutsideTheMesh) {

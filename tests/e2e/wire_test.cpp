@@ -6,10 +6,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/control.h>
 #include <weightsync/publisher.h>
 #include <weightsync/subscriber.h>
-#include <weightsync/transport.h>
 #include "pipeline/wire.h"
 #include "transport/staging.h"
 
@@ -232,7 +232,7 @@ TEST_P(WireSync, ParamsBitExactAndZeroCopyWhereDense) {
     po.coordinator = coordinator.address();
     po.layout = layout;
     po.engine = config;
-    po.bucket_bytes = 16384;
+    po.plan.bucket_bytes = 16384;
     po.wire.checksums = wc.checksums;
     po.wire.direct_min_bytes = wc.direct_min_bytes;
     Publisher pub(po);

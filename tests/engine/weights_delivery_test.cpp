@@ -56,7 +56,7 @@ TEST_P(Delivery, EachTensorOnceWithItsLastBucketInMemoryOfItsOwn) {
       delivered[p] = static_cast<int64_t>(k);
     }
     auto touch = [&](int32_t segment) {
-      const auto p = static_cast<size_t>(c.plan.segments()[static_cast<size_t>(segment)].param);
+      const auto p = static_cast<size_t>(c.plan.segment_param(segment));
       if (first[p] < 0) first[p] = static_cast<int64_t>(k);
       last[p] = static_cast<int64_t>(k);
     };

@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 namespace weightsync::gpu_test {
 namespace {

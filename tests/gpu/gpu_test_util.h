@@ -2,7 +2,7 @@
 // reason, where no GPU can be used, and never count as passes there.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include "core/cuda/gpu.h"
 

@@ -4,9 +4,9 @@
 // broadcast, the abort after a timed-out wait, and host memory refused.
 #include "gpu/gpu_test_util.h"
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
 #include <weightsync/store.h>
-#include <weightsync/transport.h>
 
 #include <filesystem>
 #include <vector>

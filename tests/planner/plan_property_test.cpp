@@ -235,5 +235,32 @@ TEST(PlanErrors, BucketBytesOutOfRangeIsAnError) {
       Error);
 }
 
+// The public lookups of the planner's internal tables agree with resolve,
+// and refuse indices outside them, a copy of a Plan keeps them.
+TEST(PlanTables, PieceKeyAndSegmentParamAgreeWithResolve) {
+  const HfModelConfig config = HfModelConfig::load(model_config_path("tiny-llama"));
+  Mesh mesh;
+  mesh.axes = {"fsdp"};
+  mesh.shape = {2};
+  EngineConfig ec;
+  ec.hf = config;
+  ec.dtype = config.dtype;
+  ec.tp = 2;
+  PlanOptions options;
+  options.bucket_bytes = 4096;
+  const Plan made =
+      make_plan(make_trainer_layout(config, mesh), make_engine_layout(ec), Topology{}, options);
+  const Plan plan = made;  // copied: the tables travel with it
+  ASSERT_FALSE(plan.items().empty());
+  for (const PlanItem& it : plan.items()) {
+    const Copy c = plan.resolve(it);
+    EXPECT_EQ(plan.piece_key(it.piece), c.key);
+    EXPECT_EQ(plan.segment_param(it.segment), c.dst_param);
+  }
+  EXPECT_THROW(plan.piece_key(-1), Error);
+  EXPECT_THROW(plan.piece_key(1 << 30), Error);
+  EXPECT_THROW(plan.segment_param(1 << 30), Error);
+}
+
 }  // namespace
 }  // namespace weightsync::test

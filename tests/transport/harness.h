@@ -10,8 +10,8 @@
 // failure and a peer turns into a non-zero exit status.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
-#include <weightsync/transport.h>
 
 #include <sys/types.h>
 #include <chrono>

@@ -3,9 +3,9 @@
 // the same UCX transports (UCX_TLS), message sizes and iteration counts.
 #include "cli.h"
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
 #include <weightsync/store.h>
-#include <weightsync/transport.h>
 
 #include <nlohmann/json.hpp>
 

@@ -4,8 +4,8 @@
 
 #include "demo_device.h"
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
-#include <weightsync/transport.h>
 
 #include "transport/staging.h"
 

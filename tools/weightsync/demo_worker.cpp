@@ -106,9 +106,9 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.layout = layout;
   opt.engine = EngineSpec::load(job.engine);
   opt.transport = worker_transport(job, "trainer", rank);
-  opt.mode = parse_plan_mode(job.mode);
-  opt.bucket_bytes = job.bucket_bytes;
-  opt.fp8_site = parse_fp8_site(job.fp8_site);
+  opt.plan.mode = parse_plan_mode(job.mode);
+  opt.plan.bucket_bytes = job.bucket_bytes;
+  opt.plan.fp8_site = parse_fp8_site(job.fp8_site);
   opt.wire.checksums = job.checksums;
   opt.elastic = job.elastic;
   opt.min_replicas = job.min_replicas;

@@ -8,7 +8,7 @@
 // export, copy() writes a buffer into mapped memory asynchronously.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include "ipc_socket.h"
 

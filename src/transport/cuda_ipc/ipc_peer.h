@@ -7,8 +7,8 @@
 // whole protocol is unit-tested in one process with host memory.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
-#include <weightsync/transport.h>
 
 #include "ipc_exports.h"
 #include "ipc_memory.h"

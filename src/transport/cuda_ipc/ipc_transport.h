@@ -19,7 +19,7 @@
 // memfd descriptors to run the same protocol on machines without a GPU.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include "ipc_exports.h"
 #include "ipc_memory.h"

@@ -22,7 +22,7 @@
 //                in either case)
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include "ipc_socket.h"
 

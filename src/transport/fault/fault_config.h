@@ -2,7 +2,7 @@
 // TransportOptions::params; see the list in transport.h.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include <cstdint>
 #include <map>

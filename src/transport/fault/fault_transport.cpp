@@ -2,8 +2,8 @@
 // for (drop, corrupt, truncate, delay, fail after N, dead peers, a frozen
 // rank), deterministically, so that failure paths are tested on real
 // transports without real failures.
+#include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
-#include <weightsync/transport.h>
 
 #include "builtin.h"
 #include "fault_config.h"

@@ -19,7 +19,7 @@
 // already in the process (PyTorch's) when there is one.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include "nccl_library.h"
 

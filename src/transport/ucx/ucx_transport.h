@@ -13,7 +13,7 @@
 // matches only messages r sent, and user tags are limited to 48 bits.
 #pragma once
 
-#include <weightsync/transport.h>
+#include <weightsync/backend/transport.h>
 
 #include "ucx_worker.h"
 
