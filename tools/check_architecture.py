@@ -78,6 +78,7 @@ LAYERS = {
 SHARED_INTERNALS = {
     "src/core/copy_program.h",
     "src/core/cuda/gpu.h",
+    "src/core/delta.h",
     "src/core/first_fit.h",
     "src/core/fp8.h",
     "src/core/writer_layout.h",

@@ -126,6 +126,7 @@ TEST_F(CliJson, SmallBenchmarks) {
   const std::vector<std::vector<std::string>> benches = {
       {"bench", "control", "--engines", "2", "--steps", "2", "--json"},
       {"bench", "copy", "--mib", "4", "--repeats", "2", "--json"},
+      {"bench", "delta", "--mib", "4", "--repeats", "2", "--json"},
       {"bench", "layout", "--json"},
       {"bench", "materialize", "--bytes", "4000000", "--repeat", "1", "--json"},
   };

@@ -1,0 +1,338 @@
+#include "core/delta.h"
+
+#include <weightsync/error.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace weightsync::delta {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the delta codec reads elements as lanes of little-endian words");
+
+constexpr int kKindShift = 14;
+constexpr uint16_t kCountMask = (1u << kKindShift) - 1;
+static_assert(kChunkElements <= kCountMask, "a chunk's count must fit its head");
+
+void put_u16(uint8_t* at, uint16_t v) {
+  at[0] = static_cast<uint8_t>(v & 0xff);
+  at[1] = static_cast<uint8_t>(v >> 8);
+}
+
+uint16_t get_u16(const uint8_t* at) {
+  return static_cast<uint16_t>(at[0] | (at[1] << 8));
+}
+
+uint16_t head(ChunkKind kind, int64_t count) {
+  return static_cast<uint16_t>((static_cast<unsigned>(kind) << kKindShift) |
+                               static_cast<unsigned>(count));
+}
+
+// Bit i: byte i of the 64 bytes at `a` and `b` differs (SSE2, x86-64's
+// baseline; bytewise elsewhere).
+inline uint64_t diff_bytes64(const uint8_t* a, const uint8_t* b) {
+#if defined(__SSE2__)
+  uint64_t m = 0;
+  for (int j = 0; j < 4; ++j) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * j));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j));
+    const auto eq = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)));
+    m |= static_cast<uint64_t>(~eq & 0xffffu) << (16 * j);
+  }
+  return m;
+#else
+  uint64_t m = 0;
+  for (int i = 0; i < 64; ++i) m |= static_cast<uint64_t>(a[i] != b[i]) << i;
+  return m;
+#endif
+}
+
+// The same for the `len` (< 64) bytes left at the end of a chunk.
+inline uint64_t diff_bytes_tail(const uint8_t* a, const uint8_t* b, size_t len) {
+  uint64_t m = 0;
+  for (size_t i = 0; i < len; ++i) m |= static_cast<uint64_t>(a[i] != b[i]) << i;
+  return m;
+}
+
+// One flag per element of E bytes, at bit E * i for element i: any of its
+// bytes differs.
+template <int E>
+inline uint64_t element_flags(uint64_t bytes) {
+  if constexpr (E >= 2) bytes |= bytes >> 1;
+  if constexpr (E >= 4) bytes |= bytes >> 2;
+  if constexpr (E >= 8) bytes |= bytes >> 4;
+  constexpr uint64_t kFirst = E == 1   ? ~uint64_t{0}
+                              : E == 2 ? 0x5555555555555555ULL
+                              : E == 4 ? 0x1111111111111111ULL
+                                       : 0x0101010101010101ULL;
+  return bytes & kFirst;
+}
+
+// Set bits (no popcount instruction in x86-64's baseline).
+inline int64_t count_bits(uint64_t x) {
+  x = x - ((x >> 1) & 0x5555555555555555ULL);
+  x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+  x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+  return static_cast<int64_t>((x * 0x0101010101010101ULL) >> 56);
+}
+
+// The changed-element flags of block j (64 bytes) of a chunk of `bytes` bytes.
+template <int E>
+inline uint64_t block_flags(const uint8_t* next, const uint8_t* base, size_t j, size_t bytes) {
+  const size_t at = j * 64;
+  return element_flags<E>(at + 64 <= bytes ? diff_bytes64(next + at, base + at)
+                                           : diff_bytes_tail(next + at, base + at, bytes - at));
+}
+
+// One chunk of `n` elements: the record at `out`, `base` brought up to
+// `next`. A first pass counts the changed elements and their runs (a flag
+// per element, 64 bytes at a time), which decides the record's kind and its
+// layout; a second pass, for a list or runs, writes them.
+template <int E>
+int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out,
+                     EncodeStats* stats) {
+  const auto bytes = static_cast<size_t>(n * E);
+  const size_t blocks = (bytes + 63) / 64;
+  int64_t k = 0, runs = 0;
+  uint64_t carry = 0;                       // 1: the previous block's last element changed
+  uint64_t flags[kChunkElements * 8 / 64];  // by block, for the second pass
+  for (size_t j = 0; j < blocks; ++j) {
+    const uint64_t f = flags[j] = block_flags<E>(next, base, j, bytes);
+    if (f == 0) {
+      carry = 0;
+      continue;
+    }
+    k += count_bits(f);
+    runs += count_bits(f & ~((f << E) | carry));
+    carry = (f >> (64 - E)) & 1;
+  }
+  if (stats) stats->changed += k;
+  if (k == 0) {
+    put_u16(out, head(ChunkKind::unchanged, 0));
+    if (stats) ++stats->chunks[0];
+    return 2;
+  }
+  const int64_t list_bytes = 2 + k * (2 + E), runs_bytes = 2 + runs * 4 + k * E,
+                dense_bytes = 2 + n * E;
+  if (dense_bytes <= list_bytes && dense_bytes <= runs_bytes) {
+    put_u16(out, head(ChunkKind::dense, 0));
+    std::memcpy(out + 2, next, bytes);
+    std::memcpy(base, next, bytes);
+    if (stats) ++stats->chunks[3];
+    return dense_bytes;
+  }
+  const bool list = list_bytes <= runs_bytes;
+  put_u16(out, list ? head(ChunkKind::list, k) : head(ChunkKind::runs, runs));
+  uint8_t* table = out + 2;
+  uint8_t* values = out + 2 + (list ? 2 * k : 4 * runs);
+  int64_t run_start = -1, run_end = -1;  // the open run, [start, end)
+  auto close_run = [&] {
+    put_u16(table, static_cast<uint16_t>(run_start));
+    put_u16(table + 2, static_cast<uint16_t>(run_end - run_start));
+    table += 4;
+  };
+  for (size_t j = 0; j < blocks; ++j) {
+    uint64_t f = flags[j];
+    while (f) {
+      const auto e = static_cast<int64_t>(j * (64 / E)) + std::countr_zero(f) / E;
+      f &= f - 1;
+      std::memcpy(values, next + e * E, E);
+      std::memcpy(base + e * E, values, E);
+      values += E;
+      if (list) {
+        put_u16(table, static_cast<uint16_t>(e));
+        table += 2;
+      } else if (e == run_end) {
+        ++run_end;
+      } else {
+        if (run_start >= 0) close_run();
+        run_start = e;
+        run_end = e + 1;
+      }
+    }
+  }
+  if (!list) close_run();
+  if (stats) ++stats->chunks[list ? 1 : 2];
+  return list ? list_bytes : runs_bytes;
+}
+
+template <int E>
+int64_t encode_all(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t* out,
+                   EncodeStats* stats) {
+  int64_t at = 0;
+  for (int64_t first = 0; first < elements; first += kChunkElements) {
+    const int64_t n = std::min(kChunkElements, elements - first);
+    at += encode_chunk<E>(next + first * E, base + first * E, n, out + at, stats);
+  }
+  return at;
+}
+
+// A record as apply reads it: where its parts start inside the encoding.
+struct Record {
+  ChunkKind kind = ChunkKind::unchanged;
+  int64_t count = 0;
+  int64_t table = 0;   // indices or run pairs
+  int64_t values = 0;  // the new elements
+};
+
+template <int E>
+void apply_all(const uint8_t* enc, int64_t bytes, uint8_t* target, int64_t elements,
+               const std::string& what) {
+  // Check everything first: nothing is written unless the whole encoding is sound.
+  std::vector<Record> records;
+  records.reserve(static_cast<size_t>((elements + kChunkElements - 1) / kChunkElements));
+  int64_t at = 0;
+  for (int64_t first = 0, chunk = 0; first < elements; first += kChunkElements, ++chunk) {
+    const int64_t n = std::min(kChunkElements, elements - first);
+    auto bad = [&](const auto&... why) {
+      fail(Errc::format, what, ": delta chunk ", chunk, " (elements ", first, "..", first + n,
+           "): ", why...);
+    };
+    if (at + 2 > bytes) bad("the encoding ends at byte ", bytes, " before its record");
+    const uint16_t h = get_u16(enc + at);
+    Record r;
+    r.kind = static_cast<ChunkKind>(h >> kKindShift);
+    r.count = h & kCountMask;
+    r.table = at + 2;
+    int64_t values = 0;
+    switch (r.kind) {
+      case ChunkKind::unchanged:
+      case ChunkKind::dense:
+        if (r.count != 0) bad("count ", r.count, " in a record that takes none");
+        values = r.kind == ChunkKind::dense ? n : 0;
+        r.values = r.table;
+        break;
+      case ChunkKind::list: {
+        if (r.count < 1 || r.count > n) bad("a list of ", r.count, " elements");
+        if (r.table + r.count * 2 > bytes) bad("the encoding ends inside its indices");
+        int64_t prev = -1;
+        for (int64_t j = 0; j < r.count; ++j) {
+          const int64_t i = get_u16(enc + r.table + j * 2);
+          if (i <= prev || i >= n)
+            bad("index ", i, " after ", prev, " (ascending, below ", n, " expected)");
+          prev = i;
+        }
+        values = r.count;
+        r.values = r.table + r.count * 2;
+        break;
+      }
+      case ChunkKind::runs: {
+        if (r.count < 1 || r.count > n) bad(r.count, " runs");
+        if (r.table + r.count * 4 > bytes) bad("the encoding ends inside its runs");
+        int64_t end = 0;
+        for (int64_t j = 0; j < r.count; ++j) {
+          const int64_t start = get_u16(enc + r.table + j * 4);
+          const int64_t len = get_u16(enc + r.table + j * 4 + 2);
+          if (len < 1 || start < end || start + len > n)
+            bad("run ", j, " [", start, ", ", start + len, ") (apart, ascending, non-empty, ",
+                "inside ", n, " elements expected)");
+          end = start + len;
+          values += len;
+        }
+        r.values = r.table + r.count * 4;
+        break;
+      }
+    }
+    at = r.values + values * E;
+    if (at > bytes) bad("the encoding ends inside its values");
+    records.push_back(r);
+  }
+  if (at != bytes)
+    fail(Errc::format, what, ": delta encoding of ", elements, " elements takes ", at,
+         " bytes, but ", bytes, " arrived");
+  int64_t first = 0;
+  for (const Record& r : records) {
+    const int64_t n = std::min(kChunkElements, elements - first);
+    uint8_t* dst = target + first * E;
+    const uint8_t* v = enc + r.values;
+    switch (r.kind) {
+      case ChunkKind::unchanged:
+        break;
+      case ChunkKind::dense:
+        std::memcpy(dst, v, static_cast<size_t>(n * E));
+        break;
+      case ChunkKind::list:
+        for (int64_t j = 0; j < r.count; ++j, v += E)
+          std::memcpy(dst + get_u16(enc + r.table + j * 2) * E, v, E);
+        break;
+      case ChunkKind::runs:
+        for (int64_t j = 0; j < r.count; ++j) {
+          const int64_t start = get_u16(enc + r.table + j * 4);
+          const int64_t len = get_u16(enc + r.table + j * 4 + 2);
+          std::memcpy(dst + start * E, v, static_cast<size_t>(len * E));
+          v += len * E;
+        }
+        break;
+    }
+    first += kChunkElements;
+  }
+}
+
+void check_element_bytes(int element_bytes) {
+  if (element_bytes != 1 && element_bytes != 2 && element_bytes != 4 && element_bytes != 8)
+    fail(Errc::invalid_argument, "delta: element size ", element_bytes,
+         " bytes (1, 2, 4 or 8 expected)");
+}
+
+}  // namespace
+
+int64_t max_encoded_bytes(int64_t elements, int element_bytes) noexcept {
+  return elements * element_bytes + 2 * ((elements + kChunkElements - 1) / kChunkElements);
+}
+
+int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
+               EncodeStats* stats) {
+  check_element_bytes(element_bytes);
+  if (elements < 0) fail(Errc::invalid_argument, "delta: ", elements, " elements");
+  const auto* n = static_cast<const uint8_t*>(next);
+  auto* b = static_cast<uint8_t*>(base);
+  auto* o = static_cast<uint8_t*>(out);
+  int64_t bytes = 0;
+  switch (element_bytes) {
+    case 1:
+      bytes = encode_all<1>(n, b, elements, o, stats);
+      break;
+    case 2:
+      bytes = encode_all<2>(n, b, elements, o, stats);
+      break;
+    case 4:
+      bytes = encode_all<4>(n, b, elements, o, stats);
+      break;
+    default:
+      bytes = encode_all<8>(n, b, elements, o, stats);
+      break;
+  }
+  if (stats) {
+    stats->elements += elements;
+    stats->bytes += bytes;
+  }
+  return bytes;
+}
+
+void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,
+           const std::string& what) {
+  check_element_bytes(element_bytes);
+  if (elements < 0 || bytes < 0)
+    fail(Errc::invalid_argument, what, ": delta of ", elements, " elements in ", bytes, " bytes");
+  const auto* e = static_cast<const uint8_t*>(encoding);
+  auto* t = static_cast<uint8_t*>(target);
+  switch (element_bytes) {
+    case 1:
+      return apply_all<1>(e, bytes, t, elements, what);
+    case 2:
+      return apply_all<2>(e, bytes, t, elements, what);
+    case 4:
+      return apply_all<4>(e, bytes, t, elements, what);
+    default:
+      return apply_all<8>(e, bytes, t, elements, what);
+  }
+}
+
+}  // namespace weightsync::delta

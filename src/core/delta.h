@@ -1,0 +1,61 @@
+// Delta encoding of a plan item's bytes (issue "delta sync"): the elements
+// that changed since the version the receiver holds, so that a step moves
+// only those. Element-wise on the engine dtype's bytes (BF16, FP8 codes, F32
+// scales...): an element is "changed" when any of its bytes differs.
+//
+// The item is cut into chunks of kChunkElements elements (the last one
+// shorter), each encoded by itself as one record, back to back, no padding:
+//
+//   u16 head            kind in the top 2 bits, count in the low 14
+//   kind 0 unchanged    count 0; nothing follows
+//   kind 1 list         count k changed elements: k u16 indices (ascending,
+//                       inside the chunk), then the k new elements
+//   kind 2 runs         count r runs: r pairs (u16 start, u16 length >= 1),
+//                       ascending and apart, then their new elements in order
+//   kind 3 dense        count 0; the chunk's new elements, all of them
+//
+// Integers are little-endian. The encoder takes, per chunk, the smallest of
+// list, runs and dense (dense on a tie), so an encoding is never larger than
+// the dense bytes by more than 2 bytes a chunk (0.024 % for BF16); the
+// receiver knows the element count and size, so no other header is needed.
+//
+// The encoder keeps the sender's copy of the receiver's bytes (`base`) in
+// step: it writes the changed elements into it as it encodes. apply checks
+// a whole encoding before writing anything, so malformed bytes (a truncated
+// record, an index outside its chunk, bytes left over) change nothing.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace weightsync::delta {
+
+inline constexpr int64_t kChunkElements = 4096;
+
+enum class ChunkKind : uint8_t { unchanged = 0, list = 1, runs = 2, dense = 3 };
+
+// The largest encoding of `elements` elements of `element_bytes` bytes: the
+// dense bytes and a record head per chunk.
+int64_t max_encoded_bytes(int64_t elements, int element_bytes) noexcept;
+
+struct EncodeStats {
+  int64_t elements = 0;
+  int64_t changed = 0;               // elements that differ from the base
+  int64_t chunks[4] = {0, 0, 0, 0};  // by ChunkKind
+  int64_t bytes = 0;                 // encoded
+};
+
+// Encodes `next` against `base` (each `elements` elements of `element_bytes`
+// bytes: 1, 2, 4 or 8) into `out`, which holds max_encoded_bytes, and writes
+// the changed elements into `base`, which then equals `next`. Returns the
+// encoded bytes. Errc::invalid_argument for another element size.
+int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
+               EncodeStats* stats = nullptr);
+
+// Applies `bytes` bytes of an encoding to `target` (the `elements` elements
+// the encoding's base holds). Errc::format naming `what`, the chunk and what
+// is wrong when the encoding is malformed; `target` is then unchanged.
+void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,
+           const std::string& what);
+
+}  // namespace weightsync::delta

@@ -1,0 +1,194 @@
+// The delta codec (core/delta.h): every element size, sparse and clustered
+// and total changes, chunk edges, the kinds it picks, its size bound, and
+// malformed encodings refused without a byte of the target changed.
+#include "core/delta.h"
+
+#include <weightsync/error.h>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace weightsync::delta {
+namespace {
+
+using Bytes = std::vector<uint8_t>;
+
+Bytes random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Bytes out(n);
+  for (auto& b : out) b = static_cast<uint8_t>(rng());
+  return out;
+}
+
+// `old` with a `fraction` of its elements changed at random (each changed
+// element differs in exactly one of its bytes, the last: a BF16 weight's
+// smallest step touches its low byte, its sign and exponent live high).
+Bytes changed(const Bytes& old, int e, double fraction, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::bernoulli_distribution pick(fraction);
+  Bytes out = old;
+  for (size_t i = 0; i < old.size() / static_cast<size_t>(e); ++i)
+    if (pick(rng)) out[i * static_cast<size_t>(e) + static_cast<size_t>(e) - 1] ^= 0x5a;
+  return out;
+}
+
+struct RoundTrip {
+  EncodeStats stats;
+  int64_t bytes = 0;
+};
+
+// Encodes `next` against `old`, checks the base was brought up to `next` and
+// that applying the encoding to `old` gives `next`.
+RoundTrip round_trip(const Bytes& old, const Bytes& next, int e) {
+  const auto elements = static_cast<int64_t>(old.size()) / e;
+  Bytes base = old;
+  Bytes out(static_cast<size_t>(max_encoded_bytes(elements, e)));
+  RoundTrip r;
+  r.bytes = encode(next.data(), base.data(), elements, e, out.data(), &r.stats);
+  EXPECT_LE(r.bytes, static_cast<int64_t>(out.size()));
+  EXPECT_EQ(r.bytes, r.stats.bytes);
+  EXPECT_EQ(base, next) << "the sender's base must equal what it sent";
+  Bytes target = old;
+  apply(out.data(), r.bytes, target.data(), elements, e, "test item");
+  EXPECT_EQ(target, next);
+  return r;
+}
+
+class DeltaSizes : public ::testing::TestWithParam<int> {};
+
+TEST_P(DeltaSizes, RoundTripsAtEveryFractionAndChunkEdge) {
+  const int e = GetParam();
+  // Whole chunks, a partial last chunk, a tail shorter than a word, tiny items.
+  for (int64_t elements : {int64_t{0}, int64_t{1}, int64_t{7}, kChunkElements,
+                           3 * kChunkElements + 5, 2 * kChunkElements - 1}) {
+    const Bytes old = random_bytes(static_cast<size_t>(elements * e), 7);
+    for (double fraction : {0.0, 0.001, 0.02, 0.3, 1.0}) {
+      SCOPED_TRACE(testing::Message() << elements << " elements, fraction " << fraction);
+      const Bytes next = changed(old, e, fraction, 11);
+      const RoundTrip r = round_trip(old, next, e);
+      int64_t want_changed = 0;
+      for (int64_t i = 0; i < elements; ++i)
+        want_changed += std::memcmp(&old[static_cast<size_t>(i * e)],
+                                    &next[static_cast<size_t>(i * e)], static_cast<size_t>(e)) != 0;
+      EXPECT_EQ(r.stats.changed, want_changed);
+      const int64_t chunks = (elements + kChunkElements - 1) / kChunkElements;
+      EXPECT_LE(r.bytes, elements * e + 2 * chunks) << "never above the dense bytes + heads";
+      if (fraction == 0.0) {
+        EXPECT_EQ(r.bytes, 2 * chunks) << "unchanged chunks cost their head";
+      }
+      if (fraction == 1.0) {
+        EXPECT_EQ(r.bytes, elements * e + 2 * chunks);
+      }
+    }
+  }
+}
+
+TEST_P(DeltaSizes, PicksListsForScatteredChangesRunsForClusteredOnesDenseForAll) {
+  const int e = GetParam();
+  const int64_t elements = 4 * kChunkElements;
+  const Bytes old = random_bytes(static_cast<size_t>(elements * e), 3);
+  {
+    const RoundTrip r = round_trip(old, changed(old, e, 0.01, 5), e);
+    EXPECT_EQ(r.stats.chunks[static_cast<int>(ChunkKind::list)], 4);
+    EXPECT_LT(r.bytes, elements * e / 10);
+  }
+  {
+    // Runs of 64 elements every 1024: far fewer bytes as runs than as a list.
+    Bytes next = old;
+    for (int64_t i = 0; i < elements; ++i)
+      if (i % 1024 < 64) next[static_cast<size_t>(i * e)] ^= 1;
+    const RoundTrip r = round_trip(old, next, e);
+    EXPECT_EQ(r.stats.chunks[static_cast<int>(ChunkKind::runs)], 4);
+    EXPECT_EQ(r.bytes, 4 * (2 + 4 * 4 + 4 * 64 * e));
+  }
+  {
+    // Every element changed: dense (with a few unchanged among wide
+    // elements, runs can still be smaller, and are taken).
+    const RoundTrip r = round_trip(old, changed(old, e, 1.0, 9), e);
+    EXPECT_EQ(r.stats.chunks[static_cast<int>(ChunkKind::dense)], 4);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ElementBytes, DeltaSizes, ::testing::Values(1, 2, 4, 8),
+                         [](const auto& info) { return "E" + std::to_string(info.param); });
+
+// Each element is compared as a whole: a change in any one of its bytes is
+// found, and only that element is sent.
+TEST(Delta, FindsAChangeInAnyByteOfAnElement) {
+  for (int e : {2, 4, 8})
+    for (int byte = 0; byte < e; ++byte) {
+      const Bytes old = random_bytes(static_cast<size_t>(64 * e), 1);
+      Bytes next = old;
+      next[static_cast<size_t>(13 * e + byte)] ^= 0x80;
+      const RoundTrip r = round_trip(old, next, e);
+      EXPECT_EQ(r.stats.changed, 1) << "E" << e << " byte " << byte;
+      EXPECT_EQ(r.bytes, 2 + 2 + e) << "one listed element";
+    }
+}
+
+// A malformed encoding is refused naming the item and the chunk, and the
+// target keeps every byte it had.
+TEST(Delta, MalformedEncodingsAreRefusedAndChangeNothing) {
+  const int e = 2;
+  const int64_t elements = 2 * kChunkElements;
+  const Bytes old = random_bytes(static_cast<size_t>(elements * e), 21);
+  const Bytes next = changed(old, e, 0.01, 22);
+  Bytes base = old;
+  Bytes good(static_cast<size_t>(max_encoded_bytes(elements, e)));
+  good.resize(static_cast<size_t>(encode(next.data(), base.data(), elements, e, good.data())));
+
+  auto expect_refused = [&](Bytes enc, const std::string& needle, const char* what) {
+    Bytes target = old;
+    try {
+      apply(enc.data(), static_cast<int64_t>(enc.size()), target.data(), elements, e,
+            "engine rank 3: param 'w'");
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), Errc::format) << what;
+      const std::string msg = err.what();
+      EXPECT_NE(msg.find("engine rank 3: param 'w'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(needle), std::string::npos) << what << ": " << msg;
+    }
+    EXPECT_EQ(target, old) << what << ": the target changed";
+  };
+  // The first chunk's record: a list of k indices.
+  ASSERT_EQ(good[1] >> 6, static_cast<int>(ChunkKind::list));
+  const int k = (good[0] | (good[1] << 8)) & 0x3fff;
+  ASSERT_GT(k, 1);
+
+  expect_refused(Bytes(good.begin(), good.end() - 1), "chunk 1", "truncated by a byte");
+  Bytes longer = good;
+  longer.push_back(0);
+  expect_refused(longer, "but " + std::to_string(longer.size()) + " arrived", "a byte too many");
+  Bytes outside = good;
+  outside[2] = 0xff;  // first index 0x..ff >= 4096
+  outside[3] = 0xff;
+  expect_refused(outside, "delta chunk 0", "an index outside its chunk");
+  Bytes descending = good;
+  std::swap(descending[2], descending[4]);
+  std::swap(descending[3], descending[5]);
+  expect_refused(descending, "ascending", "indices out of order");
+  Bytes counted = good;
+  counted[0] = 1;  // kind dense with a count
+  counted[1] = static_cast<uint8_t>(3 << 6);
+  expect_refused(counted, "count 1", "a dense record with a count");
+  expect_refused(Bytes{}, "before its record", "nothing at all");
+}
+
+TEST(Delta, RefusesElementSizesItDoesNotKnow) {
+  Bytes a(12), b(12), out(64);
+  try {
+    encode(a.data(), b.data(), 4, 3, out.data());
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), Errc::invalid_argument);
+  }
+  EXPECT_THROW(apply(out.data(), 2, a.data(), 4, 3, "x"), Error);
+}
+
+}  // namespace
+}  // namespace weightsync::delta
