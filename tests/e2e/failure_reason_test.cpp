@@ -100,5 +100,29 @@ TEST(FailureReason, KilledTrainerIsNamedWithItsStep) {
   EXPECT_TRUE(contains(r.result.value("error", ""), "step 2")) << r.result.dump(1);
 }
 
+// Over "fault:ucx?release_ms=300" a send completes only once its receiver
+// released it, 300 ms after its receive completed and only from the
+// receiver's progress, as UCX's rendezvous needs the receiver's worker
+// progressed (issue: syncs over shared memory hang under CPU contention).
+// The engines receive everything, ack, and wait for the decision while the
+// trainers' last sends still wait for their release; so do broadcast roots'
+// gathers. A rank that stopped progressing while it waits (for a decision,
+// an event, a store key) would hold its senders until the step timeout and
+// fail every step; every wait keeps its transport progressing, so each step
+// commits and is checked against the checkpoint.
+TEST(WaitingRanks, KeepReleasingTheirSendersUntilTheStepIsDecided) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-llama", "fsdp=2", 2, 1);
+  for (const char* mode : {"p2p", "broadcast"}) {
+    SCOPED_TRACE(mode);
+    const auto r = demo_json(m, {"--steps", "3", "--timeout", "15", "--mode", mode, "--transport",
+                                 "fault:ucx?release_ms=300"});
+    ASSERT_TRUE(r.result.is_object()) << r.err;
+    EXPECT_EQ(r.exit_code, 0) << r.result.dump(1) << "\n" << r.err;
+    EXPECT_TRUE(r.result.value("ok", false)) << r.result.dump(1);
+    EXPECT_FALSE(r.result.contains("failures")) << r.result.dump(1);
+  }
+}
+
 }  // namespace
 }  // namespace weightsync::e2e

@@ -195,6 +195,33 @@ TEST(FaultTransport, DelayHoldsCompletionBack) {
   EXPECT_TRUE(in.holds(3, 64));
 }
 
+// release_ms: a send completes only once its receiver released it, no
+// sooner than release_ms after the receive completed, through the
+// receiver's progress (here the same rank's: a self transport).
+TEST(FaultTransport, ReleaseHoldsASendUntilItsReceiverReleasesIt) {
+  TempDir dir;
+  auto t = self_transport(dir, "release_ms=150");
+  TestBuffer in(64, MemoryKind::host), out(64, MemoryKind::host);
+  out.fill(4);
+  auto r = t->recv(0, 1, in.buffer());
+  auto s = t->send(0, 1, out.buffer());
+  r->wait(kWait);
+  const auto received = std::chrono::steady_clock::now();
+  EXPECT_TRUE(in.holds(4, 64));
+  EXPECT_FALSE(s->test()) << "released before its time";
+  s->wait(kWait);
+  EXPECT_GE(std::chrono::steady_clock::now() - received, std::chrono::milliseconds(150));
+  // The releases travel under the tag with bit 47 set, which the job's own
+  // tags must leave free.
+  try {
+    t->recv(0, Tag{1} << 47, in.buffer());
+    FAIL() << "a tag with bit 47 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("bit 47"), std::string::npos) << e.what();
+  }
+}
+
 // Which messages are corrupted, and where, depends only on the seed.
 std::vector<std::vector<uint8_t>> corrupted_run(uint64_t seed) {
   TempDir dir;
@@ -253,8 +280,8 @@ TEST(FaultTransport, FreezeStopsTheRankAtItsNthSend) {
 
 TEST(FaultTransport, RejectsMalformedSettings) {
   TempDir dir;
-  for (const char* bad :
-       {"corrupt_recv=2", "drop_send=x", "fail_after=-1", "dead=a,b", "freeze_send=0"}) {
+  for (const char* bad : {"corrupt_recv=2", "drop_send=x", "fail_after=-1", "dead=a,b",
+                          "freeze_send=0", "release_ms=soon"}) {
     try {
       self_transport(dir, bad);
       ADD_FAILURE() << bad << " was accepted";

@@ -240,6 +240,13 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //                      stderr; SIGCONT resumes it. The failure drills of
 //                      `weightsync demo --kill` and `export --kill` freeze
 //                      their victim and SIGKILL it from outside.
+//     release_ms=D     a send completes only once its receiver released it:
+//                      the receiver sends an 8-byte release back (the tag
+//                      with bit 47 set) D ms after the receive completed,
+//                      and only from its progress() or a request's test(),
+//                      as UCX's rendezvous needs the receiver's worker
+//                      progressed to release a sender. A rank that stops
+//                      progressing holds its senders. Every rank sets it.
 //   With no fault set the wrapper passes everything through unchanged.
 
 }  // namespace weightsync

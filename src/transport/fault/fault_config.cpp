@@ -50,7 +50,7 @@ bool FaultConfig::is_fault_key(const std::string& key) {
   static const std::set<std::string> keys{
       "seed",     "drop_send",   "corrupt_send", "truncate_send", "corrupt_recv",
       "delay_ms", "fail_after",  "dead",         "after",         "tag",
-      "count",    "freeze_send", "freeze_recv"};
+      "count",    "freeze_send", "freeze_recv",  "release_ms"};
   return keys.count(key) > 0;
 }
 
@@ -68,6 +68,7 @@ FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params)
     if (key == "after") c.after = parse_uint(key, value);
     if (key == "tag") c.tag = parse_uint(key, value);
     if (key == "count") c.count = parse_uint(key, value);
+    if (key == "release_ms") c.release_ms = static_cast<int64_t>(parse_uint(key, value));
     if (key == "freeze_send" || key == "freeze_recv") {
       const uint64_t n = parse_uint(key, value);
       if (n == 0)

@@ -27,6 +27,10 @@ struct FaultConfig {
   std::optional<uint64_t> count;
   std::optional<uint64_t> freeze_send;  // 1-based: the N-th send posted
   std::optional<uint64_t> freeze_recv;
+  // A send completes only once its receiver released it, release_ms after
+  // its receive completed, from the receiver's progress (as UCX's rendezvous
+  // needs the receiver's worker progressed to release the sender).
+  std::optional<int64_t> release_ms;
 
   // Reads the fault keys of `params`; the others are left for the inner
   // transport. Errc::invalid_argument names a malformed value.

@@ -11,11 +11,64 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 namespace weightsync::transport::fault {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// release_ms: a message's release travels back under its tag with this bit
+// set (the job's tags stay below it; UCX keeps 48 bits).
+constexpr Tag kReleaseBit = Tag{1} << 47;
+
+// The releases a rank owes its senders (release_ms), sent from its progress.
+class Releases {
+ public:
+  Releases(Transport& inner, std::chrono::milliseconds after) : inner_(inner), after_(after) {}
+  // A receive from `peer` with `tag` completed: release it `after` from now.
+  void owe(int peer, Tag tag) { due_.push_back({peer, tag, Clock::now() + after_}); }
+  // Sends the releases that are due and forgets those that went out. Errors
+  // (a peer gone) are left alone: its sender is gone too.
+  void pump() {
+    const auto now = Clock::now();
+    for (size_t i = 0; i < due_.size();) {
+      if (due_[i].when > now) {
+        ++i;
+        continue;
+      }
+      try {
+        out_.push_back(inner_.send(due_[i].peer, due_[i].tag | kReleaseBit,
+                                   host_buffer(&kToken, sizeof kToken)));
+      } catch (const Error&) {
+      }
+      due_.erase(due_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    for (size_t i = 0; i < out_.size();) {
+      bool done = true;
+      try {
+        done = out_[i]->test();
+      } catch (const Error&) {
+      }
+      if (done)
+        out_.erase(out_.begin() + static_cast<std::ptrdiff_t>(i));
+      else
+        ++i;
+    }
+  }
+
+ private:
+  struct Due {
+    int peer;
+    Tag tag;
+    Clock::time_point when;
+  };
+  static constexpr uint64_t kToken = 0x72656c65617365;  // "release"
+  Transport& inner_;
+  std::chrono::milliseconds after_;
+  std::vector<Due> due_;
+  std::vector<std::unique_ptr<Request>> out_;
+};
 
 // One wrapped operation: the inner request (none for a dropped send), an owned
 // corrupted copy for a corrupted send, a byte to flip after a receive, and the
@@ -29,6 +82,12 @@ class FaultRequest final : public Request {
     std::size_t flip_seed = 0;
     Clock::time_point not_before;
     std::optional<Error> error;  // an injected failure reported by test()
+    // release_ms: the releases of this rank (pumped by every test), and for a
+    // send, the receive of its release; for a receive, owes one when done.
+    Releases* releases = nullptr;
+    std::unique_ptr<uint64_t> release_buffer;
+    std::unique_ptr<Request> release;
+    bool owes_release = false;
   };
 
   FaultRequest(const std::string& name, Kind kind, int peer, Tag tag, std::size_t bytes,
@@ -38,12 +97,18 @@ class FaultRequest final : public Request {
         s_(std::move(setup)) {}
 
   bool test() override {
+    if (s_.releases) s_.releases->pump();  // as a worker progresses everything
     if (s_.error) throw *s_.error;
     if (Clock::now() < s_.not_before) {
       inner_transport_.progress();
       return false;
     }
     if (s_.inner && !s_.inner->test()) return false;
+    if (s_.release && !s_.release->test()) return false;
+    if (s_.owes_release) {
+      s_.owes_release = false;
+      s_.releases->owe(peer(), tag());
+    }
     if (s_.flip_base && !flipped_) {
       flipped_ = true;
       const std::size_t n = transferred();
@@ -53,6 +118,8 @@ class FaultRequest final : public Request {
   }
   void cancel() override {
     if (s_.inner) s_.inner->cancel();
+    if (s_.release) s_.release->cancel();
+    s_.owes_release = false;
   }
   std::size_t transferred() const override {
     return s_.inner ? s_.inner->transferred() : (kind() == Kind::send ? bytes() : 0);
@@ -67,7 +134,11 @@ class FaultRequest final : public Request {
 class FaultTransport final : public Transport {
  public:
   FaultTransport(std::unique_ptr<Transport> inner, const FaultConfig& config)
-      : inner_(std::move(inner)), plan_(config) {}
+      : inner_(std::move(inner)), plan_(config) {
+    if (config.release_ms)
+      releases_ =
+          std::make_unique<Releases>(*inner_, std::chrono::milliseconds(*config.release_ms));
+  }
 
   std::string name() const override { return "fault:" + inner_->name(); }
   int rank() const override { return inner_->rank(); }
@@ -80,7 +151,10 @@ class FaultTransport final : public Transport {
   std::unique_ptr<MemoryRegion> register_memory(const Buffer& buffer) override {
     return inner_->register_memory(buffer);
   }
-  void progress() override { inner_->progress(); }
+  void progress() override {
+    inner_->progress();
+    if (releases_) releases_->pump();
+  }
   void connect(int peer) override {
     if (plan_.dead(peer))
       fail(Errc::peer_failure, name(), ": connect to rank ", peer, ": peer rank ", peer,
@@ -93,6 +167,7 @@ class FaultTransport final : public Transport {
   void reconnect(int peer) override { inner_->reconnect(peer); }
 
   std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override {
+    if (releases_) release_tag(tag);
     if (plan_.freezes_send()) freeze("send", peer, tag);
     FaultRequest::Setup s;
     s.not_before = Clock::now() + plan_.delay();
@@ -109,6 +184,11 @@ class FaultTransport final : public Transport {
         shorter.bytes = buffer.bytes ? buffer.bytes - 1 : 0;
         s.inner = inner_->send(peer, tag, shorter);
       } else if (fault == FaultPlan::Fault::none) {
+        if (releases_) {
+          s.release_buffer = std::make_unique<uint64_t>(0);
+          s.release = inner_->recv(peer, release_tag(tag),
+                                   host_buffer(s.release_buffer.get(), sizeof(uint64_t)));
+        }
         s.inner = inner_->send(peer, tag, buffer);
       }  // dropped: nothing goes out, the send completes locally
     }
@@ -116,6 +196,7 @@ class FaultTransport final : public Transport {
   }
 
   std::unique_ptr<Request> recv(int peer, Tag tag, const Buffer& buffer) override {
+    if (releases_) release_tag(tag);  // checks the tag before anything is posted
     if (plan_.freezes_recv()) freeze("receive", peer, tag);
     FaultRequest::Setup s;
     s.not_before = Clock::now() + plan_.delay();
@@ -126,13 +207,22 @@ class FaultTransport final : public Transport {
         s.flip_seed = plan_.position(std::numeric_limits<std::size_t>::max());
       }
       s.inner = inner_->recv(peer, tag, buffer);
+      s.owes_release = releases_ != nullptr;
     }
     return wrap(Request::Kind::recv, peer, tag, buffer.bytes, std::move(s));
   }
 
  private:
+  Tag release_tag(Tag tag) const {
+    if (tag & kReleaseBit)
+      fail(Errc::invalid_argument, name(), ": tag ", tag, " has bit 47 set, which release_ms ",
+           "keeps for its releases");
+    return tag | kReleaseBit;
+  }
+
   std::unique_ptr<Request> wrap(Request::Kind kind, int peer, Tag tag, std::size_t bytes,
                                 FaultRequest::Setup s) {
+    s.releases = releases_.get();
     return std::make_unique<FaultRequest>(name(), kind, peer, tag, bytes, *inner_, std::move(s));
   }
 
@@ -171,6 +261,7 @@ class FaultTransport final : public Transport {
 
   std::unique_ptr<Transport> inner_;
   FaultPlan plan_;
+  std::unique_ptr<Releases> releases_;  // release_ms
 };
 
 }  // namespace
