@@ -32,6 +32,18 @@ std::vector<uint8_t> bytes_of(const std::string& s) {
 
 }  // namespace
 
+// `e` naming the step it failed ("trainer rank 1: step 3: send to rank 4 ...
+// did not complete before the step timeout (waited 10 s for it)"), so that
+// an exception says which step as well as which rank and what it awaited.
+Error Publisher::Impl::with_step(const Error& e, int64_t step) const {
+  std::string what = e.what();
+  const std::string me = cat("trainer rank ", opt.rank, ": ");
+  if (what.rfind(me, 0) == 0) what.erase(0, me.size());
+  const std::string named = cat("step ", step, ":");
+  if (what.rfind(named, 0) == 0) return e;
+  return Error(e.code(), cat(me, named, " ", what));
+}
+
 void Publisher::Impl::require_registered(const char* what) const {
   for (size_t i = 0; i < registered.size(); ++i)
     if (!registered[i])
@@ -260,7 +272,7 @@ PushResult Publisher::Impl::push(int64_t step) {
         // The original failure is the one worth reporting.
       }
     }
-    throw;
+    throw with_step(e, step);
   }
   control::StepResult result;
   {

@@ -51,6 +51,8 @@ struct Publisher::Impl : pipeline::Endpoint {
   void admit(const std::vector<control::Member>& step_engines);
   PushResult push(int64_t step);
   control::StepResult decide(int64_t step, std::chrono::steady_clock::time_point deadline);
+  // `e` with "step N:" after this rank's name, unless it names the step already.
+  Error with_step(const Error& e, int64_t step) const;
   // Registration complete, else Errc::invalid_argument naming a param and `what`.
   void require_registered(const char* what) const;
 };

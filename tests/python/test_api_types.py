@@ -314,3 +314,27 @@ def test_public_api_has_docstrings():
     params = inspect.signature(ws.Subscriber).parameters
     assert [p for p, v in params.items() if v.kind != v.KEYWORD_ONLY] == \
         ["coordinator", "engine", "replica", "rank"]
+
+
+def test_a_failed_push_names_its_step_rank_and_what_it_waited_for(setup):
+    coord, layout, engine = setup
+    # The engine never releases the trainer's sends within the step (the fault
+    # wrapper's release_ms: a receiver releases its senders only that long
+    # after a receive), so push(1) fails at its step timeout.
+    transport = "fault:ucx?release_ms=600000"
+    sub = subscriber(coord, engine, transport=transport)
+    outcomes: list = []
+    served = threading.Thread(target=lambda: outcomes.append(sub.run_step(timeout=60.0)))
+    served.start()
+    pub = ws.Publisher(coordinator=coord, rank=0, layout=layout, engine=engine,
+                       transport=transport, step_timeout=3.0)
+    pub.register_module(trainer_module(layout, 3))
+    with pytest.raises(ws.Error) as failed:
+        pub.push(1)
+    served.join(timeout=60)
+    pub.close()
+    sub.close()
+    msg = str(failed.value)
+    assert msg.startswith("trainer rank 0: step 1: "), msg
+    assert "send to rank 1" in msg and "before the step timeout" in msg and "waited" in msg, msg
+    assert outcomes and not outcomes[0].committed, outcomes
