@@ -151,6 +151,10 @@ void Subscriber::Impl::build_receiver(const Plan& p) {
   pipeline.reset();  // its slots first
   fp8.reset();
   const std::string who = cat("engine rank ", global);
+  if (on_weights && wire.delta)
+    fail(Errc::unsupported, who, ": load_weights mode (on_weights) cannot take delta sync yet: ",
+         "its arena does not keep the version the engine holds; run the trainers with ",
+         "delta=off (docs/delta.md)");
   if (on_weights) open_arena(p);
   std::unique_ptr<engine::Fp8Staging> quant;
   if (engine::has_fp8(rank_layout()))
@@ -347,6 +351,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
                        " (layouts or plan options differ)");
   } else {
     try {
+      pipeline->set_version(version);
       report = pipeline->run(
           begin.step, *transport, [this] { poll(); }, deadline, out.phases, opt.tracer);
     } catch (const Error& e) {
@@ -385,6 +390,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   ack.stats.staging_bytes = pipeline ? 2 * pipeline->slot_bytes() : 0;
   out.bytes = report.bytes;
   out.bytes_direct = report.bytes_direct;
+  out.delta_buckets = report.delta_buckets;
   out.checksum = report.checksum;
   const auto commit_start = Clock::now();
   {

@@ -56,6 +56,8 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
         add_apply(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)), 0);
       }
       a.slot_bytes = a.bytes;
+    } else if (wire_.delta) {
+      compile_frame(a, plan, targets);
     } else {
       compile_fragments(a, plan, targets);
     }
@@ -112,6 +114,35 @@ void ReceivePipeline::compile_fragments(RecvAction& a, const Plan& plan,
       a.slot_bytes);
 }
 
+// The reverse of a copy run: from where it writes to where it reads.
+static CopyRun reversed(const CopyRun& r) {
+  CopyRun out = r;
+  std::swap(out.src, out.dst);
+  for (int d = 0; d < kCopyOuterDims; ++d) std::swap(out.src_stride[d], out.dst_stride[d]);
+  return out;
+}
+
+void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
+                                    const std::vector<TensorView>& targets) {
+  if (memory_.memory == MemoryKind::cuda)
+    fail(Errc::unsupported, "engine rank ", global_rank_, ": delta sync (the trainers' ",
+         "delta=auto) applies on the host so far, and this rank's params are on ",
+         pipeline::memory_str(memory_.memory, memory_.device),
+         "; run the trainers without delta (docs/delta.md)");
+  for (const PlanItem& item : plan.items(a.bucket)) {
+    const Copy c = plan.resolve(item);
+    (void)direct_target(c, targets.at(static_cast<size_t>(c.dst_param)));  // checks the rank
+    if (c.fp8)
+      add_apply_fp8(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)),
+                    targets.at(static_cast<size_t>(c.scale_param)), 0);
+    else
+      add_apply(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)), 0);
+  }
+  for (const CopyRun& r : a.apply.runs()) a.gather.add_run(reversed(r));
+  a.items = pipeline::frame_items(plan, a.bucket);
+  a.slot_bytes = pipeline::frame_capacity(a.items, a.bytes);
+}
+
 void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_device) {
   if (slots_[0].buffer.data) return;
   std::vector<const CopyProgram*> programs;
@@ -120,6 +151,11 @@ void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_d
   copier_.prepare(programs, memory_, 3);
   if (slot_bytes_ == 0) return;
   for (Slot& s : slots_) s.buffer = allocate_staging(transport, slot_bytes_, slots, slot_device);
+  if (wire_.delta && !broadcast_) {
+    int64_t most = 1;
+    for (const RecvAction& a : actions_) most = std::max(most, a.bytes);
+    scratch_.reset(new char[static_cast<size_t>(most)]);
+  }
 }
 
 void ReceivePipeline::post(size_t k, int s, int64_t step, Transport& t) {
@@ -128,6 +164,10 @@ void ReceivePipeline::post(size_t k, int s, int64_t step, Transport& t) {
   Slot& slot = slots_[s];
   slot.posted_us = trace_now_us();
   const Tag tag = bucket_tag(step, a.bucket, 0);
+  if (!broadcast_ && wire_.delta) {
+    slot.posted.add(t.recv(a.src, tag, slot.buffer.buffer(0, slot_bytes_)));
+    return;
+  }
   if (!broadcast_) {
     // In fragment order: the trainer posts them in that order (wire.h).
     for (const FragmentRoute& f : a.fragments) {
@@ -180,6 +220,9 @@ void ReceivePipeline::receive(size_t k, int s, pipeline::Loop& loop, StepPhases&
   // Every message of a bucket has a size both sides derive from the plan:
   // a shorter one is a peer out of step with it, never data to apply.
   hooks.done = [&](const Request& r) {
+    slot.received = static_cast<int64_t>(r.transferred());
+    // A frame says its size itself (settle_frame checks it).
+    if (wire_.delta && !broadcast_) return;
     if (r.transferred() != r.bytes() && slot.error.empty())
       slot.error = cat("engine rank ", global_rank_, ": ", r.describe(), " brought ",
                        r.transferred(), " bytes, expected ", r.bytes(),
@@ -196,6 +239,7 @@ void ReceivePipeline::receive(size_t k, int s, pipeline::Loop& loop, StepPhases&
 // reported, not applied; the step goes on so that the senders do not stall.
 void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop,
                              ReceiveReport& report, StepPhases& phases, Tracer* tracer) {
+  if (wire_.delta && !broadcast_) return settle_frame(k, s, step, loop, report, phases);
   Slot& slot = slots_[s];
   const RecvAction& a = actions_[k];
   auto t = Clock::now();
@@ -224,6 +268,75 @@ void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop
   copier_.wait(s, loop, "applying bucket");
   phases.apply += seconds_since(t);
   if (tracer) tracer->complete(cat("apply ", a.bucket), "apply", apply_us, trace_now_us());
+  if (on_bucket_ && report.error.empty()) on_bucket_(k);
+}
+
+void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop& loop,
+                                   ReceiveReport& report, StepPhases& phases) {
+  Slot& slot = slots_[s];
+  const RecvAction& a = actions_[k];
+  const std::string what = cat("engine rank ", global_rank_, ": bucket ", a.bucket, " of step ",
+                               step, " from trainer rank ", a.src);
+  const char* frame = slot.buffer.data;
+  int64_t bytes = slot.received;
+  std::string error;
+  try {
+    auto t = Clock::now();
+    if (wire_.checksums) {
+      if (bytes < static_cast<int64_t>(kBucketTrailerBytes))
+        fail(Errc::format, what, ": ", bytes, " bytes, too short for its checksum");
+      bytes -= static_cast<int64_t>(kBucketTrailerBytes);
+      const uint64_t sum =
+          checksum64(frame, static_cast<size_t>(bytes), static_cast<uint64_t>(step));
+      if (sum != read_trailer(frame + bytes))
+        fail(Errc::format, what, " failed its checksum (computed ", std::hex, sum, ", sent ",
+             read_trailer(frame + bytes), std::dec, ")");
+      report.checksum = checksum_fold(report.checksum, sum);
+    }
+    const pipeline::FrameHeader h = pipeline::read_frame_header(frame, bytes, what);
+    if (h.step != step) fail(Errc::format, what, ": the frame says step ", h.step);
+    const char* packed = frame + pipeline::kFrameHeaderBytes;
+    if (!h.delta) {
+      if (bytes != pipeline::kFrameHeaderBytes + a.bytes)
+        fail(Errc::format, what, ": a whole bucket of ", bytes - pipeline::kFrameHeaderBytes,
+             " bytes, expected ", a.bytes, " (does the sender use the same plan?)");
+    } else {
+      if (h.base != version_)
+        fail(Errc::mismatch, what, ": a delta against version ", h.base,
+             ", but this engine rank holds version ", version_);
+      // The bucket as the targets hold it, the delta onto it, and the
+      // digest of the result, all before a byte reaches a target.
+      execute_host(a.gather, 0, addr(scratch_.get()));
+      pipeline::apply_frame(a.items, frame, bytes, scratch_.get(), what);
+      if (h.has_digest) {
+        const uint64_t digest =
+            checksum64(scratch_.get(), static_cast<size_t>(a.bytes), static_cast<uint64_t>(step));
+        if (digest != h.digest)
+          fail(Errc::mismatch, what, ": after its delta the bucket hashes to ", std::hex, digest,
+               ", the trainer's bytes to ", h.digest, std::dec,
+               " (this rank's params are not the version the delta applies to, or the delta ",
+               "was damaged); not applied");
+      }
+      packed = scratch_.get();
+      ++report.delta_buckets;
+    }
+    phases.verify += seconds_since(t);
+    report.bytes += static_cast<uint64_t>(slot.received);
+    t = Clock::now();
+    if (!a.apply.empty()) copier_.run(k, a.apply, addr(packed), 0, s);
+    copier_.wait(s, loop, "applying bucket");
+    phases.apply += seconds_since(t);
+  } catch (const Error& e) {
+    // A bad frame rejects the step; a wait that was abandoned ends it.
+    if (e.code() != Errc::format && e.code() != Errc::mismatch) throw;
+    error = e.what();
+  }
+  if (!error.empty() || !slot.error.empty()) {
+    if (report.error.empty())
+      report.error = (slot.error.empty() ? error : slot.error) + "; the step is rejected";
+    slot.error.clear();
+    return;
+  }
   if (on_bucket_ && report.error.empty()) on_bucket_(k);
 }
 

@@ -24,6 +24,7 @@
 #include "core/copy_program.h"
 #include "core/cuda/gpu.h"
 #include "pipeline/copier.h"
+#include "pipeline/delta_frame.h"
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
 #include "transport/staging.h"
@@ -49,13 +50,20 @@ struct RecvAction {
   CopyProgram apply;
   std::vector<FragmentRoute> fragments;  // p2p
   int64_t slot_bytes = 0;                // slot bytes used, without trailer
+  // Delta sync (WireOptions::delta): the bucket travels as one frame
+  // (pipeline/delta_frame.h); `apply` reads the packed bucket from offset 0
+  // of wherever it lies, and `gather` is its reverse, the packed bucket as
+  // the targets hold it (the base a delta applies to).
+  std::vector<pipeline::FrameItem> items;
+  CopyProgram gather;
 };
 
 struct ReceiveReport {
   uint64_t bytes = 0;
   uint64_t bytes_direct = 0;  // landed straight in their targets
   uint64_t checksum = 0;
-  std::string error;  // first failed bucket, "" when every bucket was good
+  uint64_t delta_buckets = 0;  // delta sync: buckets that came as deltas
+  std::string error;           // first failed bucket, "" when every bucket was good
 };
 
 class ReceivePipeline {
@@ -78,6 +86,9 @@ class ReceivePipeline {
   ReceiveReport run(int64_t step, Transport& transport, const std::function<void()>& poll,
                     std::chrono::steady_clock::time_point deadline, StepPhases& phases,
                     Tracer* tracer);
+  // Delta sync: the version the targets hold now (the rank's committed one),
+  // which a delta must name as its base, before run().
+  void set_version(int64_t version) { version_ = version; }
   // Staging: copies the private copies into the params (after a commit);
   // returns when the copy is done.
   void publish_staging();
@@ -93,7 +104,8 @@ class ReceivePipeline {
     StagingBuffer buffer;
     pipeline::Posted posted;
     int64_t posted_us = 0;
-    std::string error;  // a message of the bucket came short
+    std::string error;     // a message of the bucket came short
+    int64_t received = 0;  // delta sync: the frame's bytes
   };
   struct StagingCopy {
     std::unique_ptr<char[]> host;
@@ -101,6 +113,7 @@ class ReceivePipeline {
   };
   std::vector<TensorView> make_staging(const std::vector<TensorView>& params);
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
+  void compile_frame(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, int slot, int64_t step, Transport& t);
   void receive(size_t k, int slot, pipeline::Loop& loop, StepPhases& phases, Tracer* tracer);
@@ -109,6 +122,10 @@ class ReceivePipeline {
   // The bucket's checksum as it landed and as sent; equal when not checked.
   std::pair<uint64_t, uint64_t> checksums(const RecvAction& a, const char* data,
                                           int64_t step) const;
+  // Delta sync: checks bucket k's frame in `slot` and applies it (a delta
+  // onto the packed bucket gathered from the targets, in scratch_).
+  void settle_frame(size_t k, int slot, int64_t step, pipeline::Loop& loop, ReceiveReport& report,
+                    StepPhases& phases);
 
   int global_rank_ = 0;
   int trainer_world_ = 1, engine_world_ = 1;
@@ -122,7 +139,9 @@ class ReceivePipeline {
   // land in the staging copies, so these outlive them.
   std::vector<StagingCopy> staging_;
   Slot slots_[2];
-  CopyProgram publish_;  // staging -> params
+  CopyProgram publish_;              // staging -> params
+  std::unique_ptr<char[]> scratch_;  // delta sync: the bucket being rebuilt
+  int64_t version_ = -1;
   pipeline::Copier copier_;
   std::function<void(size_t)> on_bucket_;
 };

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <thread>
 
 namespace weightsync {
@@ -77,6 +78,7 @@ void Publisher::Impl::ensure_ready() {
   plan = std::move(dp.plan);
   dead.assign(engines, false);
   engine_member.assign(engines, 0);
+  held.assign(engines, -1);
   ready = true;
 }
 
@@ -86,6 +88,7 @@ void Publisher::Impl::build_sender(const Plan& p) {
                                                         transport->capabilities());
   sender->prepare(*transport, slots, slot_device, memory,
                   trainer::Producer{opt.producer_stream, opt.producer_event});
+  sender->set_delta_verify(opt.delta_verify);
   pipeline = std::move(sender);
 }
 
@@ -181,8 +184,10 @@ void Publisher::Impl::admit(const std::vector<control::Member>& step_engines) {
   for (size_t g = 0; g < now.size(); ++g) {
     if (now[g] == 0) {
       dead[g] = true;
+      held[g] = -1;
       continue;
     }
+    if (engine_member[g] != now[g]) held[g] = -1;  // a new process holds nothing of ours
     // Served by this step: unless its connection failed (a rank absent from
     // earlier steps, e.g. an elastic replica that joined, is served now).
     dead[g] = transport->peer_failed(trainer_world() + static_cast<int>(g));
@@ -249,9 +254,12 @@ PushResult Publisher::Impl::push(int64_t step) {
     admit(begun.engines);
     out.plan_id = plan->plan_id_hex();
     out.replicas = begun.replicas.value_or(std::vector<int>{});
+    pipeline->set_engine_versions(held);
     out.bytes_sent = pipeline->run(
         step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
     out.bytes_direct = pipeline->bytes_direct();
+    out.delta_buckets = pipeline->delta_buckets();
+    out.delta_bytes_whole = pipeline->delta_bytes_whole();
     control::RankStepStats stats;
     stats.phases = {{"begin", out.phases.begin},
                     {"pack", out.phases.pack},
@@ -261,6 +269,7 @@ PushResult Publisher::Impl::push(int64_t step) {
     stats.staging_bytes = pipeline ? 2 * pipeline->slot_bytes() : 0;
     client->sent(step, true, {}, wait_until(deadline), stats);
   } catch (const Error& e) {
+    std::fill(held.begin(), held.end(), int64_t{-1});
     if (pipeline) pipeline->cancel_all();
     if (!early_result) {
       try {
@@ -281,6 +290,11 @@ PushResult Publisher::Impl::push(int64_t step) {
     result = decide(step, deadline);
     out.phases.commit = seconds_since(t);
   }
+  // Delta sync: what each engine rank holds of this rank's sends now.
+  std::fill(held.begin(), held.end(), int64_t{-1});
+  if (result.trainers_ok)
+    for (int g : result.committed)
+      if (g >= 0 && g < static_cast<int>(held.size())) held[static_cast<size_t>(g)] = step;
   if (!result.trainers_ok)
     fail(Errc::peer_failure, "trainer rank ", opt.rank, ": step ", step,
          " was aborted: ", result.reason);
@@ -307,6 +321,10 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (!m.opt.plan.replicas.empty())
     fail(Errc::invalid_argument, "publisher: plan.replicas must be empty: a step serves the ",
          "job's replicas, or with elastic on, the replicas that are ready");
+  if (m.opt.delta != DeltaMode::off && m.opt.plan.mode != PlanMode::p2p)
+    fail(Errc::unsupported, "publisher: delta sync (delta=auto) needs plan mode p2p; ",
+         plan_mode_name(m.opt.plan.mode), " buckets always travel whole (docs/delta.md)");
+  m.opt.wire.delta = m.opt.delta != DeltaMode::off;
   m.tensors.resize(m.opt.layout.params.size());
   m.registered.assign(m.opt.layout.params.size(), false);
   // Names are unique per rank, not per layout (pipeline stages name their

@@ -27,6 +27,9 @@ struct Publisher::Impl : pipeline::Endpoint {
   std::map<int, uint64_t> ready_member;  // engine rank -> member id seen ready (rank 0)
   std::vector<bool> dead;                // engine ranks dropped (died or failed)
   std::vector<uint64_t> engine_member;   // member id of each engine rank's process (0: none yet)
+  // Delta sync: the version each engine rank holds from this rank's sends,
+  // as the last step's result says (committed: that step; else -1, unknown).
+  std::vector<int64_t> held;
   std::optional<control::StepResult> early_result;
   int64_t saves = 0;  // save_hf calls so far: every rank counts alike (a collective)
   trainer::SaveArenaCache save_arena;  // kept for the next save_hf

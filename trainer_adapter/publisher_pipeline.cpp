@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
 
 namespace weightsync::trainer {
 namespace {
@@ -99,6 +100,25 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
         a.parts.push_back(part);
       }
     }
+    if (a.kind == SendAction::Kind::p2p && wire_.delta) {
+      // One frame a bucket: every item packed behind the frame's header.
+      for (const PlanItem& item : plan.items(a.bucket)) {
+        const Copy c = plan.resolve(item);
+        const TensorView& tensor = tensors.at(static_cast<size_t>(c.src_param));
+        if (c.fp8)
+          add_quant(a.quant, c, tensor, -pipeline::kFrameHeaderBytes);
+        else
+          add_pack(a.pack, c, tensor, -pipeline::kFrameHeaderBytes);
+      }
+      a.items = pipeline::frame_items(plan, a.bucket);
+      slot_bytes_ =
+          std::max(slot_bytes_, static_cast<size_t>(pipeline::kFrameHeaderBytes + a.bytes) +
+                                    kBucketTrailerBytes);
+      frame_bytes_ =
+          std::max(frame_bytes_, static_cast<size_t>(pipeline::frame_capacity(a.items, a.bytes)) +
+                                     kBucketTrailerBytes);
+      continue;
+    }
     if (a.kind == SendAction::Kind::p2p) {
       compile_fragments(a, plan, tensors);
       slot_bytes_ =
@@ -159,10 +179,88 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
     for (size_t i = 0; i < actions_.size(); ++i)
       if (!actions_[i].quant.empty())
         device_quant_[i] = gpu::DeviceQuant(actions_[i].quant, memory.device);
+  if (wire_.delta && slots == SlotMemory::device)
+    fail(Errc::unsupported, "trainer rank ", rank_, ": delta sync encodes buckets on the host, ",
+         "but this rank's slots are in device memory (its tensors are on a GPU and the transport ",
+         "reaches device memory); run without delta, or over a transport to host memory");
   for (Slot& s : slots_) {
     s.buffer = allocate_staging(transport, slot_bytes_, slots, slot_device);
+    if (frame_bytes_ > 0) s.frame = allocate_staging(transport, frame_bytes_, SlotMemory::host, -1);
     s.posted.reserve(static_cast<size_t>(engine_world_ + trainer_world_));
   }
+}
+
+std::size_t SendPipeline::delta_base_bytes() const {
+  std::size_t n = 0;
+  for (const SendAction& a : actions_)
+    if (a.last_sent) n += static_cast<std::size_t>(a.bytes);
+  return n;
+}
+
+int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& phases) {
+  SendAction& a = actions_[index];
+  Slot& slot = slots_[k];
+  const int64_t pack_us = tracer_ ? trace_now_us() : 0;
+  const auto pack_start = Clock::now();
+  if (copier_.on_gpu()) {
+    const std::uintptr_t slot_base = addr(slot.buffer.data);
+    copier_.run_with_quant(index, 0, slot_base, k, device_quant_[index], slot_base);
+    copier_.wait(k, *loop_, "packing bucket");
+  } else {
+    quantize(index, k);
+    pack(index, k);
+  }
+  phases.pack += seconds_since(pack_start);
+  char* body = slot.buffer.data + pipeline::kFrameHeaderBytes;
+  const auto held = static_cast<size_t>(a.dst_engine) < held_.size()
+                        ? held_[static_cast<size_t>(a.dst_engine)]
+                        : int64_t{-1};
+  pipeline::FrameHeader h;
+  h.step = step;
+  char* frame = slot.buffer.data;
+  int64_t bytes = pipeline::kFrameHeaderBytes + a.bytes;
+  StagingBuffer* from = &slot.buffer;
+  if (a.last_sent && a.last_step >= 0 && a.last_step == held) {
+    h.delta = true;
+    h.base = a.last_step;
+    h.has_digest = delta_verify_;
+    if (delta_verify_) h.digest = checksum64(body, static_cast<size_t>(a.bytes), step);
+    const int64_t n = pipeline::encode_frame(a.items, body, a.last_sent.get(), slot.frame.data);
+    // Nearly whole: the bytes themselves spare the engine its read-modify-write.
+    if (4 * (n - pipeline::kFrameHeaderBytes) < 3 * a.bytes) {
+      frame = slot.frame.data;
+      from = &slot.frame;
+      bytes = n;
+      ++delta_buckets_;
+      delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
+    } else {
+      h = pipeline::FrameHeader{};
+      h.step = step;
+    }
+  } else {
+    if (!a.last_sent) a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+    std::memcpy(a.last_sent.get(), body, static_cast<size_t>(a.bytes));
+  }
+  // From here on the base holds this step's bytes: the engine rank holds
+  // them once it commits this step, and only then does it get a delta.
+  a.last_step = step;
+  pipeline::store_frame_header(frame, h);
+  if (wire_.checksums) {
+    store_trailer(frame + bytes,
+                  checksum64(frame, static_cast<size_t>(bytes), static_cast<uint64_t>(step)));
+    bytes += static_cast<int64_t>(kBucketTrailerBytes);
+  }
+  slot.bucket = a.bucket;
+  slot.bytes = bytes;
+  slot.posted_us = pack_us;
+  if (tracer_)
+    tracer_->complete(cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
+                      {{"bucket", a.bucket}, {"bytes", bytes}, {"delta", h.delta}});
+  slot.posted.add(
+      loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
+                              from->buffer(0, static_cast<size_t>(bytes))),
+      a.dst_engine);
+  return bytes;
 }
 
 void SendPipeline::pack(size_t index, int slot, size_t first, size_t count) {
@@ -315,6 +413,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
   tracer_ = tracer;
   uint64_t sent = 0;
   bytes_direct_ = 0;
+  delta_buckets_ = delta_bytes_whole_ = 0;
   size_t k = 0;
   for (size_t i = 0; i < actions_.size(); ++i) {
     const SendAction& a = actions_[i];
@@ -327,6 +426,10 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     // The drain may have learned of the engine's death.
     if (p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
     try {
+      if (p2p && wire_.delta) {
+        sent += static_cast<uint64_t>(post_frame(i, s, step, phases));
+        continue;
+      }
       post(i, s, step, dead, phases);
     } catch (const Error&) {
       // A send to an engine refused at posting (known dead, endpoint timeout,

@@ -26,6 +26,7 @@
 #include "core/cuda/gpu.h"
 #include "core/fp8.h"
 #include "pipeline/copier.h"
+#include "pipeline/delta_frame.h"
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
 #include "transport/staging.h"
@@ -55,6 +56,12 @@ struct SendAction {
   std::vector<FragmentRoute> fragments;
   int64_t packed_bytes = 0;       // p2p: slot bytes the packed fragments use
   std::vector<GatherPart> parts;  // root: the other holders' parts to receive
+  // Delta sync (WireOptions::delta, p2p): the bucket's items as the codec
+  // sees them, and what its engine rank was last sent (the bucket packed at
+  // version last_step; -1: nothing yet).
+  std::vector<pipeline::FrameItem> items;
+  std::unique_ptr<char[]> last_sent;
+  int64_t last_step = -1;
 };
 
 // Waits for the user's producer work before a push reads the tensors
@@ -76,6 +83,16 @@ class SendPipeline {
   std::size_t num_actions() const { return actions_.size(); }
   // Bytes the last run() sent straight from the registered tensors.
   uint64_t bytes_direct() const { return bytes_direct_; }
+  // Delta sync: the version each engine rank holds as this rank knows it
+  // (committed from what this rank sent; -1: unknown), by global engine
+  // rank, for the next run(); and whether delta buckets carry a digest.
+  void set_engine_versions(std::vector<int64_t> held) { held_ = std::move(held); }
+  void set_delta_verify(bool on) { delta_verify_ = on; }
+  // The last run()'s buckets sent as deltas, and their bytes whole.
+  uint64_t delta_buckets() const { return delta_buckets_; }
+  uint64_t delta_bytes_whole() const { return delta_bytes_whole_; }
+  // Bytes this rank keeps for delta sync (what it last sent).
+  std::size_t delta_base_bytes() const;
   // Allocates and registers the two slots (`slots` memory, on `slot_device`)
   // and, for CUDA tensors, uploads the pack programs to their device (once).
   void prepare(Transport& transport, SlotMemory slots, int slot_device,
@@ -93,6 +110,7 @@ class SendPipeline {
  private:
   struct Slot {
     StagingBuffer buffer;
+    StagingBuffer frame;      // delta sync: the delta frame being sent
     pipeline::Posted posted;  // owners: engine rank, -1 for trainer peers
     int32_t bucket = -1;      // on the wire from this slot (for the trace)
     int64_t bytes = 0;
@@ -104,6 +122,9 @@ class SendPipeline {
   // the copier's stream, ahead of its pack).
   void quantize(size_t index, int slot);
   void post_p2p(size_t index, int slot, int64_t step, PushPhases& phases);
+  // Delta sync: the bucket as one frame, its delta or its bytes; returns the
+  // frame's bytes.
+  int64_t post_frame(size_t index, int slot, int64_t step, PushPhases& phases);
   void post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
   void drain(Slot& slot, std::vector<bool>& dead);
 
@@ -113,7 +134,11 @@ class SendPipeline {
   Capabilities caps_;
   std::vector<SendAction> actions_;
   std::size_t slot_bytes_ = 0;
+  std::size_t frame_bytes_ = 0;  // delta sync: the largest frame, with trailer
   uint64_t bytes_direct_ = 0;
+  std::vector<int64_t> held_;
+  bool delta_verify_ = true;
+  uint64_t delta_buckets_ = 0, delta_bytes_whole_ = 0;
   Slot slots_[2];
   pipeline::Copier copier_;
   std::vector<gpu::DeviceQuant> device_quant_;  // by action, GPU only

@@ -76,6 +76,18 @@ struct PublisherOptions {
   // How buckets travel (wire.h): per-bucket checksums (off by default) and
   // the smallest item sent zero-copy. Rank 0's settings hold for everyone.
   WireOptions wire;
+  // Delta sync (docs/delta.md): off, or auto: a bucket whose engine rank
+  // committed the version this rank last sent it travels as the elements
+  // that changed since (or whole, where that is about as small); any other
+  // (a new or restarted engine rank, one that missed or failed a step) gets
+  // the whole bytes. p2p mode, host memory. Costs, on this rank, a copy of
+  // what it sends (its share of the engine-dtype bytes) and a second pair of
+  // slots; on the engines, one bucket of scratch. Rank 0's setting holds.
+  DeltaMode delta = DeltaMode::off;
+  // Delta steps: each delta bucket carries the checksum64 of the bytes the
+  // engine must hold after applying it, which the engine checks before it
+  // writes them; a mismatch fails that rank's step, and its next is whole.
+  bool delta_verify = true;
   std::string job = "weightsync";  // store key prefix; one per job on a coordinator
   std::chrono::milliseconds connect_timeout{60000};  // coordinator, members, transport
   std::chrono::milliseconds step_timeout{120000};    // one push, end to end
@@ -106,7 +118,11 @@ struct PushResult {
   std::vector<std::pair<int, std::string>> failed;  // engine rank, reason
   uint64_t bytes_sent = 0;                          // payload bytes this rank put on the wire
   uint64_t bytes_direct = 0;  // of those, sent straight from the registered tensors (zero copy)
-  double seconds = 0;         // push(), call to return
+  // Delta sync: buckets sent as deltas, and the bytes those buckets hold
+  // whole (bytes_sent counts what went on the wire).
+  uint64_t delta_buckets = 0;
+  uint64_t delta_bytes_whole = 0;
+  double seconds = 0;  // push(), call to return
   PushPhases phases;
   std::string plan_id;        // the step's plan
   std::vector<int> replicas;  // elastic replicas: the step's membership (else empty)

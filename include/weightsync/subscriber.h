@@ -84,7 +84,8 @@ struct StepOutcome {
   uint64_t bytes = 0;         // payload bytes received
   uint64_t bytes_direct = 0;  // of those, landed straight in the params (or staging), zero copy
   uint64_t checksum = 0;
-  double seconds = 0;  // StepBegin to decision
+  uint64_t delta_buckets = 0;  // delta sync: buckets that came as deltas (docs/delta.md)
+  double seconds = 0;          // StepBegin to decision
   StepPhases phases;
 };
 

@@ -5,8 +5,16 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
+#include <string_view>
 
 namespace weightsync {
+
+// Delta sync (docs/delta.md): off, or "auto": each p2p bucket goes as the
+// elements that changed since the version its engine rank holds, where
+// that rank holds the version the sender last sent it, else whole.
+enum class DeltaMode : uint8_t { off, automatic };
+std::string_view delta_mode_name(DeltaMode mode) noexcept;  // "off", "auto"
+DeltaMode parse_delta_mode(std::string_view name);          // Errc::invalid_argument
 
 // Settings both sides must share; trainer rank 0 publishes them with the plan
 // options and the subscribers follow.
@@ -15,6 +23,10 @@ struct WireOptions {
   // the transports below (TCP, shared memory, RDMA) guard their own links.
   bool checksums = false;
   int64_t direct_min_bytes = int64_t{64} << 10;  // smaller items travel packed
+  // Buckets travel as frames that carry either their bytes or a delta
+  // (pipeline/delta_frame.h). Set by the Publisher from
+  // PublisherOptions::delta; the subscribers follow.
+  bool delta = false;
 
   nlohmann::json to_json() const;
   // Errc::invalid_argument naming the field for a malformed object.

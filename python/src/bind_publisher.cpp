@@ -47,8 +47,11 @@ class PyPublisher : public Handle<Publisher> {
             const std::string& transport, const std::string& mode, int64_t bucket_bytes,
             bool checksums, const std::string& token, const std::string& job,
             double connect_timeout, double step_timeout, uintptr_t producer_stream,
-            uintptr_t producer_event, const std::string& fp8_site, bool elastic, int min_replicas) {
+            uintptr_t producer_event, const std::string& fp8_site, bool elastic, int min_replicas,
+            const std::string& delta, bool delta_verify) {
     PublisherOptions o;
+    o.delta = parse_delta_mode(delta);
+    o.delta_verify = delta_verify;
     o.elastic = elastic;
     o.min_replicas = min_replicas;
     o.plan.fp8_site = parse_fp8_site(fp8_site);
@@ -122,6 +125,8 @@ void bind_publisher(nb::module_& m) {
       .def_ro("failed", &PushResult::failed)
       .def_ro("bytes_sent", &PushResult::bytes_sent)
       .def_ro("bytes_direct", &PushResult::bytes_direct)
+      .def_ro("delta_buckets", &PushResult::delta_buckets)
+      .def_ro("delta_bytes_whole", &PushResult::delta_bytes_whole)
       .def_ro("seconds", &PushResult::seconds)
       .def_ro("plan_id", &PushResult::plan_id)
       .def_ro("replicas", &PushResult::replicas)

@@ -72,6 +72,8 @@ class PushResult:
         bytes_sent: payload bytes this rank put on the wire.
         bytes_direct: of those, sent straight from the registered tensors
             (zero copy).
+        delta_buckets: delta sync: buckets sent as the elements that changed.
+        delta_bytes_whole: the bytes those buckets hold whole.
         seconds: the push, call to return.
         plan_id: the plan of the step.
         replicas: elastic publishers: the replicas the step served (else []).
@@ -83,6 +85,8 @@ class PushResult:
     failed: list[tuple[int, str]]
     bytes_sent: int
     bytes_direct: int
+    delta_buckets: int
+    delta_bytes_whole: int
     seconds: float
     plan_id: str
     replicas: list[int]
@@ -105,6 +109,7 @@ class StepOutcome:
         reason: why not, when not committed; or why the on_end hook failed.
         bytes: payload bytes received.
         bytes_direct: of those, landed straight in the params (or staging).
+        delta_buckets: delta sync: buckets that came as deltas.
         checksum: the checksum this rank acked.
         seconds: from the step's begin to its decision.
         phases: seconds per phase: "receive", "verify", "apply", "commit".
@@ -115,6 +120,7 @@ class StepOutcome:
     reason: str
     bytes: int
     bytes_direct: int
+    delta_buckets: int
     checksum: int
     seconds: float
     phases: dict[str, float]
@@ -220,6 +226,11 @@ class PublisherOptions:
             hold whole blocks) or "engine".
         elastic: replicas join and leave between steps (docs/elastic.md).
         min_replicas: elastic: the replicas a push waits for.
+        delta: "off" or "auto": a bucket whose engine rank committed what
+            this rank last sent it goes as the elements that changed since
+            (docs/delta.md; p2p mode, host memory; rank 0's holds).
+        delta_verify: delta buckets carry the digest of the bytes the engine
+            must hold after applying them, checked before they are written.
     """
 
     transport: str = "ucx"
@@ -235,6 +246,8 @@ class PublisherOptions:
     fp8_site: str = "sender"
     elastic: bool = False
     min_replicas: int = 1
+    delta: str = "off"
+    delta_verify: bool = True
 
 
 @dataclass(frozen=True)
@@ -491,7 +504,8 @@ class Publisher:
                  checksums: bool = False, token: Optional[str] = None, job: str = "weightsync",
                  connect_timeout: float = 60.0, step_timeout: float = 120.0,
                  producer_stream: Any = None, producer_event: Any = None,
-                 fp8_site: str = "sender", elastic: bool = False, min_replicas: int = 1):
+                 fp8_site: str = "sender", elastic: bool = False, min_replicas: int = 1,
+                 delta: str = "off", delta_verify: bool = True):
         """Connects trainer rank `rank` of `layout` (a trainer layout: path,
         dict or JSON text) to the coordinator (`coordinator`: "HOST:PORT" or a
         Coordinator). `engine` (an engine config) may be omitted when only
@@ -512,12 +526,16 @@ class Publisher:
         replicas are slots that replicas join and leave between steps; each
         push serves the replicas ready when it begins (at least `min_replicas`,
         waited for), with the plan for them. PushResult.replicas and .plan_id
-        say which."""
+        say which.
+
+        `delta="auto"` (docs/delta.md): a bucket whose engine rank committed
+        the version this rank last sent it travels as the elements that
+        changed since; PushResult.delta_buckets counts them."""
         o = _merge_options(PublisherOptions, options, dict(
             transport=transport, mode=mode, bucket_bytes=bucket_bytes, checksums=checksums,
             token=token, job=job, connect_timeout=connect_timeout, step_timeout=step_timeout,
             producer_stream=producer_stream, producer_event=producer_event, fp8_site=fp8_site,
-            elastic=elastic, min_replicas=min_replicas))
+            elastic=elastic, min_replicas=min_replicas, delta=delta, delta_verify=delta_verify))
         layout_text, _ = load_json(layout, "trainer layout")
         engine_text: Optional[str] = None
         engine_base = os.getcwd()
@@ -532,7 +550,7 @@ class Publisher:
                         o.connect_timeout, o.step_timeout,
                         _cuda_handle(o.producer_stream, "cuda_stream", "producer_stream"),
                         _cuda_handle(o.producer_event, "cuda_event", "producer_event"),
-                        o.fp8_site, o.elastic, o.min_replicas)
+                        o.fp8_site, o.elastic, o.min_replicas, o.delta, o.delta_verify)
         # The params this rank holds: pipeline stages repeat local layer names.
         names = _core.rank_param_names(layout_text, rank)
         self._registry = _Registry(f"trainer rank {rank}", names)

@@ -6,8 +6,18 @@
 
 namespace weightsync {
 
+std::string_view delta_mode_name(DeltaMode mode) noexcept {
+  return mode == DeltaMode::automatic ? "auto" : "off";
+}
+
+DeltaMode parse_delta_mode(std::string_view name) {
+  if (name == "off") return DeltaMode::off;
+  if (name == "auto") return DeltaMode::automatic;
+  fail(Errc::invalid_argument, "delta: expected \"off\" or \"auto\", got \"", name, "\"");
+}
+
 nlohmann::json WireOptions::to_json() const {
-  return {{"checksums", checksums}, {"direct_min_bytes", direct_min_bytes}};
+  return {{"checksums", checksums}, {"direct_min_bytes", direct_min_bytes}, {"delta", delta}};
 }
 
 WireOptions WireOptions::from_json(const nlohmann::json& j) {
@@ -19,6 +29,12 @@ WireOptions WireOptions::from_json(const nlohmann::json& j) {
       fail(Errc::invalid_argument, "wire options: \"checksums\" must be true or false, got ",
            j["checksums"].dump());
     w.checksums = j["checksums"].get<bool>();
+  }
+  if (j.contains("delta")) {
+    if (!j["delta"].is_boolean())
+      fail(Errc::invalid_argument, "wire options: \"delta\" must be true or false, got ",
+           j["delta"].dump());
+    w.delta = j["delta"].get<bool>();
   }
   if (j.contains("direct_min_bytes")) {
     if (!j["direct_min_bytes"].is_number_integer() || j["direct_min_bytes"].get<int64_t>() < 1)

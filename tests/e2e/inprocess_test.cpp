@@ -12,7 +12,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <functional>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -60,12 +63,13 @@ class InProcess : public ::testing::Test {
   }
 
   // The trainer's (only) rank, its shards filled from the checkpoint.
-  std::unique_ptr<Publisher> publisher() {
+  std::unique_ptr<Publisher> publisher(const std::function<void(PublisherOptions&)>& tweak = {}) {
     PublisherOptions po;
     po.coordinator = coordinator_.address();
     po.layout = layout_;
     po.engine = config_;
     po.plan.bucket_bytes = 4096;
+    if (tweak) tweak(po);
     auto pub = std::make_unique<Publisher>(po);
     for (const LoadSpec& spec : layout_.params) {
       const Shape shape = local_shape(spec, layout_.mesh, 0);
@@ -82,6 +86,43 @@ class InProcess : public ::testing::Test {
       std::vector<char> expected(params_[i].size());
       fill_param(*ckpt_, rank_layout().params[i], expected.data());
       EXPECT_EQ(params_[i], expected) << rank_layout().params[i].name;
+    }
+  }
+
+  // The params of version `step` of a delta run: the checkpoint's, each
+  // element's lowest bit flipped where delta_flips says.
+  std::vector<std::vector<char>> expected_params(int64_t step, int64_t last) {
+    std::vector<std::vector<char>> out;
+    for (const auto& p : rank_layout().params) {
+      out.emplace_back(static_cast<size_t>(numel(p.shape)) * itemsize(p.dtype));
+      fill_param(*ckpt_, p, out.back().data());
+      delta_version(out.back().data(), out.back().size(), itemsize(p.dtype), step, last);
+    }
+    return out;
+  }
+  // The trainer's shards at version `step` (pristine: the checkpoint's).
+  void set_shards(const std::vector<std::vector<char>>& pristine, int64_t step, int64_t last) {
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      shards_[i] = pristine[i];
+      delta_version(shards_[i].data(), shards_[i].size(), itemsize(layout_.params[i].dtype), step,
+                    last);
+    }
+  }
+  // Version `step` of a delta run from the checkpoint's bytes: about 1 % of
+  // the elements have their lowest bit flipped, chosen by their own value
+  // (so that the trainer's shards and the engine's params, laid out
+  // differently, agree), a new choice each step; version `last` is the
+  // checkpoint.
+  static void delta_version(char* data, size_t bytes, size_t item, int64_t step, int64_t last) {
+    if (step == last) return;
+    for (size_t at = 0; at + item <= bytes; at += item) {
+      uint64_t v = 0;
+      std::memcpy(&v, data + at, std::min<size_t>(item, 8));
+      v = (v & ~uint64_t{1}) * 0x9E3779B97F4A7C15ULL +
+          static_cast<uint64_t>(step) * 0xBF58476D1CE4E5B9ULL;
+      v ^= v >> 31;
+      v *= 0x94D049BB133111EBULL;
+      if ((v >> 40) % 100 == 0) data[at] = static_cast<char>(data[at] ^ 1);
     }
   }
 
@@ -151,6 +192,132 @@ TEST_F(InProcess, AHookThatThrowsFailsOnlyItsStep) {
   EXPECT_NE(outcomes_[1].reason.find("on_end hook of step 2 failed: post-load"), std::string::npos)
       << outcomes_[1].reason;
   EXPECT_EQ(final_version_, 2);
+  expect_params_match_checkpoint();
+}
+
+// Delta sync (docs/delta.md): version 1 goes whole (nothing to diff
+// against), versions 2..4 as deltas of about 1 % of the elements, a small
+// fraction of the bytes; every step bit-exact, the last the checkpoint.
+TEST_F(InProcess, DeltaStepsAreBitExactAndMoveOnlyTheChanges) {
+  const int64_t last = 4;
+  std::map<int64_t, std::vector<std::vector<char>>> held;
+  std::thread engine = this->engine(
+      [&](Subscriber& sub) {
+        sub.on_end([&](int64_t s) {
+          if (sub.version() == s) held[s] = params_;
+        });
+      },
+      last, 10);
+  auto pub = publisher([](PublisherOptions& o) { o.delta = DeltaMode::automatic; });
+  const auto pristine = shards_;
+  std::vector<PushResult> results;
+  for (int64_t step = 1; step <= last; ++step) {
+    set_shards(pristine, step, last);
+    results.push_back(pub->push(step));
+    EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
+  }
+  engine.join();
+  ASSERT_EQ(engine_error_, "");
+  EXPECT_EQ(results[0].delta_buckets, 0u) << "version 1 has no base to diff against";
+  const uint64_t buckets = pub->plan().buckets().size();
+  for (int64_t step = 2; step <= last; ++step) {
+    const PushResult& r = results[static_cast<size_t>(step - 1)];
+    EXPECT_GT(r.delta_buckets, buckets / 2) << "step " << step;
+    EXPECT_LT(r.bytes_sent * 4, results[0].bytes_sent)
+        << "step " << step << ": " << r.bytes_sent << " bytes, whole " << results[0].bytes_sent;
+  }
+  for (int64_t step = 1; step <= last; ++step) {
+    ASSERT_TRUE(held.count(step)) << "step " << step << " did not commit";
+    const auto expected = expected_params(step, last);
+    for (size_t i = 0; i < expected.size(); ++i)
+      ASSERT_EQ(held[step][i], expected[i])
+          << "step " << step << ", " << rank_layout().params[i].name;
+  }
+  expect_params_match_checkpoint();
+}
+
+// The engine's params are not the version a delta applies to (changed
+// behind the sync's back after step 2): step 3's digest catches it before a
+// byte is written, the step fails on that rank, and step 4 goes whole and
+// is bit-exact.
+TEST_F(InProcess, ADeltaOntoParamsThatDifferFailsItsDigestAndTheNextStepGoesWhole) {
+  const int64_t last = 4;
+  // A byte that step 3's delta leaves alone (it would overwrite it).
+  size_t at = 0;
+  const auto v2 = expected_params(2, last), v3 = expected_params(3, last);
+  while (at < v2[0].size() && (v2[0][at] != v3[0][at] || v2[0][at ^ 1] != v3[0][at ^ 1])) ++at;
+  ASSERT_LT(at, v2[0].size());
+  std::thread engine = this->engine(
+      [&](Subscriber& sub) {
+        sub.on_end([&](int64_t s) {
+          if (s == 2) params_[0][at] = static_cast<char>(params_[0][at] ^ 0x40);
+        });
+      },
+      last, 4);
+  auto pub = publisher([](PublisherOptions& o) { o.delta = DeltaMode::automatic; });
+  const auto pristine = shards_;
+  std::vector<PushResult> results;
+  for (int64_t step = 1; step <= last; ++step) {
+    set_shards(pristine, step, last);
+    results.push_back(pub->push(step));
+  }
+  engine.join();
+  ASSERT_EQ(engine_error_, "");
+  ASSERT_EQ(outcomes_.size(), 4u);
+  EXPECT_TRUE(outcomes_[1].committed);
+  EXPECT_GT(results[2].delta_buckets, 0u);
+  EXPECT_FALSE(outcomes_[2].committed)
+      << "delta buckets " << results[2].delta_buckets << " of " << pub->plan().buckets().size()
+      << ", " << rank_layout().params[0].name;
+  ASSERT_EQ(results[2].failed.size(), 1u);
+  EXPECT_NE(results[2].failed[0].second.find("after its delta the bucket hashes to"),
+            std::string::npos)
+      << results[2].failed[0].second;
+  EXPECT_EQ(results[3].delta_buckets, 0u) << "the rank failed step 3: step 4 goes whole";
+  EXPECT_TRUE(outcomes_[3].committed) << outcomes_[3].reason;
+  EXPECT_EQ(final_version_, 4);
+  expect_params_match_checkpoint();
+}
+
+// An engine rank restarted mid-run (a new process, its params zero) gets
+// the whole bytes at its first step, from a publisher that sends the other
+// steps as deltas, and is bit-exact.
+TEST_F(InProcess, ARestartedEngineRankGetsTheWholeVersion) {
+  const int64_t last = 4;
+  auto pub = publisher([](PublisherOptions& o) { o.delta = DeltaMode::automatic; });
+  const auto pristine = shards_;
+  std::vector<PushResult> results;
+  {
+    std::thread first = this->engine([](Subscriber&) {}, 2, 10);
+    for (int64_t step = 1; step <= 2; ++step) {
+      set_shards(pristine, step, last);
+      results.push_back(pub->push(step));
+    }
+    first.join();
+    ASSERT_EQ(engine_error_, "");
+    ASSERT_EQ(final_version_, 2);
+  }
+  EXPECT_GT(results[1].delta_buckets, 0u);
+  for (auto& p : params_) std::fill(p.begin(), p.end(), '\0');
+  std::atomic<bool> prepared{false};
+  std::thread second = this->engine(
+      [&](Subscriber& sub) {
+        sub.prepare();
+        prepared = true;
+      },
+      last, 10);
+  while (!prepared && engine_error_.empty())
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int64_t step = 3; step <= last; ++step) {
+    set_shards(pristine, step, last);
+    results.push_back(pub->push(step));
+    EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
+  }
+  second.join();
+  ASSERT_EQ(engine_error_, "");
+  EXPECT_EQ(results[2].delta_buckets, 0u) << "a new process holds nothing to diff against";
+  EXPECT_GT(results[3].delta_buckets, 0u);
+  EXPECT_EQ(final_version_, last);
   expect_params_match_checkpoint();
 }
 

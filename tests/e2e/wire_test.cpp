@@ -10,6 +10,7 @@
 #include <weightsync/control.h>
 #include <weightsync/publisher.h>
 #include <weightsync/subscriber.h>
+#include "pipeline/delta_frame.h"
 #include "pipeline/wire.h"
 #include "transport/staging.h"
 
@@ -113,6 +114,71 @@ TEST(Wire, OptionsJson) {
       EXPECT_EQ(e.code(), Errc::invalid_argument) << bad;
       EXPECT_NE(std::string(e.what()).find("wire options"), std::string::npos) << e.what();
     }
+  }
+}
+
+// Delta sync's frames (pipeline/delta_frame.h): a bucket of a real plan
+// encoded against its previous version and applied to that version gives
+// the new bytes; a frame that is not one, or whose table or encodings are
+// damaged, is refused naming the bucket and writes nothing.
+TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const Plan plan = plan_of(m, "p2p", 8192);
+  const Bucket& b = plan.buckets().at(1);
+  const auto items = pipeline::frame_items(plan, b.id);
+  ASSERT_FALSE(items.empty());
+  std::vector<char> old(static_cast<size_t>(b.bytes)), next;
+  for (size_t i = 0; i < old.size(); ++i) old[i] = static_cast<char>(i * 131 + 7);
+  next = old;
+  for (size_t i = 0; i < next.size(); i += 97) next[i] = static_cast<char>(next[i] ^ 0x10);
+  std::vector<char> base = old;
+  std::vector<char> frame(static_cast<size_t>(pipeline::frame_capacity(items, b.bytes)));
+  const int64_t n = pipeline::encode_frame(items, next.data(), base.data(), frame.data());
+  EXPECT_EQ(base, next) << "the sender's copy follows what it sent";
+  EXPECT_LT(n, b.bytes / 2) << "about 1 % of the bytes changed";
+  pipeline::FrameHeader h;
+  h.delta = true;
+  h.step = 9;
+  h.base = 8;
+  h.has_digest = true;
+  h.digest = 0x1234;
+  pipeline::store_frame_header(frame.data(), h);
+  const pipeline::FrameHeader r = pipeline::read_frame_header(frame.data(), n, "bucket 1");
+  EXPECT_TRUE(r.delta && r.has_digest);
+  EXPECT_EQ(r.step, 9);
+  EXPECT_EQ(r.base, 8);
+  EXPECT_EQ(r.digest, 0x1234u);
+  std::vector<char> target = old;
+  pipeline::apply_frame(items, frame.data(), n, target.data(), "bucket 1");
+  EXPECT_EQ(target, next);
+
+  auto refused = [&](const std::vector<char>& f, int64_t bytes, const std::string& says) {
+    std::vector<char> t = old;
+    try {
+      pipeline::apply_frame(items, f.data(), bytes, t.data(), "bucket 1 from trainer rank 0");
+      ADD_FAILURE() << "accepted a frame that should say: " << says;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::format);
+      EXPECT_NE(std::string(e.what()).find("bucket 1 from trainer rank 0"), std::string::npos);
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(t, old) << says << ": the table is checked before anything is written";
+  };
+  refused(frame, pipeline::kFrameHeaderBytes + 4, "cannot hold the table");
+  std::vector<char> lying = frame;
+  lying[pipeline::kFrameHeaderBytes] = 0x7f;  // item 0 claims more than the frame holds
+  lying[pipeline::kFrameHeaderBytes + 3] = 0x7f;
+  refused(lying, n, "item 0 claims");
+  std::vector<char> longer = frame;
+  longer.resize(static_cast<size_t>(n) + 3);
+  refused(longer, n + 3, "left over");
+  std::vector<char> junk(64, 'x');
+  try {
+    pipeline::read_frame_header(junk.data(), 64, "bucket 1");
+    ADD_FAILURE() << "junk read as a frame";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::format);
+    EXPECT_NE(std::string(e.what()).find("not a delta-sync frame"), std::string::npos);
   }
 }
 

@@ -1,0 +1,116 @@
+#include "delta_frame.h"
+
+#include <weightsync/error.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace weightsync::pipeline {
+namespace {
+
+constexpr uint32_t kMagic = 0x46445357;  // "WSDF" little-endian
+constexpr uint32_t kDeltaFlag = 1, kDigestFlag = 2;
+
+void put64(char* at, uint64_t v) noexcept {
+  for (int i = 0; i < 8; ++i, v >>= 8) at[i] = static_cast<char>(v & 0xff);
+}
+uint64_t get64(const char* at) noexcept {
+  uint64_t v = 0;
+  for (int i = 8; i-- > 0;) v = (v << 8) | static_cast<unsigned char>(at[i]);
+  return v;
+}
+
+}  // namespace
+
+void store_frame_header(char* at, const FrameHeader& h) noexcept {
+  const uint32_t flags = (h.delta ? kDeltaFlag : 0) | (h.has_digest ? kDigestFlag : 0);
+  put64(at, (static_cast<uint64_t>(flags) << 32) | kMagic);
+  put64(at + 8, static_cast<uint64_t>(h.step));
+  put64(at + 16, static_cast<uint64_t>(h.base));
+  put64(at + 24, h.digest);
+}
+
+FrameHeader read_frame_header(const char* at, int64_t bytes, const std::string& what) {
+  if (bytes < kFrameHeaderBytes)
+    fail(Errc::format, what, ": a delta-sync frame of ", bytes, " bytes, shorter than its ",
+         kFrameHeaderBytes, "-byte header");
+  const uint64_t first = get64(at);
+  const auto flags = static_cast<uint32_t>(first >> 32);
+  if (static_cast<uint32_t>(first) != kMagic || (flags & ~(kDeltaFlag | kDigestFlag)) != 0)
+    fail(Errc::format, what, ": not a delta-sync frame (magic and flags ", std::hex, first,
+         std::dec, "; does the sender use the same wire options?)");
+  FrameHeader h;
+  h.delta = (flags & kDeltaFlag) != 0;
+  h.has_digest = (flags & kDigestFlag) != 0;
+  h.step = static_cast<int64_t>(get64(at + 8));
+  h.base = static_cast<int64_t>(get64(at + 16));
+  h.digest = get64(at + 24);
+  return h;
+}
+
+std::vector<FrameItem> frame_items(const Plan& plan, int32_t bucket) {
+  std::vector<FrameItem> out;
+  for (const PlanItem& item : plan.items(bucket)) {
+    const Copy c = plan.resolve(item);
+    FrameItem f;
+    f.offset = c.offset;
+    f.bytes = c.bytes;
+    const auto size = static_cast<int>(itemsize(c.dtype));
+    f.element_bytes =
+        !c.fp8 && (size == 1 || size == 2 || size == 4 || size == 8) && c.bytes % size == 0 ? size
+                                                                                            : 1;
+    out.push_back(f);
+  }
+  return out;
+}
+
+int64_t frame_capacity(const std::vector<FrameItem>& items, int64_t bucket_bytes) noexcept {
+  int64_t encoded = 8 * static_cast<int64_t>(items.size());
+  for (const FrameItem& f : items)
+    encoded += delta::max_encoded_bytes(f.elements(), f.element_bytes);
+  return kFrameHeaderBytes + std::max(bucket_bytes, encoded);
+}
+
+int64_t encode_frame(const std::vector<FrameItem>& items, const char* next, char* base, char* out,
+                     delta::EncodeStats* stats) {
+  char* table = out + kFrameHeaderBytes;
+  char* at = table + 8 * static_cast<int64_t>(items.size());
+  for (const FrameItem& f : items) {
+    const int64_t n =
+        delta::encode(next + f.offset, base + f.offset, f.elements(), f.element_bytes, at, stats);
+    put64(table, static_cast<uint64_t>(n));
+    table += 8;
+    at += n;
+  }
+  return at - out;
+}
+
+void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
+                 char* bucket, const std::string& what) {
+  const auto table_bytes = 8 * static_cast<int64_t>(items.size());
+  if (bytes < kFrameHeaderBytes + table_bytes)
+    fail(Errc::format, what, ": a delta frame of ", bytes, " bytes cannot hold the table of its ",
+         items.size(), " items");
+  const char* table = frame + kFrameHeaderBytes;
+  // The table first: it must cut the frame exactly.
+  int64_t at = kFrameHeaderBytes + table_bytes;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto n = static_cast<int64_t>(get64(table + 8 * i));
+    if (n < 0 || n > bytes - at)
+      fail(Errc::format, what, ": item ", i, " claims ", n, " bytes of encoding, but ",
+           bytes - at, " bytes of the frame are left");
+    at += n;
+  }
+  if (at != bytes)
+    fail(Errc::format, what, ": ", bytes - at, " bytes left over after the last item's encoding");
+  at = kFrameHeaderBytes + table_bytes;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto n = static_cast<int64_t>(get64(table + 8 * i));
+    const FrameItem& f = items[i];
+    delta::apply(frame + at, n, bucket + f.offset, f.elements(), f.element_bytes,
+                 what + ", item " + std::to_string(i));
+    at += n;
+  }
+}
+
+}  // namespace weightsync::pipeline
