@@ -83,6 +83,7 @@ SHARED_INTERNALS = {
     "src/core/fp8.h",
     "src/core/writer_layout.h",
     "src/pipeline/copier.h",
+    "src/pipeline/delta_frame.h",
     "src/pipeline/item_copies.h",
     "src/pipeline/loop.h",
     "src/pipeline/setup.h",
