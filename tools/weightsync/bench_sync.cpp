@@ -42,7 +42,8 @@ constexpr const char* kUsage =
     "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
     "                        [--checksums] [--device cpu|cuda] [--fp8]\n"
-    "                        [--fp8-site sender|engine] [--metrics-overhead]\n\n"
+    "                        [--fp8-site sender|engine] [--metrics-overhead]\n"
+    "                        [--delta] [--update random:F]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -73,7 +74,14 @@ constexpr const char* kUsage =
     "where they hold whole blocks (--fp8-site sender, the default: FP8 on the wire)\n"
     "or by the engine ranks (--fp8-site engine).\n"
     "--metrics-overhead: then the same job with the coordinator's Prometheus metrics\n"
-    "off and on, alternating, twice each; adds metrics_overhead (step p50 off / on).\n";
+    "off and on, alternating, twice each; adds metrics_overhead (step p50 off / on).\n"
+    "--delta: delta sync (docs/delta.md). The job runs twice on the same versions,\n"
+    "first a full sync (delta off), then with delta on; the numbers are the delta\n"
+    "run's, and the --json object adds full (the full run's), bytes_ratio_to_full\n"
+    "(wire bytes, delta over full, timed steps) and time_ratio_to_full (sync p50).\n"
+    "No peer baseline.\n"
+    "--update random:F: versions that differ from the next in about a fraction F of\n"
+    "their elements (default 0.02 with --delta; without, every byte changes).\n";
 
 nlohmann::json box_json(const Box& b) {
   return {{"offsets", b.offsets}, {"lengths", b.lengths}};
@@ -222,6 +230,9 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
     rank_bytes = std::max(rank_bytes, row["engine_rank_bytes"].get<int64_t>());
     phases.push_back(row["phases"]);
   }
+  int64_t wire_bytes = 0;  // every engine rank's, the timed steps'
+  for (const auto& row : summary["steps"])
+    if (row["step"].get<int64_t>() != 1) wire_bytes += row["engine_bytes_total"].get<int64_t>();
   const double p50 = percentile(sync, 0.5), p99 = percentile(sync, 0.99);
   const double gbps = p50 > 0 ? static_cast<double>(rank_bytes) / p50 / 1e9 : 0;
   const auto raw = raw_result(run);
@@ -241,6 +252,7 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"sync_s_p50", p50},
           {"sync_s_p99", p99},
           {"engine_rank_bytes", rank_bytes},
+          {"wire_bytes", wire_bytes},
           {"engine_rank_gbps", gbps},
           {"raw_gbps", raw_gbps},
           {"raw_s_p50", raw["seconds_p50"]},
@@ -253,6 +265,8 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"peak_rss_mb", {{"trainer", rss_t}, {"engine", rss_e}}},
           {"bucket_bytes", job.bucket_bytes},
           {"checksums", job.checksums},
+          {"delta", job.delta},
+          {"update_fraction", job.update_fraction},
           {"transport", job.transport},
           {"publisher_staging_bytes", staging},
           {"publisher_extra_x_bucket", staging / static_cast<double>(job.bucket_bytes)},
@@ -332,9 +346,9 @@ nlohmann::json metrics_overhead(demo::JobSpec job, int rounds) {
 }
 
 int run_sync_bench(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "no-peer", "checksums", "fp8", "metrics-overhead"},
+  Args args(argv, {"json", "no-peer", "checksums", "fp8", "metrics-overhead", "delta"},
             {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
-             "transport", "device", "checkpoint", "trainer", "engine", "fp8-site"});
+             "transport", "device", "checkpoint", "trainer", "engine", "fp8-site", "update"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
   if (steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
   const double gb = args.get_double("size-gb", 1.0);
@@ -349,6 +363,13 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.verify = false;
   job.checksums = args.flag("checksums");
+  const bool delta = args.flag("delta");
+  if (auto u = args.get("update"))
+    job.update_fraction = demo::parse_update_fraction(*u, "--update");
+  else if (delta)
+    job.update_fraction = 0.02;
+  if (delta && job.mode != "p2p")
+    fail(Errc::invalid_argument, "--delta needs --mode p2p (docs/delta.md)");
   job.fp8_site = args.get_or("fp8-site", "sender");
   parse_fp8_site(job.fp8_site);
   job.raw_rounds = 3;
@@ -403,12 +424,38 @@ int run_sync_bench(const std::vector<std::string>& argv) {
         static_cast<long long>(job.bucket_bytes), job.checksums ? "on" : "off");
   }
   std::fflush(stdout);
+  // --delta: the full sync of the same versions first, its own reference.
+  nlohmann::json full;
+  if (delta) {
+    const auto full_run = demo::run_job(job, "");
+    const auto full_summary = demo::summarize(job, full_run);
+    if (!full_summary["ok"].get<bool>()) {
+      if (!args.flag("json")) demo::print_summary(std::cout, full_summary);
+      fail(Errc::internal, "bench sync --delta: the full-sync reference run failed: ",
+           full_summary.value("error", std::string("see its summary")));
+    }
+    full = bench_result(job, full_run, full_summary, {{"error", "skipped (--delta)"}});
+    job.delta = true;
+  }
   const auto run = demo::run_job(job, args.get_or("trace", ""));
   const auto summary = demo::summarize(job, run);
-  const nlohmann::json peer = args.flag("no-peer")
-                                  ? nlohmann::json{{"error", "skipped (--no-peer)"}}
-                                  : run_peer(job, std::min(steps, 3));
+  const nlohmann::json peer =
+      args.flag("no-peer") || delta
+          ? nlohmann::json{{"error", delta ? "skipped (--delta)" : "skipped (--no-peer)"}}
+          : run_peer(job, std::min(steps, 3));
   auto result = bench_result(job, run, summary, peer);
+  if (delta) {
+    const double full_bytes = full["wire_bytes"].get<double>();
+    const double full_s = full["sync_s_p50"].get<double>();
+    result["full"] = {{"sync_s", full["sync_s"]},
+                      {"sync_s_p50", full_s},
+                      {"sync_s_p99", full["sync_s_p99"]},
+                      {"wire_bytes", full["wire_bytes"]},
+                      {"engine_rank_bytes", full["engine_rank_bytes"]}};
+    result["bytes_ratio_to_full"] =
+        full_bytes > 0 ? result["wire_bytes"].get<double>() / full_bytes : 0.0;
+    result["time_ratio_to_full"] = full_s > 0 ? result["sync_s_p50"].get<double>() / full_s : 0.0;
+  }
   result["model_bytes"] = model.bytes;
   if (args.flag("metrics-overhead") && summary["ok"].get<bool>())
     result["metrics_overhead"] = metrics_overhead(job, 2);
@@ -420,6 +467,15 @@ int run_sync_bench(const std::vector<std::string>& argv) {
     std::cout << result.dump() << "\n";
   } else {
     print_human(result);
+    if (delta)
+      std::printf(
+          "delta sync, versions differing in about %.4g of their elements: %.3f MB on the wire "
+          "vs %.3f MB full -> bytes_ratio_to_full %.4f; sync p50 %.4f s vs %.4f s full -> "
+          "time_ratio_to_full %.3f\n",
+          job.update_fraction, result["wire_bytes"].get<double>() / 1e6,
+          result["full"]["wire_bytes"].get<double>() / 1e6,
+          result["bytes_ratio_to_full"].get<double>(), result["sync_s_p50"].get<double>(),
+          result["full"]["sync_s_p50"].get<double>(), result["time_ratio_to_full"].get<double>());
     if (result.contains("metrics_overhead")) {
       const auto& m = result["metrics_overhead"];
       if (m.contains("error"))

@@ -56,6 +56,11 @@ constexpr const char* kUsage =
     "  --trace F            write a Chrome trace (Perfetto) of every process's phases\n"
     "  --staging            engines apply into a copy swapped in at commit\n"
     "  --checksums          verify every bucket end to end (per-bucket checksums)\n"
+    "  --delta              delta sync (PublisherOptions::delta auto, docs/delta.md);\n"
+    "                       the versions then differ as --update says\n"
+    "  --update random:F    sparse versions: each differs from the next in about a\n"
+    "                       fraction F of the elements (their lowest bit; default\n"
+    "                       0.02 with --delta); version K is still the checkpoint\n"
     "  --no-verify          skip the per-step bit-exact checks\n"
     "  --json               print the summary as one JSON object\n"
     "  --summary F          also write the summary JSON to F\n"
@@ -123,6 +128,7 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
                               make_engine_layout(EngineSpec::load(job.engine)), Topology{}, po);
   WireOptions wire;
   wire.checksums = job.checksums;
+  wire.delta = job.delta;
   const int64_t n = ops_per_step(plan, k.role, k.rank, wire);
   k.op = k.role == "engine" ? "recv" : "send";
   k.after = (step - 1) * n + n / 2 + 1;
@@ -157,6 +163,13 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 120) * 1000);
   job.staging = args.flag("staging");
   job.checksums = args.flag("checksums");
+  job.delta = args.flag("delta");
+  if (auto u = args.get("update"))
+    job.update_fraction = demo::parse_update_fraction(*u, "--update");
+  else if (job.delta)
+    job.update_fraction = 0.02;
+  if (job.delta && job.mode != "p2p")
+    fail(Errc::invalid_argument, "--delta needs --mode p2p (docs/delta.md)");
   job.verify = !args.flag("no-verify");
   job.dump_dir = args.get_or("dump", "");
   job.trace = args.has("trace");
@@ -222,7 +235,7 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
 }
 
 int run_demo(const std::vector<std::string>& argv) {
-  Args args(argv, {"staging", "checksums", "restart", "no-verify", "json", "elastic"},
+  Args args(argv, {"staging", "checksums", "restart", "no-verify", "json", "elastic", "delta"},
             {"checkpoint", "trainer",
              "engine",     "steps",
              "mode",       "dump",
@@ -232,7 +245,8 @@ int run_demo(const std::vector<std::string>& argv) {
              "kill",       "engine-transport",
              "step-gap",   "device",
              "fp8-site",   "min-replicas",
-             "join",       "leave"});
+             "join",       "leave",
+             "update"});
   std::optional<demo::ModelFiles> model;
   const demo::JobSpec job = job_from_args(args, model);
   if (!args.flag("json")) {

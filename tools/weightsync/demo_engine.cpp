@@ -57,30 +57,55 @@ void fill_mask(const EngineParam& p, char* mask) {
   }
 }
 
-// Mismatching bytes of param vs version `pattern` (nullopt reference: zero).
-int64_t count_mismatches(const Param& p, uint8_t pattern, bool never_committed) {
-  const auto* d = reinterpret_cast<const unsigned char*>(p.data.host());
-  const auto* r = reinterpret_cast<const unsigned char*>(p.reference.get());
-  const auto* m = reinterpret_cast<const unsigned char*>(p.mask.get());
-  int64_t bad = 0;
-  for (size_t i = 0; i < p.data.nbytes(); ++i) {
-    const unsigned char expected = never_committed ? 0 : (r[i] ^ (pattern & m[i]));
-    bad += d[i] != expected;
+// Which version a check expects.
+struct Version {
+  int64_t step = -1;  // < 0: never committed (zero)
+  const JobSpec* job = nullptr;
+};
+
+// `bytes` of a param's reference (elements of `item` bytes) as version `v`
+// holds them: XOR-ed with its pattern, or with its picks flipped (sparse
+// versions), where `mask` says the checkpoint covers them.
+std::vector<char> version_bytes(const char* reference, const char* mask, size_t bytes, size_t item,
+                                const Version& v) {
+  std::vector<char> out(reference, reference + bytes);
+  if (v.job->update_fraction >= 0) {
+    flip_picked(out.data(), bytes, item, mask, v.job->update_fraction, v.step + 1, v.job->steps);
+    return out;
   }
+  const uint8_t pattern = version_pattern(v.step, v.job->steps);
+  for (size_t i = 0; i < bytes; ++i) out[i] = static_cast<char>(out[i] ^ (pattern & mask[i]));
+  return out;
+}
+
+// Mismatching bytes of param vs version `v`.
+int64_t count_mismatches(const Param& p, DType dtype, const Version& v) {
+  const auto* d = reinterpret_cast<const unsigned char*>(p.data.host());
+  int64_t bad = 0;
+  if (v.step < 0) {
+    for (size_t i = 0; i < p.data.nbytes(); ++i) bad += d[i] != 0;
+    return bad;
+  }
+  const auto expected =
+      version_bytes(p.reference.get(), p.mask.get(), p.data.nbytes(), itemsize(dtype), v);
+  for (size_t i = 0; i < p.data.nbytes(); ++i)
+    bad += d[i] != static_cast<unsigned char>(expected[i]);
   return bad;
 }
 
 // FP8 weight w and its scale param: version `pattern` of the source bytes,
 // quantized as materialize does, against what the Subscriber wrote.
 int64_t count_fp8_mismatches(const EngineParam& w, const Param& p, const Param& scale,
-                             uint8_t pattern, bool never_committed) {
+                             const Version& v) {
+  const bool never_committed = v.step < 0;
   const size_t n = w.shape.size();
   const int64_t rows = w.shape[n - 2], cols = w.shape[n - 1];
   const int64_t slices = rows * cols > 0 ? numel(w.shape) / (rows * cols) : 0;
   const size_t item = itemsize(p.source);
   const auto src_bytes = static_cast<size_t>(numel(w.shape)) * item;
-  std::vector<char> src(p.reference.get(), p.reference.get() + src_bytes);
-  for (size_t i = 0; i < src_bytes; ++i) src[i] = static_cast<char>(src[i] ^ (pattern & p.mask[i]));
+  std::vector<char> src = never_committed
+                              ? std::vector<char>(src_bytes)
+                              : version_bytes(p.reference.get(), p.mask.get(), src_bytes, item, v);
   std::vector<uint8_t> q(static_cast<size_t>(numel(w.shape)), 0);
   std::vector<float> s(scale.data.nbytes() / sizeof(float), 0.0f);
   const int64_t per_slice = ((rows + 127) / 128) * ((cols + 127) / 128);
@@ -97,18 +122,18 @@ int64_t count_fp8_mismatches(const EngineParam& w, const Param& p, const Param& 
 }
 
 nlohmann::json check(const EngineRankLayout& layout, std::vector<Param>& params, int64_t version,
-                     int64_t final_step) {
+                     const JobSpec& job) {
+  const Version v{version, &job};
   int64_t bad = 0;
   std::string first;
   for (auto& p : params) p.data.download();
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& spec = layout.params[i];
     if (spec.scale_of >= 0) continue;  // checked with its weight
-    const int64_t n =
-        spec.quant
-            ? count_fp8_mismatches(spec, params[i], params[static_cast<size_t>(spec.scale_param)],
-                                   version_pattern(version, final_step), version < 0)
-            : count_mismatches(params[i], version_pattern(version, final_step), version < 0);
+    const int64_t n = spec.quant
+                          ? count_fp8_mismatches(spec, params[i],
+                                                 params[static_cast<size_t>(spec.scale_param)], v)
+                          : count_mismatches(params[i], spec.dtype, v);
     if (n && first.empty()) first = layout.params[i].name;
     bad += n;
   }
@@ -134,6 +159,7 @@ nlohmann::json outcome_json(const StepOutcome& o) {
           {"committed", o.committed},
           {"reason", o.reason},
           {"bytes", o.bytes},
+          {"delta_buckets", o.delta_buckets},
           {"bytes_direct", o.bytes_direct},
           {"seconds", o.seconds},
           {"phases",
@@ -221,7 +247,7 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
     if (o->committed && !stats.contains("first_commit_s"))
       stats["first_commit_s"] = std::chrono::duration<double>(Clock::now() - started).count();
     if (o->committed && job.verify) {
-      checks.push_back(check(rl, params, o->step, job.steps));
+      checks.push_back(check(rl, params, o->step, job));
       ok &= checks.back()["ok"].get<bool>();
     }
     if (o->step >= job.steps) break;
@@ -268,7 +294,7 @@ int run_engine_worker(const JobSpec& job, int global) {
   stats["version"] = sub.version();
   // With staging, whatever happened, the params are exactly the version held.
   if (job.verify && job.staging) {
-    stats["final_check"] = check(rl, params, sub.version(), job.steps);
+    stats["final_check"] = check(rl, params, sub.version(), job);
     ok &= stats["final_check"]["ok"].get<bool>();
   }
   if (!job.dump_dir.empty()) dump(job, rl, params, replica, rank);

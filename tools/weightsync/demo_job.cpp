@@ -40,6 +40,8 @@ nlohmann::json JobSpec::to_json() const {
       {"timeout_ms", timeout_ms},
       {"staging", staging},
       {"checksums", checksums},
+      {"delta", delta},
+      {"update_fraction", update_fraction},
       {"verify", verify},
       {"dump_dir", dump_dir},
       {"work_dir", work_dir},
@@ -72,6 +74,8 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.timeout_ms = j.at("timeout_ms").get<int64_t>();
     s.staging = j.at("staging").get<bool>();
     s.checksums = j.at("checksums").get<bool>();
+    s.delta = j.value("delta", false);
+    s.update_fraction = j.value("update_fraction", -1.0);
     s.verify = j.at("verify").get<bool>();
     s.dump_dir = j.at("dump_dir").get<std::string>();
     s.work_dir = j.at("work_dir").get<std::string>();
@@ -135,6 +139,47 @@ void xor_bytes(void* data, std::size_t bytes, uint8_t pattern) {
     std::memcpy(p + i, &v, 8);
   }
   for (; i < bytes; ++i) p[i] ^= pattern;
+}
+
+void flip_picked(void* data, std::size_t bytes, std::size_t item, const void* mask, double fraction,
+                 int64_t first, int64_t last) {
+  if (fraction <= 0 || first > last || item == 0 || item > 8) return;
+  auto* p = static_cast<unsigned char*>(data);
+  const auto* m = static_cast<const unsigned char*>(mask);
+  // Picked when the hash's top 53 bits, as a fraction of 2^53, are below.
+  const auto limit = fraction >= 1 ? ~uint64_t{0} : static_cast<uint64_t>(fraction * 0x1p53);
+  for (std::size_t at = 0; at + item <= bytes; at += item) {
+    if (m && m[at] == 0) continue;
+    uint64_t v = 0;
+    std::memcpy(&v, p + at, item);
+    v &= ~uint64_t{1};
+    unsigned flips = 0;
+    for (int64_t j = first; j <= last; ++j) {
+      uint64_t h = v * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(j) * 0xBF58476D1CE4E5B9ULL;
+      h ^= h >> 31;
+      h *= 0x94D049BB133111EBULL;
+      h ^= h >> 29;
+      flips += (h >> 11) < limit;
+    }
+    p[at] = static_cast<unsigned char>(p[at] ^ (flips & 1));
+  }
+}
+
+double parse_update_fraction(const std::string& text, const std::string& option) {
+  const std::string prefix = "random:";
+  double f = -1;
+  if (text.rfind(prefix, 0) == 0) {
+    try {
+      size_t used = 0;
+      f = std::stod(text.substr(prefix.size()), &used);
+      if (used != text.size() - prefix.size()) f = -1;
+    } catch (const std::exception&) {
+      f = -1;
+    }
+  }
+  if (!(f > 0 && f <= 1))
+    fail(Errc::invalid_argument, option, " expects random:F with 0 < F <= 1, got '", text, "'");
+  return f;
 }
 
 double peak_rss_mb() {

@@ -8,6 +8,12 @@
 // so it differs from the checkpoint in every tensor; version `steps` is the
 // checkpoint itself. Engines verify their params bit-exactly against the
 // version of every committed step.
+//
+// Sparse versions (`update_fraction` >= 0, as delta jobs use): version s <
+// steps is version s + 1 with the lowest bit of the elements picked for step
+// s + 1 flipped (pick_elements: about that fraction of them); so consecutive
+// versions differ in those elements only, and version `steps` is the
+// checkpoint.
 #pragma once
 
 #include <weightsync/engine_layout.h>
@@ -47,10 +53,12 @@ struct JobSpec {
   std::string fp8_site = "sender";  // FP8 engines: where weights are quantized
   int64_t timeout_ms = 120000;      // per step; connection setup gets the same
   bool staging = false;
-  bool checksums = false;  // per-bucket checksums on the wire (WireOptions)
-  bool verify = true;      // engines check every committed step bit-exactly
-  std::string dump_dir;    // engines write engine<e>-rank<r>.safetensors here
-  std::string work_dir;    // stats, traces and logs of the workers
+  bool checksums = false;       // per-bucket checksums on the wire (WireOptions)
+  bool delta = false;           // PublisherOptions::delta auto
+  double update_fraction = -1;  // sparse versions of about this fraction (-1: every byte)
+  bool verify = true;           // engines check every committed step bit-exactly
+  std::string dump_dir;         // engines write engine<e>-rank<r>.safetensors here
+  std::string work_dir;         // stats, traces and logs of the workers
   bool trace = false;
   std::string coordinator;
   std::string token;
@@ -82,7 +90,19 @@ struct JobSpec {
 uint8_t version_pattern(int64_t step, int64_t final_step);
 // XORs every byte of [data, data + bytes) with `pattern`.
 void xor_bytes(void* data, std::size_t bytes, uint8_t pattern);
+// Sparse versions: flips the lowest bit of every element (of `item` bytes,
+// at most 8) of [data, data + bytes) picked for an odd number of the steps
+// first..last. An element is picked for step j when a hash of its value
+// without that bit, and of j, falls below `fraction`: the choice survives
+// the flip, so the trainer's shards and the engine's params, laid out
+// apart, pick alike. `mask` (or null): only elements whose first mask byte
+// is nonzero (covered by the checkpoint) take part.
+void flip_picked(void* data, std::size_t bytes, std::size_t item, const void* mask, double fraction,
+                 int64_t first, int64_t last);
 
+// The fraction F of an --update random:F option (`option` names it in
+// errors): Errc::invalid_argument unless 0 < F <= 1.
+double parse_update_fraction(const std::string& text, const std::string& option);
 // Peak resident memory of this process in MiB (VmHWM), 0 if unknown.
 double peak_rss_mb();
 

@@ -47,6 +47,8 @@ nlohmann::json push_json(const PushResult& r) {
           {"seconds", r.seconds},
           {"bytes_sent", r.bytes_sent},
           {"bytes_direct", r.bytes_direct},
+          {"delta_buckets", r.delta_buckets},
+          {"delta_bytes_whole", r.delta_bytes_whole},
           {"committed", r.committed},
           {"plan_id", r.plan_id},
           {"replicas", r.replicas},
@@ -110,6 +112,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.plan.bucket_bytes = job.bucket_bytes;
   opt.plan.fp8_site = parse_fp8_site(job.fp8_site);
   opt.wire.checksums = job.checksums;
+  opt.delta = job.delta ? DeltaMode::automatic : DeltaMode::off;
   opt.elastic = job.elastic;
   opt.min_replicas = job.min_replicas;
   opt.connect_timeout = timeout;
@@ -130,12 +133,22 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   uint8_t applied = 0;  // the XOR pattern the shards hold now
   int rc = 0;
   for (int s = 1; s <= job.steps; ++s) {
-    const uint8_t target = version_pattern(s, job.steps);
-    for (auto& t : shards) {
-      xor_bytes(t.host(), t.nbytes(), applied ^ target);
-      t.upload();
+    if (job.update_fraction >= 0) {
+      // Sparse versions: from the checkpoint (version `steps`) down to
+      // version 1 at first, then each step's picks.
+      for (size_t i = 0; i < shards.size(); ++i) {
+        flip_picked(shards[i].host(), shards[i].nbytes(), itemsize(layout.params[held[i]].dtype),
+                    nullptr, job.update_fraction, s == 1 ? 2 : s, s == 1 ? job.steps : s);
+        shards[i].upload();
+      }
+    } else {
+      const uint8_t target = version_pattern(s, job.steps);
+      for (auto& t : shards) {
+        xor_bytes(t.host(), t.nbytes(), applied ^ target);
+        t.upload();
+      }
+      applied = target;
     }
-    applied = target;
     try {
       // Ranks start a step together, as after a synchronous optimizer step
       // (which --step-gap stands in for).
