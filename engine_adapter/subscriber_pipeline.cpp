@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 namespace weightsync::engine {
@@ -131,7 +132,12 @@ void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
          "; run the trainers without delta (docs/delta.md)");
   for (const PlanItem& item : plan.items(a.bucket)) {
     const Copy c = plan.resolve(item);
-    (void)direct_target(c, targets.at(static_cast<size_t>(c.dst_param)));  // checks the rank
+    const TensorView& target = targets.at(static_cast<size_t>(c.dst_param));
+    (void)direct_target(c, target);  // checks the rank
+    char* in_place =
+        !c.fp8 && pipeline::packed_as_dst_box(c) ? pipeline::host_run(target, c.dst_box) : nullptr;
+    a.in_place.push_back(in_place);
+    if (in_place) continue;
     if (c.fp8)
       add_apply_fp8(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)),
                     targets.at(static_cast<size_t>(c.scale_param)), 0);
@@ -300,22 +306,30 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
       if (bytes != pipeline::kFrameHeaderBytes + a.bytes)
         fail(Errc::format, what, ": a whole bucket of ", bytes - pipeline::kFrameHeaderBytes,
              " bytes, expected ", a.bytes, " (does the sender use the same plan?)");
+      for (size_t i = 0; i < a.items.size(); ++i)
+        if (a.in_place[i])
+          std::memcpy(a.in_place[i], packed + a.items[i].offset,
+                      static_cast<size_t>(a.items[i].bytes));
     } else {
       if (h.base != version_)
         fail(Errc::mismatch, what, ": a delta against version ", h.base,
              ", but this engine rank holds version ", version_);
-      // The bucket as the targets hold it, the delta onto it, and the
-      // digest of the result, all before a byte reaches a target.
+      // The items in place are patched there; the others are gathered as
+      // the targets hold them, patched, and applied once the digest of the
+      // result (every item) checked out.
+      targets_.resize(a.items.size());
+      for (size_t i = 0; i < a.items.size(); ++i)
+        targets_[i] = a.in_place[i] ? a.in_place[i] : scratch_.get() + a.items[i].offset;
       execute_host(a.gather, 0, addr(scratch_.get()));
-      pipeline::apply_frame(a.items, frame, bytes, scratch_.get(), what);
+      pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what);
       if (h.has_digest) {
         const uint64_t digest =
-            checksum64(scratch_.get(), static_cast<size_t>(a.bytes), static_cast<uint64_t>(step));
+            pipeline::frame_digest(a.items, const_cast<const char* const*>(targets_.data()), step);
         if (digest != h.digest)
           fail(Errc::mismatch, what, ": after its delta the bucket hashes to ", std::hex, digest,
                ", the trainer's bytes to ", h.digest, std::dec,
                " (this rank's params are not the version the delta applies to, or the delta ",
-               "was damaged); not applied");
+               "was damaged)");
       }
       packed = scratch_.get();
       ++report.delta_buckets;

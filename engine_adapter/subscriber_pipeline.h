@@ -56,6 +56,9 @@ struct RecvAction {
   // the targets hold it (the base a delta applies to).
   std::vector<pipeline::FrameItem> items;
   CopyProgram gather;
+  // Per item: its bytes in place in the target (a delta patches them
+  // there, a whole frame copies them there), or nullptr (through `apply`).
+  std::vector<char*> in_place;
 };
 
 struct ReceiveReport {
@@ -141,6 +144,7 @@ class ReceivePipeline {
   Slot slots_[2];
   CopyProgram publish_;              // staging -> params
   std::unique_ptr<char[]> scratch_;  // delta sync: the bucket being rebuilt
+  std::vector<char*> targets_;       // settle_frame's, kept to spare an allocation
   int64_t version_ = -1;
   pipeline::Copier copier_;
   std::function<void(size_t)> on_bucket_;

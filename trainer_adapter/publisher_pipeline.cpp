@@ -101,14 +101,20 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
       }
     }
     if (a.kind == SendAction::Kind::p2p && wire_.delta) {
-      // One frame a bucket: every item packed behind the frame's header.
+      // One frame a bucket, its items packed behind the frame's header;
+      // those that lie in place are diffed from there.
       for (const PlanItem& item : plan.items(a.bucket)) {
         const Copy c = plan.resolve(item);
         const TensorView& tensor = tensors.at(static_cast<size_t>(c.src_param));
+        const char* in_place =
+            !c.fp8 && same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths)
+                ? pipeline::host_run(tensor, c.src_box)
+                : nullptr;
+        a.in_place.push_back(in_place);
         if (c.fp8)
           add_quant(a.quant, c, tensor, -pipeline::kFrameHeaderBytes);
         else
-          add_pack(a.pack, c, tensor, -pipeline::kFrameHeaderBytes);
+          add_pack(in_place ? a.pack_in_place : a.pack, c, tensor, -pipeline::kFrameHeaderBytes);
       }
       a.items = pipeline::frame_items(plan, a.bucket);
       slot_bytes_ =
@@ -212,6 +218,19 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
   }
   phases.pack += seconds_since(pack_start);
   char* body = slot.buffer.data + pipeline::kFrameHeaderBytes;
+  // Each item's new bytes: in place, or packed in the slot.
+  std::vector<const char*>& next = next_;
+  next.resize(a.items.size());
+  for (size_t i = 0; i < a.items.size(); ++i)
+    next[i] = a.in_place[i] ? a.in_place[i] : body + a.items[i].offset;
+  bool whole_packed = false;
+  auto pack_whole = [&] {
+    if (whole_packed) return;
+    const auto start = Clock::now();
+    execute_host(a.pack_in_place, 0, addr(slot.buffer.data));
+    phases.pack += seconds_since(start);
+    whole_packed = true;
+  };
   const auto held = static_cast<size_t>(a.dst_engine) < held_.size()
                         ? held_[static_cast<size_t>(a.dst_engine)]
                         : int64_t{-1};
@@ -224,8 +243,11 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
     h.delta = true;
     h.base = a.last_step;
     h.has_digest = delta_verify_;
-    if (delta_verify_) h.digest = checksum64(body, static_cast<size_t>(a.bytes), step);
-    const int64_t n = pipeline::encode_frame(a.items, body, a.last_sent.get(), slot.frame.data);
+    const auto encode_start = Clock::now();  // counted as packing
+    if (delta_verify_) h.digest = pipeline::frame_digest(a.items, next.data(), step);
+    const int64_t n =
+        pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data);
+    phases.pack += seconds_since(encode_start);
     // Nearly whole: the bytes themselves spare the engine its read-modify-write.
     if (4 * (n - pipeline::kFrameHeaderBytes) < 3 * a.bytes) {
       frame = slot.frame.data;
@@ -236,9 +258,12 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
     } else {
       h = pipeline::FrameHeader{};
       h.step = step;
+      pack_whole();
     }
   } else {
-    if (!a.last_sent) a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+    pack_whole();
+    if (!a.last_sent)
+      a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
     std::memcpy(a.last_sent.get(), body, static_cast<size_t>(a.bytes));
   }
   // From here on the base holds this step's bytes: the engine rank holds

@@ -60,6 +60,11 @@ struct SendAction {
   // sees them, and what its engine rank was last sent (the bucket packed at
   // version last_step; -1: nothing yet).
   std::vector<pipeline::FrameItem> items;
+  // Per item: its bytes in place in the tensor (diffed from there), or
+  // nullptr (packed by `pack`/`quant` into the slot); and the pack of the
+  // in-place ones, for a whole frame.
+  std::vector<const char*> in_place;
+  CopyProgram pack_in_place;
   std::unique_ptr<char[]> last_sent;
   int64_t last_step = -1;
 };
@@ -137,6 +142,7 @@ class SendPipeline {
   std::size_t frame_bytes_ = 0;  // delta sync: the largest frame, with trailer
   uint64_t bytes_direct_ = 0;
   std::vector<int64_t> held_;
+  std::vector<const char*> next_;  // post_frame's, kept to spare an allocation
   bool delta_verify_ = true;
   uint64_t delta_buckets_ = 0, delta_bytes_whole_ = 0;
   Slot slots_[2];

@@ -247,6 +247,7 @@ void apply_all(const uint8_t* enc, int64_t bytes, uint8_t* target, int64_t eleme
   if (at != bytes)
     fail(Errc::format, what, ": delta encoding of ", elements, " elements takes ", at,
          " bytes, but ", bytes, " arrived");
+  if (!target) return;  // check only
   int64_t first = 0;
   for (const Record& r : records) {
     const int64_t n = std::min(kChunkElements, elements - first);
@@ -333,6 +334,11 @@ void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, 
     default:
       return apply_all<8>(e, bytes, t, elements, what);
   }
+}
+
+void check(const void* encoding, int64_t bytes, int64_t elements, int element_bytes,
+           const std::string& what) {
+  apply(encoding, bytes, nullptr, elements, element_bytes, what);
 }
 
 }  // namespace weightsync::delta

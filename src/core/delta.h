@@ -57,5 +57,8 @@ int64_t encode(const void* next, void* base, int64_t elements, int element_bytes
 // is wrong when the encoding is malformed; `target` is then unchanged.
 void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,
            const std::string& what);
+// What apply checks, without a target: Errc::format as apply throws it.
+void check(const void* encoding, int64_t bytes, int64_t elements, int element_bytes,
+           const std::string& what);
 
 }  // namespace weightsync::delta

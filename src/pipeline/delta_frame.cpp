@@ -1,5 +1,8 @@
 #include "delta_frame.h"
 
+#include "pipeline/wire.h"
+
+#include <weightsync/checksum.h>
 #include <weightsync/error.h>
 
 #include <algorithm>
@@ -48,6 +51,13 @@ FrameHeader read_frame_header(const char* at, int64_t bytes, const std::string& 
   return h;
 }
 
+char* host_run(const TensorView& tensor, const Box& box) {
+  if (tensor.memory != MemoryKind::host || !tensor.data) return nullptr;
+  const auto first = dense_run_offset(tensor.effective_strides(), box);
+  if (!first) return nullptr;
+  return static_cast<char*>(tensor.data) + *first * static_cast<int64_t>(itemsize(tensor.dtype));
+}
+
 std::vector<FrameItem> frame_items(const Plan& plan, int32_t bucket) {
   std::vector<FrameItem> out;
   for (const PlanItem& item : plan.items(bucket)) {
@@ -71,13 +81,14 @@ int64_t frame_capacity(const std::vector<FrameItem>& items, int64_t bucket_bytes
   return kFrameHeaderBytes + std::max(bucket_bytes, encoded);
 }
 
-int64_t encode_frame(const std::vector<FrameItem>& items, const char* next, char* base, char* out,
-                     delta::EncodeStats* stats) {
+int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* next, char* base,
+                     char* out, delta::EncodeStats* stats) {
   char* table = out + kFrameHeaderBytes;
   char* at = table + 8 * static_cast<int64_t>(items.size());
-  for (const FrameItem& f : items) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    const FrameItem& f = items[i];
     const int64_t n =
-        delta::encode(next + f.offset, base + f.offset, f.elements(), f.element_bytes, at, stats);
+        delta::encode(next[i], base + f.offset, f.elements(), f.element_bytes, at, stats);
     put64(table, static_cast<uint64_t>(n));
     table += 8;
     at += n;
@@ -86,19 +97,22 @@ int64_t encode_frame(const std::vector<FrameItem>& items, const char* next, char
 }
 
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
-                 char* bucket, const std::string& what) {
+                 char* const* targets, const std::string& what) {
   const auto table_bytes = 8 * static_cast<int64_t>(items.size());
   if (bytes < kFrameHeaderBytes + table_bytes)
     fail(Errc::format, what, ": a delta frame of ", bytes, " bytes cannot hold the table of its ",
          items.size(), " items");
   const char* table = frame + kFrameHeaderBytes;
-  // The table first: it must cut the frame exactly.
+  auto item_what = [&](size_t i) { return what + ", item " + std::to_string(i); };
+  // The table must cut the frame exactly, and every encoding be sound,
+  // before a byte is written.
   int64_t at = kFrameHeaderBytes + table_bytes;
   for (size_t i = 0; i < items.size(); ++i) {
     const auto n = static_cast<int64_t>(get64(table + 8 * i));
     if (n < 0 || n > bytes - at)
-      fail(Errc::format, what, ": item ", i, " claims ", n, " bytes of encoding, but ",
-           bytes - at, " bytes of the frame are left");
+      fail(Errc::format, what, ": item ", i, " claims ", n, " bytes of encoding, but ", bytes - at,
+           " bytes of the frame are left");
+    delta::check(frame + at, n, items[i].elements(), items[i].element_bytes, item_what(i));
     at += n;
   }
   if (at != bytes)
@@ -107,10 +121,17 @@ void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t
   for (size_t i = 0; i < items.size(); ++i) {
     const auto n = static_cast<int64_t>(get64(table + 8 * i));
     const FrameItem& f = items[i];
-    delta::apply(frame + at, n, bucket + f.offset, f.elements(), f.element_bytes,
-                 what + ", item " + std::to_string(i));
+    delta::apply(frame + at, n, targets[i], f.elements(), f.element_bytes, item_what(i));
     at += n;
   }
+}
+
+uint64_t frame_digest(const std::vector<FrameItem>& items, const char* const* data, int64_t step) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < items.size(); ++i)
+    sum = checksum_fold(sum, checksum64(data[i], static_cast<size_t>(items[i].bytes),
+                                        static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL + i));
+  return sum;
 }
 
 }  // namespace weightsync::pipeline

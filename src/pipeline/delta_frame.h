@@ -19,6 +19,7 @@
 #pragma once
 
 #include <weightsync/plan.h>
+#include <weightsync/tensor.h>
 
 #include "core/delta.h"
 
@@ -53,26 +54,34 @@ struct FrameItem {
   int64_t elements() const noexcept { return bytes / element_bytes; }
 };
 
+// Where `box` of `tensor` lies as one dense run of host memory (so that an
+// item is diffed or patched in place); nullptr when it does not.
+char* host_run(const TensorView& tensor, const Box& box);
+
 // The items of p2p bucket `bucket`, in plan order.
 std::vector<FrameItem> frame_items(const Plan& plan, int32_t bucket);
 
 // The largest frame of a bucket of `bucket_bytes` with `items`, without trailer.
 int64_t frame_capacity(const std::vector<FrameItem>& items, int64_t bucket_bytes) noexcept;
 
-// Writes the delta frame's table and encodings of `next` (the packed bucket)
-// against `base` (what the receiver holds; updated to `next`) at `out` +
+// Writes the delta frame's table and encodings of the items' new bytes
+// (`next[i]`, item i's packed bytes wherever they lie) against `base` (the
+// packed bucket the receiver holds; updated to the new bytes) at `out` +
 // kFrameHeaderBytes; returns the frame's bytes, header included (the header
 // itself is the caller's). `stats` sums the items'.
-int64_t encode_frame(const std::vector<FrameItem>& items, const char* next, char* base, char* out,
-                     delta::EncodeStats* stats = nullptr);
+int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* next, char* base,
+                     char* out, delta::EncodeStats* stats = nullptr);
 
 // Applies the delta frame at `frame` (`bytes`, header included, trailer not)
-// to `bucket`, which holds the packed bucket at the frame's base version.
-// Errc::format naming `what` and the item when the table or an encoding is
-// malformed: the table is checked before anything is written, each item's
-// encoding before that item is (earlier items may be written by then: apply
-// into scratch, as the Subscriber does).
+// to the items' bytes at the frame's base version, item i at `targets[i]`
+// (wherever it lies: a param, or a scratch bucket). Checks the table and
+// every encoding before it writes anything: Errc::format naming `what` and
+// the item when one is malformed.
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
-                 char* bucket, const std::string& what);
+                 char* const* targets, const std::string& what);
+
+// The digest of a bucket of `step` whose item i holds the bytes at
+// `data[i]`: the fold of each item's checksum64 (seed fragment_seed(step, i)).
+uint64_t frame_digest(const std::vector<FrameItem>& items, const char* const* data, int64_t step);
 
 }  // namespace weightsync::pipeline

@@ -133,7 +133,9 @@ TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
   for (size_t i = 0; i < next.size(); i += 97) next[i] = static_cast<char>(next[i] ^ 0x10);
   std::vector<char> base = old;
   std::vector<char> frame(static_cast<size_t>(pipeline::frame_capacity(items, b.bytes)));
-  const int64_t n = pipeline::encode_frame(items, next.data(), base.data(), frame.data());
+  std::vector<const char*> sources;
+  for (const auto& f : items) sources.push_back(next.data() + f.offset);
+  const int64_t n = pipeline::encode_frame(items, sources.data(), base.data(), frame.data());
   EXPECT_EQ(base, next) << "the sender's copy follows what it sent";
   EXPECT_LT(n, b.bytes / 2) << "about 1 % of the bytes changed";
   pipeline::FrameHeader h;
@@ -149,20 +151,26 @@ TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
   EXPECT_EQ(r.base, 8);
   EXPECT_EQ(r.digest, 0x1234u);
   std::vector<char> target = old;
-  pipeline::apply_frame(items, frame.data(), n, target.data(), "bucket 1");
+  auto targets_in = [&](std::vector<char>& bucket) {
+    std::vector<char*> out;
+    for (const auto& f : items) out.push_back(bucket.data() + f.offset);
+    return out;
+  };
+  pipeline::apply_frame(items, frame.data(), n, targets_in(target).data(), "bucket 1");
   EXPECT_EQ(target, next);
 
   auto refused = [&](const std::vector<char>& f, int64_t bytes, const std::string& says) {
     std::vector<char> t = old;
     try {
-      pipeline::apply_frame(items, f.data(), bytes, t.data(), "bucket 1 from trainer rank 0");
+      pipeline::apply_frame(items, f.data(), bytes, targets_in(t).data(),
+                            "bucket 1 from trainer rank 0");
       ADD_FAILURE() << "accepted a frame that should say: " << says;
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), Errc::format);
       EXPECT_NE(std::string(e.what()).find("bucket 1 from trainer rank 0"), std::string::npos);
       EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
     }
-    EXPECT_EQ(t, old) << says << ": the table is checked before anything is written";
+    EXPECT_EQ(t, old) << says << ": the frame is checked before anything is written";
   };
   refused(frame, pipeline::kFrameHeaderBytes + 4, "cannot hold the table");
   std::vector<char> lying = frame;

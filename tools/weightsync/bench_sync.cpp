@@ -43,7 +43,7 @@ constexpr const char* kUsage =
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
     "                        [--checksums] [--device cpu|cuda] [--fp8]\n"
     "                        [--fp8-site sender|engine] [--metrics-overhead]\n"
-    "                        [--delta] [--update random:F]\n\n"
+    "                        [--delta [--no-delta-verify]] [--update random:F]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -79,7 +79,7 @@ constexpr const char* kUsage =
     "first a full sync (delta off), then with delta on; the numbers are the delta\n"
     "run's, and the --json object adds full (the full run's), bytes_ratio_to_full\n"
     "(wire bytes, delta over full, timed steps) and time_ratio_to_full (sync p50).\n"
-    "No peer baseline.\n"
+    "No peer baseline. --no-delta-verify: delta buckets without their digest.\n"
     "--update random:F: versions that differ from the next in about a fraction F of\n"
     "their elements (default 0.02 with --delta; without, every byte changes).\n";
 
@@ -266,6 +266,7 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"bucket_bytes", job.bucket_bytes},
           {"checksums", job.checksums},
           {"delta", job.delta},
+          {"delta_verify", job.delta_verify},
           {"update_fraction", job.update_fraction},
           {"transport", job.transport},
           {"publisher_staging_bytes", staging},
@@ -346,7 +347,8 @@ nlohmann::json metrics_overhead(demo::JobSpec job, int rounds) {
 }
 
 int run_sync_bench(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "no-peer", "checksums", "fp8", "metrics-overhead", "delta"},
+  Args args(argv,
+            {"json", "no-peer", "checksums", "fp8", "metrics-overhead", "delta", "no-delta-verify"},
             {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
              "transport", "device", "checkpoint", "trainer", "engine", "fp8-site", "update"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
@@ -364,6 +366,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.verify = false;
   job.checksums = args.flag("checksums");
   const bool delta = args.flag("delta");
+  job.delta_verify = !args.flag("no-delta-verify");
   if (auto u = args.get("update"))
     job.update_fraction = demo::parse_update_fraction(*u, "--update");
   else if (delta)

@@ -41,6 +41,7 @@ nlohmann::json JobSpec::to_json() const {
       {"staging", staging},
       {"checksums", checksums},
       {"delta", delta},
+      {"delta_verify", delta_verify},
       {"update_fraction", update_fraction},
       {"verify", verify},
       {"dump_dir", dump_dir},
@@ -75,6 +76,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.staging = j.at("staging").get<bool>();
     s.checksums = j.at("checksums").get<bool>();
     s.delta = j.value("delta", false);
+    s.delta_verify = j.value("delta_verify", true);
     s.update_fraction = j.value("update_fraction", -1.0);
     s.verify = j.at("verify").get<bool>();
     s.dump_dir = j.at("dump_dir").get<std::string>();

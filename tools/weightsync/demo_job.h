@@ -55,6 +55,7 @@ struct JobSpec {
   bool staging = false;
   bool checksums = false;       // per-bucket checksums on the wire (WireOptions)
   bool delta = false;           // PublisherOptions::delta auto
+  bool delta_verify = true;     // PublisherOptions::delta_verify
   double update_fraction = -1;  // sparse versions of about this fraction (-1: every byte)
   bool verify = true;           // engines check every committed step bit-exactly
   std::string dump_dir;         // engines write engine<e>-rank<r>.safetensors here

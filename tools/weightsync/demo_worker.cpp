@@ -113,6 +113,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.plan.fp8_site = parse_fp8_site(job.fp8_site);
   opt.wire.checksums = job.checksums;
   opt.delta = job.delta ? DeltaMode::automatic : DeltaMode::off;
+  opt.delta_verify = job.delta_verify;
   opt.elastic = job.elastic;
   opt.min_replicas = job.min_replicas;
   opt.connect_timeout = timeout;
