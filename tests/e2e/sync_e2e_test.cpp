@@ -134,6 +134,96 @@ TEST(E2E, TransformersLayoutIntoEngineGroups) {
   }
 }
 
+// Delta sync (docs/delta.md) on every p2p family and layout above: sparse
+// versions, version 1 whole, the later ones as deltas of a small part of the
+// bytes, every step verified bit for bit and the dumps equal materialize.
+TEST(E2E, DeltaSyncIsBitExactOnEveryP2pFamilyAndLayout) {
+  REQUIRE_UCX();
+  struct Case {
+    const char* model;
+    const char* mesh;
+    int tp, replicas;
+    bool expert_parallel;
+    std::vector<std::string> extra;
+  };
+  const std::vector<Case> cases = {
+      {"tiny-llama", "fsdp=3", 2, 1, false, {"--bucket-bytes", "2048"}},
+      {"tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2, false, {"--bucket-bytes", "4096"}},
+      {"tiny-deepseek-v3", "ep=2,fsdp=2", 2, 1, true, {"--bucket-bytes", "8192"}},
+      {"tiny-qwen2", "fsdp=3", 2, 1, false, {"--staging"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.model);
+    const Model m = make_model(c.model, c.mesh, c.tp, c.replicas, c.expert_parallel);
+    const std::string dump = m.dir + "/dump";
+    std::vector<std::string> args = c.extra;
+    for (const char* a : {"--delta", "--update", "random:0.02", "--steps", "3"}) args.push_back(a);
+    const auto d = run_demo(m, args, dump);
+    expect_all_good(m, d, c.tp * c.replicas, dump);
+    if (!d.summary.is_object()) continue;
+    const auto& steps = d.summary["steps"];
+    ASSERT_EQ(steps.size(), 3u);
+    EXPECT_EQ(steps[0]["delta_buckets"].get<int>(), 0) << "version 1: nothing to diff against";
+    const auto whole = steps[0]["engine_bytes_total"].get<int64_t>();
+    for (size_t s = 1; s < 3; ++s) {
+      EXPECT_GT(steps[s]["delta_buckets"].get<int>(), 0) << "step " << s + 1;
+      EXPECT_LT(steps[s]["engine_bytes_total"].get<int64_t>() * 4, whole)
+          << "step " << s + 1 << " moved " << steps[s]["engine_bytes_total"] << " bytes, whole "
+          << whole;
+    }
+  }
+}
+
+// A delta frame damaged on its way to engine rank 1 (no checksums: the
+// frame's own checks and its digest) fails step 2 for that rank's replica
+// only, with the params half-patched (no staging); step 3 goes whole to it
+// and is bit-exact.
+TEST(E2E, DeltaDamagedOnTheWireIsRejectedAndTheNextStepGoesWhole) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const Plan plan = plan_of(m, "p2p", 4096);
+  WireOptions wire;
+  wire.delta = true;
+  int64_t per_step = 0;
+  for (int32_t b : plan.buckets_received_by(1)) per_step += bucket_messages(plan, b, wire);
+  // Engine rank 1's receives of step 1 come first; its first of step 2 is hit.
+  const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&after=" + std::to_string(per_step);
+  const auto d = run_demo(
+      m, {"--delta", "--steps", "3", "--bucket-bytes", "4096", "--engine-transport", fault});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  EXPECT_NE(d.run.exit_code, 0) << "a rejected step must fail the demo";
+  const auto& steps = d.summary["steps"];
+  EXPECT_EQ(ints(steps[0]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{2, 3}));
+  EXPECT_GT(steps[1]["delta_buckets"].get<int>(), 0);
+  EXPECT_EQ(ints(steps[2]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[2]["verified"]), (std::vector<int>{0, 1, 2, 3}));
+  for (int g = 0; g < 4; ++g) EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 3);
+  const auto stats = read_json(m.dir + "/work/stats-engine1.json");
+  ASSERT_TRUE(stats.is_object());
+  const std::string reason = stats["steps"][1]["reason"].get<std::string>();
+  EXPECT_NE(reason.find("of step 2 from trainer rank"), std::string::npos) << reason;
+}
+
+// A restarted engine rank (a new process, nothing of the old version) gets
+// the whole version from trainers that send the others deltas.
+TEST(E2E, DeltaRestartedEngineGetsTheWholeVersion) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const auto d = run_demo(m, {"--delta", "--steps", "5", "--bucket-bytes", "4096", "--kill",
+                              "engine:3:2", "--restart"});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  const auto& steps = d.summary["steps"];
+  EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 1})) << "killed mid-step 2";
+  EXPECT_EQ(ints(steps[4]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[4]["verified"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_GT(steps[4]["delta_buckets"].get<int>(), 0);
+  for (int g = 0; g < 4; ++g) {
+    EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 5) << "engine " << g;
+    EXPECT_TRUE(d.summary["engine_ok"][g].get<bool>()) << "engine " << g;
+  }
+}
+
 TEST(E2E, CorruptedStepIsRejectedAndEngineKeepsPreviousVersion) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
