@@ -111,6 +111,56 @@ def test_three_steps_of_changing_weights_land_bit_exact(setup):
     assert coord.committed_version(0) == 3
 
 
+def test_delta_sync_of_real_adamw_steps_lands_bit_exact(setup):
+    """delta="auto" (docs/delta.md): bf16 weights stepped by torch.optim.AdamW
+    change in a few elements only (the update is below a bf16 step of most
+    weights); version 1 goes whole, the next ones as deltas of a small part
+    of the bytes, every one bit-exact against `weightsync materialize`."""
+    coord, layout, engine, tmp = setup
+    eng = EngineThread(coord, engine, 3)
+    tensors = trainer_tensors(layout, 0)
+    params = [t.requires_grad_() for t in tensors.values()]
+    opt = torch.optim.AdamW(params, lr=1e-5)  # an RL fine-tuning rate
+    g = torch.Generator().manual_seed(1)
+    targets = [torch.randn(p.shape, generator=g) for p in params]
+    with ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
+                      bucket_bytes=64 << 10, delta="auto") as pub:
+        for name, t in tensors.items():
+            pub.register(name, t.detach())
+        results = []
+        for step in (1, 2, 3):
+            if step > 1:
+                before = [p.detach().clone() for p in params]
+                opt.zero_grad()
+                sum(((p.float() - y) ** 2).mean() for p, y in zip(params, targets)).backward()
+                opt.step()
+                changed = sum(int((p.detach() != b).sum()) for p, b in zip(params, before))
+                total = sum(p.numel() for p in params)
+                assert 0 < changed < total, "AdamW must change some elements, not all"
+                print(f"step {step}: AdamW changed {changed / total:.4f} of the elements")
+            res = pub.push(step)
+            results.append(res)
+            assert (res.step, res.committed, res.failed) == (step, [0], [])
+            while len(eng.outcomes) < step:
+                time.sleep(0.01)
+            ref = reference(tmp, engine, {k: v.detach() for k, v in tensors.items()})
+            for name, t in eng.params.items():
+                assert torch.equal(t, ref[name]), (step, name)
+    eng.join()
+    assert results[0].delta_buckets == 0
+    for res in results[1:]:
+        assert res.delta_buckets > 0
+        assert res.bytes_sent * 2 < results[0].bytes_sent, (res.bytes_sent, results[0].bytes_sent)
+        print(f"step {res.step}: {res.bytes_sent} bytes on the wire, whole {results[0].bytes_sent}")
+    assert [o.delta_buckets > 0 for o in eng.outcomes] == [False, True, True]
+    with pytest.raises(ws.InvalidArgument, match="delta"):
+        ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
+                     delta="sometimes")
+    with pytest.raises(ws.Unsupported, match="p2p"):
+        ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
+                     mode="broadcast", delta="auto")
+
+
 @pytest.mark.parametrize("site", ["sender", "engine"])
 def test_fp8_engine_from_bf16_trainer_at_either_site(tmp_path, site):
     """BF16 tensors into an FP8 engine (block quantization): with fp8_site
