@@ -20,6 +20,9 @@ using Clock = std::chrono::steady_clock;
 
 using pipeline::seconds_since;
 
+// Steps a bucket goes whole, untried, after its delta came out nearly whole.
+constexpr int kWholeStepsBeforeRetry = 3;
+
 using pipeline::add_pack;
 using pipeline::addr;
 
@@ -239,36 +242,49 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
   char* frame = slot.buffer.data;
   int64_t bytes = pipeline::kFrameHeaderBytes + a.bytes;
   StagingBuffer* from = &slot.buffer;
-  if (a.last_sent && a.last_step >= 0 && a.last_step == held) {
-    h.delta = true;
-    h.base = a.last_step;
-    h.has_digest = delta_verify_;
+  const bool base_held = a.last_sent && a.last_step >= 0 && a.last_step == held;
+  // A bucket whose last delta came out nearly whole goes whole for a few
+  // steps without trying (most of its elements change every step), then
+  // tries again.
+  const bool attempt = base_held && a.skip_deltas == 0;
+  if (a.skip_deltas > 0) --a.skip_deltas;
+  bool sent_delta = false;
+  if (attempt) {
     const auto encode_start = Clock::now();  // counted as packing
-    if (delta_verify_) h.digest = pipeline::frame_digest(a.items, next.data(), step);
     const int64_t n =
         pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data);
-    phases.pack += seconds_since(encode_start);
     // Nearly whole: the bytes themselves spare the engine its read-modify-write.
     if (4 * (n - pipeline::kFrameHeaderBytes) < 3 * a.bytes) {
+      sent_delta = true;
+      h.delta = true;
+      h.base = a.last_step;
+      h.has_digest = delta_verify_;
+      if (delta_verify_) h.digest = pipeline::frame_digest(a.items, next.data(), step);
       frame = slot.frame.data;
       from = &slot.frame;
       bytes = n;
       ++delta_buckets_;
       delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
     } else {
-      h = pipeline::FrameHeader{};
-      h.step = step;
-      pack_whole();
+      a.skip_deltas = kWholeStepsBeforeRetry;
     }
-  } else {
-    pack_whole();
-    if (!a.last_sent)
-      a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
-    std::memcpy(a.last_sent.get(), body, static_cast<size_t>(a.bytes));
+    phases.pack += seconds_since(encode_start);
   }
-  // From here on the base holds this step's bytes: the engine rank holds
-  // them once it commits this step, and only then does it get a delta.
+  // The base holds this step's bytes from here on (the encoder brought it
+  // up to date), and the engine rank holds them once it commits this step:
+  // only then does it get a delta. While deltas are not tried, the base is
+  // kept only for the step before the next try.
   a.last_step = step;
+  if (!sent_delta) {
+    pack_whole();
+    if (!attempt && a.skip_deltas > 0) {
+      a.last_step = -1;
+    } else if (!attempt) {
+      if (!a.last_sent)
+        a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+      std::memcpy(a.last_sent.get(), body, static_cast<size_t>(a.bytes));
+    }
+  }
   pipeline::store_frame_header(frame, h);
   if (wire_.checksums) {
     store_trailer(frame + bytes,

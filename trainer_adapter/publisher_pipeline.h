@@ -67,6 +67,7 @@ struct SendAction {
   CopyProgram pack_in_place;
   std::unique_ptr<char[]> last_sent;
   int64_t last_step = -1;
+  int skip_deltas = 0;  // whole steps left before a delta is tried again
 };
 
 // Waits for the user's producer work before a push reads the tensors
