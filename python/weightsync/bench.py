@@ -13,6 +13,12 @@ says what the Python layer costs (goal: >= 0.95).
 
 `python -m weightsync.bench engine`: a model pushed into a live real vLLM
 against vLLM's own reload and a restart (weightsync.bench_engine).
+
+`python -m weightsync.bench delta --update adamw[:lr=X]` (also `weightsync
+bench sync --delta --update adamw[:lr=X]`): delta sync (docs/delta.md) of
+the versions real torch.optim.AdamW steps make of the C++ job's bf16 shards,
+against a full sync of the same versions in the same run: what fraction of
+the elements changed, the bytes on the wire and the step time of each.
 """
 
 from __future__ import annotations
@@ -80,6 +86,135 @@ def _engine(g: int, work: str, address: str, transport: str, steps: int, queue: 
         queue.put(("error", g, repr(e)))
 
 
+def _adamw_trainer(rank: int, work: str, address: str, opts: dict, steps: int, lr: float,
+                   barrier: Any, queue: Any) -> None:
+    """A trainer rank whose bf16 shards take a real AdamW step (towards fixed
+    random targets) before every push after the first."""
+    try:
+        import torch
+        from safetensors.torch import load_file
+
+        import weightsync as ws
+
+        shard = os.path.join(work, f"py-shard{rank}.safetensors")
+        if not os.path.exists(shard):
+            subprocess.run([cli_path(), "shard", "--checkpoint",
+                            os.path.join(work, "model.safetensors"), "--trainer",
+                            os.path.join(work, "trainer.json"), "--rank", str(rank), "--out",
+                            shard], check=True, capture_output=True)
+        tensors = load_file(shard)
+        params = [t.requires_grad_() for t in tensors.values()]
+        optimizer = torch.optim.AdamW(params, lr=lr)
+        g = torch.Generator().manual_seed(1000 + rank)  # the same versions in every run
+        targets = [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+        pub = ws.Publisher(coordinator=address, rank=rank, layout=os.path.join(work, "trainer.json"),
+                           engine=os.path.join(work, "engine.json"), **opts)
+        for name, t in tensors.items():
+            pub.register(name, t.detach())
+        pub.prepare()
+        rows = []
+        total = sum(p.numel() for p in params)
+        for step in range(1, steps + 1):
+            changed = 0
+            if step > 1:
+                before = [p.detach().clone() for p in params]
+                optimizer.zero_grad()
+                for p, y in zip(params, targets):
+                    ((p.float() - y.float()) ** 2).mean().backward()
+                optimizer.step()
+                changed = sum(int((p.detach() != b).sum()) for p, b in zip(params, before))
+                del before
+            barrier.wait()  # the ranks push together, as after a synchronous optimizer step
+            res = pub.push(step)
+            if len(res.committed) != 4:
+                raise RuntimeError(f"step {step}: engines failed: {res.failed}")
+            rows.append({"seconds": res.seconds, "bytes_sent": res.bytes_sent,
+                         "delta_buckets": res.delta_buckets, "changed": changed,
+                         "elements": total})
+        pub.close()
+        queue.put(("trainer", rank, rows))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        queue.put(("error", rank, repr(e)))
+
+
+def adamw_sync(work: str, steps: int, opts: dict, lr: float) -> dict:
+    """The C++ job's files, their bf16 shards stepped by AdamW, synced from
+    Python processes: per step, the slowest trainer's push, the changed
+    fraction and every engine rank's bytes."""
+    import weightsync as ws
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    barrier = ctx.Barrier(4)
+    with ws.Coordinator() as coord:
+        procs = [ctx.Process(target=_engine, args=(g, work, coord.address, opts["transport"],
+                                                   steps, queue)) for g in range(4)]
+        procs += [ctx.Process(target=_adamw_trainer,
+                              args=(r, work, coord.address, opts, steps, lr, barrier, queue))
+                  for r in range(4)]
+        for p in procs:
+            p.start()
+        trainers: dict[int, Any] = {}
+        engines: dict[int, Any] = {}
+        for _ in procs:
+            kind, who, value = queue.get(timeout=3600)
+            if kind == "error":
+                raise RuntimeError(f"a python bench process ({who}) failed: {value}")
+            (trainers if kind == "trainer" else engines)[who] = value
+        for p in procs:
+            p.join()
+    timed = range(1, steps)  # without the warm-up (whole) step
+    seconds = [max(trainers[r][s]["seconds"] for r in trainers) for s in timed]
+    changed = sum(trainers[r][s]["changed"] for r in trainers for s in timed)
+    elements = sum(trainers[r][s]["elements"] for r in trainers for s in timed)
+    return {"sync_s": seconds, "sync_s_p50": statistics.median(seconds),
+            "wire_bytes": sum(engines[g][s] for g in engines for s in timed),
+            "delta_buckets": sum(trainers[r][s]["delta_buckets"] for r in trainers for s in timed),
+            "changed_fraction": changed / elements if elements else 0.0}
+
+
+def delta_main(argv: list) -> int:
+    p = argparse.ArgumentParser(prog="python -m weightsync.bench delta",
+                                description="delta sync of real AdamW steps against a full sync")
+    p.add_argument("--update", default="adamw", help="adamw[:lr=X] (default lr 1e-5)")
+    p.add_argument("--size-gb", type=float, default=0.25)
+    p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    p.add_argument("--transport", default="ucx")
+    p.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    p.add_argument("--no-delta-verify", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = p.parse_args(argv)
+    kind, _, rest = args.update.partition(":")
+    lr = 1e-5
+    if kind != "adamw" or (rest and not rest.startswith("lr=")):
+        p.error(f"--update: expected adamw or adamw:lr=X, got {args.update!r}")
+    if rest:
+        lr = float(rest[3:])
+    base = {"transport": args.transport, "bucket_bytes": args.bucket_bytes, "mode": "p2p"}
+    with tempfile.TemporaryDirectory(prefix="weightsync-deltabench-") as tmp:
+        work = os.path.join(tmp, "job")
+        cpp_sync(work, argparse.Namespace(steps=1, size_gb=args.size_gb, transport=args.transport,
+                                          bucket_bytes=args.bucket_bytes, mode="p2p"))
+        full = adamw_sync(work, args.steps + 1, dict(base, delta="off"), lr)
+        delta = adamw_sync(work, args.steps + 1,
+                           dict(base, delta="auto", delta_verify=not args.no_delta_verify), lr)
+    result = {"update": "adamw", "lr": lr, "size_gb": args.size_gb, "steps": args.steps,
+              "transport": args.transport, "changed_fraction": delta["changed_fraction"],
+              "full": full, "delta": delta,
+              "bytes_ratio_to_full": delta["wire_bytes"] / full["wire_bytes"],
+              "time_ratio_to_full": delta["sync_s_p50"] / full["sync_s_p50"]}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"AdamW (lr {lr:g}) on bf16 shards changed {result['changed_fraction']:.4f} of the "
+              f"elements a step; delta sync: {delta['wire_bytes'] / 1e6:.2f} MB on the wire vs "
+              f"{full['wire_bytes'] / 1e6:.2f} MB full -> bytes_ratio_to_full "
+              f"{result['bytes_ratio_to_full']:.4f}; sync p50 {delta['sync_s_p50']:.4f} s vs "
+              f"{full['sync_s_p50']:.4f} s full -> time_ratio_to_full "
+              f"{result['time_ratio_to_full']:.3f}")
+    return 0
+
+
 def python_sync(work: str, steps: int, opts: dict) -> dict:
     """The C++ job's files, synced from Python processes: per-step times and bytes."""
     import weightsync as ws
@@ -121,6 +256,8 @@ def cpp_sync(work: str, args: argparse.Namespace) -> dict:
 
 def main(argv: Any = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["delta"]:  # delta sync of real AdamW steps
+        return delta_main(argv[1:])
     if argv[:1] == ["engine"]:  # into a live vLLM (weightsync.bench_engine)
         from . import bench_engine
 

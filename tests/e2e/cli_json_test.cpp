@@ -138,6 +138,23 @@ TEST_F(CliJson, SmallBenchmarks) {
   }
 }
 
+// bench sync --delta: the full and the delta run of the same versions, and
+// their ratios (docs/delta.md).
+TEST_F(CliJson, BenchSyncDeltaReportsItsRatiosToAFullSync) {
+  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX";
+  const auto r = run_elsewhere({"bench", "sync", "--delta", "--update", "random:0.02", "--size-gb",
+                                "0.02", "--steps", "2", "--json"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = one_object(r, "bench sync --delta");
+  if (!j.is_object()) return;
+  ASSERT_TRUE(j.contains("full")) << j.dump();
+  const double bytes = j["bytes_ratio_to_full"].get<double>();
+  EXPECT_GT(bytes, 0.0);
+  EXPECT_LT(bytes, 0.2) << "about 2 % of the elements changed";
+  EXPECT_GT(j["time_ratio_to_full"].get<double>(), 0.0);
+  EXPECT_GT(j["full"]["wire_bytes"].get<int64_t>(), j["wire_bytes"].get<int64_t>());
+}
+
 TEST_F(CliJson, BenchPlanFindsItsConfigs) {
   const auto r = run_elsewhere({"bench", "plan", "--json"});
   EXPECT_EQ(r.exit_code, 0) << r.err;

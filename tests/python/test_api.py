@@ -545,3 +545,23 @@ def test_error_is_picklable_and_cli_runs():
     assert (e.code, str(e)) == ("timeout", "step 3 timed out")
     out = cli("--help", check=False)
     assert "demo" in out.stdout + out.stderr
+
+
+def test_delta_bench_of_adamw_steps_reports_what_changed():
+    """`python -m weightsync.bench delta --update adamw` (what `weightsync bench
+    sync --delta --update adamw` runs): real AdamW steps on the bench model's
+    bf16 shards, synced full and as deltas in one run, with the fraction of
+    elements changed and both ratios."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "weightsync.bench", "delta", "--update",
+                          "adamw:lr=1e-4", "--size-gb", "0.02", "--steps", "1", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["update"] == "adamw" and r["lr"] == 1e-4
+    assert 0 < r["changed_fraction"] < 0.5, r
+    assert r["delta"]["delta_buckets"] > 0 and r["full"]["delta_buckets"] == 0
+    assert 0 < r["bytes_ratio_to_full"] < 1
+    assert r["time_ratio_to_full"] > 0

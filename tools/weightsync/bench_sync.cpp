@@ -43,7 +43,8 @@ constexpr const char* kUsage =
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
     "                        [--checksums] [--device cpu|cuda] [--fp8]\n"
     "                        [--fp8-site sender|engine] [--metrics-overhead]\n"
-    "                        [--delta [--no-delta-verify]] [--update random:F]\n\n"
+    "                        [--delta [--no-delta-verify]]\n"
+    "                        [--update random:F|adamw[:lr=X]]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -81,7 +82,10 @@ constexpr const char* kUsage =
     "(wire bytes, delta over full, timed steps) and time_ratio_to_full (sync p50).\n"
     "No peer baseline. --no-delta-verify: delta buckets without their digest.\n"
     "--update random:F: versions that differ from the next in about a fraction F of\n"
-    "their elements (default 0.02 with --delta; without, every byte changes).\n";
+    "their elements (default 0.02 with --delta; without, every byte changes).\n"
+    "--update adamw[:lr=X]: with --delta, versions made by real torch.optim.AdamW\n"
+    "steps (lr default 1e-5) on the model's bf16 shards, run by the Python package\n"
+    "(python -m weightsync.bench delta); prints the fraction of elements changed.\n";
 
 nlohmann::json box_json(const Box& b) {
   return {{"offsets", b.offsets}, {"lengths", b.lengths}};
@@ -346,6 +350,38 @@ nlohmann::json metrics_overhead(demo::JobSpec job, int rounds) {
           {"ratio", p50_on > 0 ? p50_off / p50_on : 0.0}};
 }
 
+// --update adamw[:lr=X]: real AdamW steps need torch, so the Python package
+// runs that job (python -m weightsync.bench delta), on the same model shape.
+int run_adamw_bench(const Args& args, const std::string& update, int steps, double gb, bool delta) {
+  if (!delta) fail(Errc::invalid_argument, "--update adamw is for --delta");
+  if (args.has("checkpoint") || args.get_or("mode", "p2p") != "p2p" || args.flag("fp8") ||
+      args.get_or("device", "cpu") != "cpu")
+    fail(Errc::invalid_argument,
+         "--update adamw runs the generated model, p2p, in host memory (no --checkpoint, "
+         "--mode, --fp8 or --device)");
+  const std::string python = helper_python();
+  if (python.empty() || !fs::exists(python))
+    fail(Errc::not_found, "--update adamw needs a python with torch and weightsync (set ",
+         "WEIGHTSYNC_PYTHON)");
+  std::string cmd = cat(python, " -m weightsync.bench delta --update '", update, "' --size-gb ", gb,
+                        " --steps ", steps, " --transport '", args.get_or("transport", "ucx"),
+                        "' --bucket-bytes ", args.get_int("bucket-bytes", int64_t{64} << 20));
+  if (args.flag("no-delta-verify")) cmd += " --no-delta-verify";
+  if (args.flag("json")) cmd += " --json";
+  std::fflush(stdout);
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) fail(Errc::io, "cannot start ", cmd);
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  const int status = ::pclose(pipe);
+  std::cout << out << std::flush;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    fail(Errc::internal, "bench sync --update adamw: ", cmd, " failed (",
+         WIFEXITED(status) ? cat("exit ", WEXITSTATUS(status)) : cat("status ", status), ")");
+  return 0;
+}
+
 int run_sync_bench(const std::vector<std::string>& argv) {
   Args args(argv,
             {"json", "no-peer", "checksums", "fp8", "metrics-overhead", "delta", "no-delta-verify"},
@@ -367,6 +403,8 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.checksums = args.flag("checksums");
   const bool delta = args.flag("delta");
   job.delta_verify = !args.flag("no-delta-verify");
+  if (auto u = args.get("update"); u && u->rfind("adamw", 0) == 0)
+    return run_adamw_bench(args, *u, steps, gb, delta);
   if (auto u = args.get("update"))
     job.update_fraction = demo::parse_update_fraction(*u, "--update");
   else if (delta)
