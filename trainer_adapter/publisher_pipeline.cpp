@@ -212,9 +212,7 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
   const auto pack_start = Clock::now();
   if (copier_.on_gpu()) {
-    const std::uintptr_t slot_base = addr(slot.buffer.data);
-    copier_.run_with_quant(index, 0, slot_base, k, device_quant_[index], slot_base);
-    copier_.wait(k, *loop_, "packing bucket");
+    pack_on_device(index, k);
   } else {
     quantize(index, k);
     pack(index, k);
@@ -310,6 +308,12 @@ void SendPipeline::pack(size_t index, int slot, size_t first, size_t count) {
   copier_.run(index, a.pack, 0, addr(slots_[slot].buffer.data), slot, first, count);
 }
 
+void SendPipeline::pack_on_device(size_t index, int slot) {
+  const std::uintptr_t slot_base = addr(slots_[slot].buffer.data);
+  copier_.run_with_quant(index, 0, slot_base, slot, device_quant_[index], slot_base);
+  copier_.wait(slot, *loop_, "packing bucket");
+}
+
 void SendPipeline::quantize(size_t index, int slot) {
   const SendAction& a = actions_[index];
   if (a.quant.empty()) return;
@@ -325,11 +329,7 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
   const auto pack_start = Clock::now();
   if (copier_.on_gpu()) {
-    // One launch for the bucket, its pack and (FP8 engines) the quantization
-    // of its quantized items; its sends wait for it.
-    const std::uintptr_t slot_base = addr(slot.buffer.data);
-    copier_.run_with_quant(index, 0, slot_base, k, device_quant_[index], slot_base);
-    copier_.wait(k, *loop_, "packing bucket");
+    pack_on_device(index, k);  // its sends wait for it
   } else {
     // FP8 engines: the bucket's quantized items first (their fragments go
     // out after every pack below).

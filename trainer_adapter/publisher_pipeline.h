@@ -124,6 +124,9 @@ class SendPipeline {
   };
   void compile_fragments(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
   void pack(size_t index, int slot, size_t first = 0, size_t count = static_cast<size_t>(-1));
+  // CUDA tensors: one launch for the bucket, its pack and (FP8 engines) the
+  // quantization of its quantized items, into `slot`; returns once done.
+  void pack_on_device(size_t index, int slot);
   // Runs action `index`'s FP8 quantization into `slot` (host: now; GPU: on
   // the copier's stream, ahead of its pack).
   void quantize(size_t index, int slot);

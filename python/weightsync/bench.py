@@ -86,6 +86,34 @@ def _engine(g: int, work: str, address: str, transport: str, steps: int, queue: 
         queue.put(("error", g, repr(e)))
 
 
+def _run_job(ctx: Any, work: str, opts: dict, steps: int, trainer: Any,
+             extra: Any) -> tuple[dict, dict]:
+    """4 engine processes (_engine) and 4 trainer processes (`trainer`, called
+    with rank, work, address, opts, steps, *extra(rank), queue) on a new
+    coordinator: what each reported, by rank."""
+    import weightsync as ws
+
+    queue = ctx.Queue()
+    with ws.Coordinator() as coord:
+        procs = [ctx.Process(target=_engine, args=(g, work, coord.address, opts["transport"],
+                                                   steps, queue)) for g in range(4)]
+        procs += [ctx.Process(target=trainer,
+                              args=(r, work, coord.address, opts, steps, *extra(r), queue))
+                  for r in range(4)]
+        for p in procs:
+            p.start()
+        trainers: dict[int, Any] = {}
+        engines: dict[int, Any] = {}
+        for _ in procs:
+            kind, who, value = queue.get(timeout=3600)
+            if kind == "error":
+                raise RuntimeError(f"a python bench process ({who}) failed: {value}")
+            (trainers if kind == "trainer" else engines)[who] = value
+        for p in procs:
+            p.join()
+    return trainers, engines
+
+
 def _adamw_trainer(rank: int, work: str, address: str, opts: dict, steps: int, lr: float,
                    barrier: Any, queue: Any) -> None:
     """A trainer rank whose bf16 shards take a real AdamW step (towards fixed
@@ -141,28 +169,10 @@ def adamw_sync(work: str, steps: int, opts: dict, lr: float) -> dict:
     """The C++ job's files, their bf16 shards stepped by AdamW, synced from
     Python processes: per step, the slowest trainer's push, the changed
     fraction and every engine rank's bytes."""
-    import weightsync as ws
-
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     barrier = ctx.Barrier(4)
-    with ws.Coordinator() as coord:
-        procs = [ctx.Process(target=_engine, args=(g, work, coord.address, opts["transport"],
-                                                   steps, queue)) for g in range(4)]
-        procs += [ctx.Process(target=_adamw_trainer,
-                              args=(r, work, coord.address, opts, steps, lr, barrier, queue))
-                  for r in range(4)]
-        for p in procs:
-            p.start()
-        trainers: dict[int, Any] = {}
-        engines: dict[int, Any] = {}
-        for _ in procs:
-            kind, who, value = queue.get(timeout=3600)
-            if kind == "error":
-                raise RuntimeError(f"a python bench process ({who}) failed: {value}")
-            (trainers if kind == "trainer" else engines)[who] = value
-        for p in procs:
-            p.join()
+    trainers, engines = _run_job(ctx, work, opts, steps, _adamw_trainer,
+                                 lambda r: (lr, barrier))
     timed = range(1, steps)  # without the warm-up (whole) step
     seconds = [max(trainers[r][s]["seconds"] for r in trainers) for s in timed]
     changed = sum(trainers[r][s]["changed"] for r in trainers for s in timed)
@@ -217,26 +227,8 @@ def delta_main(argv: list) -> int:
 
 def python_sync(work: str, steps: int, opts: dict) -> dict:
     """The C++ job's files, synced from Python processes: per-step times and bytes."""
-    import weightsync as ws
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with ws.Coordinator() as coord:
-        procs = [ctx.Process(target=_engine, args=(g, work, coord.address, opts["transport"],
-                                                   steps, queue)) for g in range(4)]
-        procs += [ctx.Process(target=_trainer, args=(r, work, coord.address, opts, steps, queue))
-                  for r in range(4)]
-        for p in procs:
-            p.start()
-        trainers: dict[int, Any] = {}
-        engines: dict[int, Any] = {}
-        for _ in procs:
-            kind, who, value = queue.get(timeout=3600)
-            if kind == "error":
-                raise RuntimeError(f"a python bench process ({who}) failed: {value}")
-            (trainers if kind == "trainer" else engines)[who] = value
-        for p in procs:
-            p.join()
+    trainers, engines = _run_job(mp.get_context("spawn"), work, opts, steps, _trainer,
+                                 lambda r: ())
     timed = [max(trainers[r][s] for r in trainers) for s in range(1, steps)]  # without warm-up
     rank_bytes = max(max(v[1:]) for v in engines.values())
     p50 = statistics.median(timed)

@@ -108,6 +108,18 @@ class InProcess : public ::testing::Test {
                     last);
     }
   }
+  // Pushes versions first..to of a delta run whose last is `last`, each
+  // committed by engine rank 0 unless `expect_commit` is false.
+  void push_versions(Publisher& pub, const std::vector<std::vector<char>>& pristine, int64_t first,
+                     int64_t to, int64_t last, std::vector<PushResult>& results,
+                     bool expect_commit = true) {
+    for (int64_t step = first; step <= to; ++step) {
+      set_shards(pristine, step, last);
+      results.push_back(pub.push(step));
+      if (expect_commit)
+        EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
+    }
+  }
   // Version `step` of a delta run from the checkpoint's bytes: about 1 % of
   // the elements have their lowest bit flipped, chosen by their own value
   // (so that the trainer's shards and the engine's params, laid out
@@ -211,11 +223,7 @@ TEST_F(InProcess, DeltaStepsAreBitExactAndMoveOnlyTheChanges) {
   auto pub = publisher([](PublisherOptions& o) { o.delta = DeltaMode::automatic; });
   const auto pristine = shards_;
   std::vector<PushResult> results;
-  for (int64_t step = 1; step <= last; ++step) {
-    set_shards(pristine, step, last);
-    results.push_back(pub->push(step));
-    EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
-  }
+  push_versions(*pub, pristine, 1, last, last, results);
   engine.join();
   ASSERT_EQ(engine_error_, "");
   EXPECT_EQ(results[0].delta_buckets, 0u) << "version 1 has no base to diff against";
@@ -257,10 +265,7 @@ TEST_F(InProcess, ADeltaOntoParamsThatDifferFailsItsDigestAndTheNextStepGoesWhol
   auto pub = publisher([](PublisherOptions& o) { o.delta = DeltaMode::automatic; });
   const auto pristine = shards_;
   std::vector<PushResult> results;
-  for (int64_t step = 1; step <= last; ++step) {
-    set_shards(pristine, step, last);
-    results.push_back(pub->push(step));
-  }
+  push_versions(*pub, pristine, 1, last, last, results, /*expect_commit=*/false);
   engine.join();
   ASSERT_EQ(engine_error_, "");
   ASSERT_EQ(outcomes_.size(), 4u);
@@ -289,10 +294,7 @@ TEST_F(InProcess, ARestartedEngineRankGetsTheWholeVersion) {
   std::vector<PushResult> results;
   {
     std::thread first = this->engine([](Subscriber&) {}, 2, 10);
-    for (int64_t step = 1; step <= 2; ++step) {
-      set_shards(pristine, step, last);
-      results.push_back(pub->push(step));
-    }
+    push_versions(*pub, pristine, 1, 2, last, results);
     first.join();
     ASSERT_EQ(engine_error_, "");
     ASSERT_EQ(final_version_, 2);
@@ -308,11 +310,7 @@ TEST_F(InProcess, ARestartedEngineRankGetsTheWholeVersion) {
       last, 10);
   while (!prepared && engine_error_.empty())
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  for (int64_t step = 3; step <= last; ++step) {
-    set_shards(pristine, step, last);
-    results.push_back(pub->push(step));
-    EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
-  }
+  push_versions(*pub, pristine, 3, last, last, results);
   second.join();
   ASSERT_EQ(engine_error_, "");
   EXPECT_EQ(results[2].delta_buckets, 0u) << "a new process holds nothing to diff against";
