@@ -139,10 +139,9 @@ void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
     a.in_place.push_back(in_place);
     if (in_place) continue;
     if (c.fp8)
-      add_apply_fp8(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)),
-                    targets.at(static_cast<size_t>(c.scale_param)), 0);
+      add_apply_fp8(a.apply, c, target, targets.at(static_cast<size_t>(c.scale_param)), 0);
     else
-      add_apply(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)), 0);
+      add_apply(a.apply, c, target, 0);
   }
   for (const CopyRun& r : a.apply.runs()) a.gather.add_run(reversed(r));
   a.items = pipeline::frame_items(plan, a.bucket);

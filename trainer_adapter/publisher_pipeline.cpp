@@ -199,13 +199,6 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
   }
 }
 
-std::size_t SendPipeline::delta_base_bytes() const {
-  std::size_t n = 0;
-  for (const SendAction& a : actions_)
-    if (a.last_sent) n += static_cast<std::size_t>(a.bytes);
-  return n;
-}
-
 int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& phases) {
   SendAction& a = actions_[index];
   Slot& slot = slots_[k];

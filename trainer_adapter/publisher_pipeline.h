@@ -97,8 +97,6 @@ class SendPipeline {
   // The last run()'s buckets sent as deltas, and their bytes whole.
   uint64_t delta_buckets() const { return delta_buckets_; }
   uint64_t delta_bytes_whole() const { return delta_bytes_whole_; }
-  // Bytes this rank keeps for delta sync (what it last sent).
-  std::size_t delta_base_bytes() const;
   // Allocates and registers the two slots (`slots` memory, on `slot_device`)
   // and, for CUDA tensors, uploads the pack programs to their device (once).
   void prepare(Transport& transport, SlotMemory slots, int slot_device,

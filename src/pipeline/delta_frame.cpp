@@ -14,30 +14,21 @@ namespace {
 constexpr uint32_t kMagic = 0x46445357;  // "WSDF" little-endian
 constexpr uint32_t kDeltaFlag = 1, kDigestFlag = 2;
 
-void put64(char* at, uint64_t v) noexcept {
-  for (int i = 0; i < 8; ++i, v >>= 8) at[i] = static_cast<char>(v & 0xff);
-}
-uint64_t get64(const char* at) noexcept {
-  uint64_t v = 0;
-  for (int i = 8; i-- > 0;) v = (v << 8) | static_cast<unsigned char>(at[i]);
-  return v;
-}
-
 }  // namespace
 
 void store_frame_header(char* at, const FrameHeader& h) noexcept {
   const uint32_t flags = (h.delta ? kDeltaFlag : 0) | (h.has_digest ? kDigestFlag : 0);
-  put64(at, (static_cast<uint64_t>(flags) << 32) | kMagic);
-  put64(at + 8, static_cast<uint64_t>(h.step));
-  put64(at + 16, static_cast<uint64_t>(h.base));
-  put64(at + 24, h.digest);
+  store_le64(at, (static_cast<uint64_t>(flags) << 32) | kMagic);
+  store_le64(at + 8, static_cast<uint64_t>(h.step));
+  store_le64(at + 16, static_cast<uint64_t>(h.base));
+  store_le64(at + 24, h.digest);
 }
 
 FrameHeader read_frame_header(const char* at, int64_t bytes, const std::string& what) {
   if (bytes < kFrameHeaderBytes)
     fail(Errc::format, what, ": a delta-sync frame of ", bytes, " bytes, shorter than its ",
          kFrameHeaderBytes, "-byte header");
-  const uint64_t first = get64(at);
+  const uint64_t first = read_le64(at);
   const auto flags = static_cast<uint32_t>(first >> 32);
   if (static_cast<uint32_t>(first) != kMagic || (flags & ~(kDeltaFlag | kDigestFlag)) != 0)
     fail(Errc::format, what, ": not a delta-sync frame (magic and flags ", std::hex, first,
@@ -45,9 +36,9 @@ FrameHeader read_frame_header(const char* at, int64_t bytes, const std::string& 
   FrameHeader h;
   h.delta = (flags & kDeltaFlag) != 0;
   h.has_digest = (flags & kDigestFlag) != 0;
-  h.step = static_cast<int64_t>(get64(at + 8));
-  h.base = static_cast<int64_t>(get64(at + 16));
-  h.digest = get64(at + 24);
+  h.step = static_cast<int64_t>(read_le64(at + 8));
+  h.base = static_cast<int64_t>(read_le64(at + 16));
+  h.digest = read_le64(at + 24);
   return h;
 }
 
@@ -89,7 +80,7 @@ int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* nex
     const FrameItem& f = items[i];
     const int64_t n =
         delta::encode(next[i], base + f.offset, f.elements(), f.element_bytes, at, stats);
-    put64(table, static_cast<uint64_t>(n));
+    store_le64(table, static_cast<uint64_t>(n));
     table += 8;
     at += n;
   }
@@ -108,7 +99,7 @@ void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t
   // before a byte is written.
   int64_t at = kFrameHeaderBytes + table_bytes;
   for (size_t i = 0; i < items.size(); ++i) {
-    const auto n = static_cast<int64_t>(get64(table + 8 * i));
+    const auto n = static_cast<int64_t>(read_le64(table + 8 * i));
     if (n < 0 || n > bytes - at)
       fail(Errc::format, what, ": item ", i, " claims ", n, " bytes of encoding, but ", bytes - at,
            " bytes of the frame are left");
@@ -119,7 +110,7 @@ void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t
     fail(Errc::format, what, ": ", bytes - at, " bytes left over after the last item's encoding");
   at = kFrameHeaderBytes + table_bytes;
   for (size_t i = 0; i < items.size(); ++i) {
-    const auto n = static_cast<int64_t>(get64(table + 8 * i));
+    const auto n = static_cast<int64_t>(read_le64(table + 8 * i));
     const FrameItem& f = items[i];
     delta::apply(frame + at, n, targets[i], f.elements(), f.element_bytes, item_what(i));
     at += n;
@@ -130,7 +121,7 @@ uint64_t frame_digest(const std::vector<FrameItem>& items, const char* const* da
   uint64_t sum = 0;
   for (size_t i = 0; i < items.size(); ++i)
     sum = checksum_fold(sum, checksum64(data[i], static_cast<size_t>(items[i].bytes),
-                                        static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL + i));
+                                        fragment_seed(step, static_cast<uint32_t>(i))));
   return sum;
 }
 

@@ -37,16 +37,23 @@ namespace weightsync {
 // one message carries both and a flipped byte anywhere is caught.
 inline constexpr std::size_t kBucketTrailerBytes = 8;
 
-// The trailer holding `sum`, little-endian, at `at`; and back.
+// A u64 as 8 little-endian bytes at `at`, and back (trailers, frame headers).
+inline void store_le64(char* at, uint64_t v) noexcept {
+  for (std::size_t i = 0; i < 8; ++i, v >>= 8) at[i] = static_cast<char>(v & 0xff);
+}
+inline uint64_t read_le64(const char* at) noexcept {
+  uint64_t v = 0;
+  for (std::size_t i = 8; i-- > 0;) v = (v << 8) | static_cast<unsigned char>(at[i]);
+  return v;
+}
+
+// The trailer holding `sum` at `at`; and back.
+static_assert(kBucketTrailerBytes == 8, "a trailer is one little-endian u64");
 inline void store_trailer(char* at, uint64_t sum) noexcept {
-  for (std::size_t i = 0; i < kBucketTrailerBytes; ++i, sum >>= 8)
-    at[i] = static_cast<char>(sum & 0xff);
+  store_le64(at, sum);
 }
 inline uint64_t read_trailer(const char* at) noexcept {
-  uint64_t v = 0;
-  for (std::size_t i = kBucketTrailerBytes; i-- > 0;)
-    v = (v << 8) | static_cast<unsigned char>(at[i]);
-  return v;
+  return read_le64(at);
 }
 
 // The transport tag of bucket `bucket` of `step`; part 0 is the bucket itself,
