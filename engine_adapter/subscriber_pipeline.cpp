@@ -59,6 +59,8 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
       a.slot_bytes = a.bytes;
     } else if (wire_.delta) {
       compile_frame(a, plan, targets);
+      compile_fragments(a, plan, targets);
+      slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.frame_bytes) + kBucketTrailerBytes);
     } else {
       compile_fragments(a, plan, targets);
     }
@@ -139,13 +141,13 @@ void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
     a.in_place.push_back(in_place);
     if (in_place) continue;
     if (c.fp8)
-      add_apply_fp8(a.apply, c, target, targets.at(static_cast<size_t>(c.scale_param)), 0);
+      add_apply_fp8(a.frame_apply, c, target, targets.at(static_cast<size_t>(c.scale_param)), 0);
     else
-      add_apply(a.apply, c, target, 0);
+      add_apply(a.frame_apply, c, target, 0);
   }
-  for (const CopyRun& r : a.apply.runs()) a.gather.add_run(reversed(r));
+  for (const CopyRun& r : a.frame_apply.runs()) a.gather.add_run(reversed(r));
   a.items = pipeline::frame_items(plan, a.bucket);
-  a.slot_bytes = pipeline::frame_capacity(a.items, a.bytes);
+  a.frame_bytes = pipeline::frame_capacity(a.items, a.bytes);
 }
 
 void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_device) {
@@ -169,25 +171,12 @@ void ReceivePipeline::post(size_t k, int s, int64_t step, Transport& t) {
   Slot& slot = slots_[s];
   slot.posted_us = trace_now_us();
   const Tag tag = bucket_tag(step, a.bucket, 0);
+  slot.fragments = false;
   if (!broadcast_ && wire_.delta) {
     slot.posted.add(t.recv(a.src, tag, slot.buffer.buffer(0, slot_bytes_)));
     return;
   }
-  if (!broadcast_) {
-    // In fragment order: the trainer posts them in that order (wire.h).
-    for (const FragmentRoute& f : a.fragments) {
-      const Buffer buffer =
-          f.direct ? Buffer{f.direct, static_cast<size_t>(f.bytes), f.memory, f.device, nullptr}
-                   : slot.buffer.buffer(static_cast<size_t>(f.slot_offset),
-                                        static_cast<size_t>(f.bytes));
-      slot.posted.add(t.recv(a.src, tag, buffer));
-    }
-    if (wire_.checksums)
-      slot.posted.add(
-          t.recv(a.src, bucket_tag(step, a.bucket, 1),
-                 slot.buffer.buffer(static_cast<size_t>(a.slot_bytes), kBucketTrailerBytes)));
-    return;
-  }
+  if (!broadcast_) return post_fragments(a, slot, step, t);
   const Buffer buffer = slot.buffer.buffer(0, static_cast<size_t>(a.bytes) + kBucketTrailerBytes);
   if (t.capabilities().native_broadcast) {
     // A collective: every engine rank and the root take part (publisher_pipeline.cpp).
@@ -197,6 +186,51 @@ void ReceivePipeline::post(size_t k, int s, int64_t step, Transport& t) {
   } else {
     slot.posted.add(t.recv(a.src, tag, buffer));
   }
+}
+
+void ReceivePipeline::post_fragments(const RecvAction& a, Slot& slot, int64_t step, Transport& t) {
+  const Tag tag = bucket_tag(step, a.bucket, 0);
+  // In fragment order: the trainer posts them in that order (wire.h).
+  for (const FragmentRoute& f : a.fragments) {
+    const Buffer buffer =
+        f.direct
+            ? Buffer{f.direct, static_cast<size_t>(f.bytes), f.memory, f.device, nullptr}
+            : slot.buffer.buffer(static_cast<size_t>(f.slot_offset), static_cast<size_t>(f.bytes));
+    slot.posted.add(t.recv(a.src, tag, buffer));
+  }
+  if (wire_.checksums)
+    slot.posted.add(
+        t.recv(a.src, bucket_tag(step, a.bucket, 1),
+               slot.buffer.buffer(static_cast<size_t>(a.slot_bytes), kBucketTrailerBytes)));
+}
+
+bool ReceivePipeline::header_only(const RecvAction& a, Slot& slot, int64_t step) {
+  // A delta frame holds a table entry per item and a whole frame the
+  // bucket's bytes, so a message of exactly a header is one, intact or not;
+  // its fragments follow either way, and are received so that the trainer
+  // does not stall.
+  const int64_t trailer = wire_.checksums ? static_cast<int64_t>(kBucketTrailerBytes) : 0;
+  if (slot.received != pipeline::kFrameHeaderBytes + trailer || !slot.error.empty()) return false;
+  const std::string what = cat("engine rank ", global_rank_, ": bucket ", a.bucket, " of step ",
+                               step, " from trainer rank ", a.src);
+  try {
+    const char* frame = slot.buffer.data;
+    if (trailer) {
+      const uint64_t sum = checksum64(frame, static_cast<size_t>(pipeline::kFrameHeaderBytes),
+                                      static_cast<uint64_t>(step));
+      if (sum != read_trailer(frame + pipeline::kFrameHeaderBytes))
+        fail(Errc::format, what, ": its header failed its checksum (computed ", std::hex, sum,
+             ", sent ", read_trailer(frame + pipeline::kFrameHeaderBytes), std::dec, ")");
+    }
+    const pipeline::FrameHeader h =
+        pipeline::read_frame_header(frame, pipeline::kFrameHeaderBytes, what);
+    if (h.step != step) fail(Errc::format, what, ": the frame says step ", h.step);
+    if (!h.fragments) fail(Errc::format, what, ": a header alone that announces no fragments");
+  } catch (const Error& e) {
+    if (e.code() != Errc::format) throw;
+    slot.error = e.what();
+  }
+  return true;
 }
 
 std::pair<uint64_t, uint64_t> ReceivePipeline::checksums(const RecvAction& a, const char* data,
@@ -216,8 +250,8 @@ std::pair<uint64_t, uint64_t> ReceivePipeline::checksums(const RecvAction& a, co
 
 // Waits for bucket k's messages in slot `s`; a message that came short is
 // recorded in the slot's error.
-void ReceivePipeline::receive(size_t k, int s, pipeline::Loop& loop, StepPhases& phases,
-                              Tracer* tracer) {
+void ReceivePipeline::receive(size_t k, int s, int64_t step, pipeline::Loop& loop,
+                              StepPhases& phases, Tracer* tracer) {
   Slot& slot = slots_[s];
   const RecvAction& a = actions_[k];
   const auto t = Clock::now();
@@ -225,15 +259,23 @@ void ReceivePipeline::receive(size_t k, int s, pipeline::Loop& loop, StepPhases&
   // Every message of a bucket has a size both sides derive from the plan:
   // a shorter one is a peer out of step with it, never data to apply.
   hooks.done = [&](const Request& r) {
-    slot.received = static_cast<int64_t>(r.transferred());
     // A frame says its size itself (settle_frame checks it).
-    if (wire_.delta && !broadcast_) return;
+    if (wire_.delta && !broadcast_ && !slot.fragments) {
+      slot.received = static_cast<int64_t>(r.transferred());
+      return;
+    }
     if (r.transferred() != r.bytes() && slot.error.empty())
       slot.error = cat("engine rank ", global_rank_, ": ", r.describe(), " brought ",
                        r.transferred(), " bytes, expected ", r.bytes(),
                        " (does the sender use the same plan and wire options?)");
   };
   slot.posted.drain(loop, hooks);
+  if (wire_.delta && !broadcast_ && header_only(a, slot, step)) {
+    // Whole bytes: the fragments after the header.
+    slot.fragments = true;
+    post_fragments(a, slot, step, loop.transport());
+    slot.posted.drain(loop, hooks);
+  }
   phases.receive += seconds_since(t);
   if (tracer)
     tracer->complete(cat("bucket ", a.bucket), "wire", slot.posted_us, trace_now_us(),
@@ -244,8 +286,9 @@ void ReceivePipeline::receive(size_t k, int s, pipeline::Loop& loop, StepPhases&
 // reported, not applied; the step goes on so that the senders do not stall.
 void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop,
                              ReceiveReport& report, StepPhases& phases, Tracer* tracer) {
-  if (wire_.delta && !broadcast_) return settle_frame(k, s, step, loop, report, phases);
   Slot& slot = slots_[s];
+  if (wire_.delta && !broadcast_ && !slot.fragments)
+    return settle_frame(k, s, step, loop, report, phases);
   const RecvAction& a = actions_[k];
   auto t = Clock::now();
   const auto [sum, sent] = checksums(a, slot.buffer.data, step);
@@ -255,7 +298,8 @@ void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop
     slot.error.clear();
     return;
   }
-  report.bytes += static_cast<uint64_t>(a.bytes);
+  report.bytes +=
+      static_cast<uint64_t>(a.bytes + (slot.fragments ? pipeline::kFrameHeaderBytes : 0));
   for (const FragmentRoute& f : a.fragments)
     if (f.direct) report.bytes_direct += static_cast<uint64_t>(f.bytes);
   if (sum != sent) {
@@ -336,7 +380,7 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
     phases.verify += seconds_since(t);
     report.bytes += static_cast<uint64_t>(slot.received);
     t = Clock::now();
-    if (!a.apply.empty()) copier_.run(k, a.apply, addr(packed), 0, s);
+    if (!a.frame_apply.empty()) copier_.run(k, a.frame_apply, addr(packed), 0, s);
     copier_.wait(s, loop, "applying bucket");
     phases.apply += seconds_since(t);
   } catch (const Error& e) {
@@ -363,7 +407,7 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
   post(1, 1, step, transport);
   for (size_t k = 0; k < actions_.size(); ++k) {
     const int s = static_cast<int>(k % 2);
-    receive(k, s, loop, phases, tracer);
+    receive(k, s, step, loop, phases, tracer);
     settle(k, s, step, loop, report, phases, tracer);
     post(k + 2, s, step, transport);
   }

@@ -50,12 +50,15 @@ struct RecvAction {
   CopyProgram apply;
   std::vector<FragmentRoute> fragments;  // p2p
   int64_t slot_bytes = 0;                // slot bytes used, without trailer
-  // Delta sync (WireOptions::delta): the bucket travels as one frame
-  // (pipeline/delta_frame.h); `apply` reads the packed bucket from offset 0
+  // Delta sync (WireOptions::delta): a delta travels as one frame
+  // (pipeline/delta_frame.h), whole bytes as a header and then `fragments`
+  // as without delta. `frame_apply` reads the packed bucket from offset 0
   // of wherever it lies, and `gather` is its reverse, the packed bucket as
   // the targets hold it (the base a delta applies to).
   std::vector<pipeline::FrameItem> items;
+  CopyProgram frame_apply;
   CopyProgram gather;
+  int64_t frame_bytes = 0;  // the largest frame, without trailer
   // Per item: its bytes in place in the target (a delta patches them
   // there, a whole frame copies them there), or nullptr (through `apply`).
   std::vector<char*> in_place;
@@ -107,8 +110,9 @@ class ReceivePipeline {
     StagingBuffer buffer;
     pipeline::Posted posted;
     int64_t posted_us = 0;
-    std::string error;     // a message of the bucket came short
-    int64_t received = 0;  // delta sync: the frame's bytes
+    std::string error;       // a message of the bucket came short
+    int64_t received = 0;    // delta sync: the frame's bytes
+    bool fragments = false;  // delta sync: the header came, then the fragments
   };
   struct StagingCopy {
     std::unique_ptr<char[]> host;
@@ -119,7 +123,12 @@ class ReceivePipeline {
   void compile_frame(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, int slot, int64_t step, Transport& t);
-  void receive(size_t k, int slot, pipeline::Loop& loop, StepPhases& phases, Tracer* tracer);
+  void post_fragments(const RecvAction& a, Slot& slot, int64_t step, Transport& t);
+  // Delta sync: whether the frame in `slot` is a header alone (the bucket
+  // follows as fragments); a damaged one is recorded in the slot's error.
+  bool header_only(const RecvAction& a, Slot& slot, int64_t step);
+  void receive(size_t k, int slot, int64_t step, pipeline::Loop& loop, StepPhases& phases,
+               Tracer* tracer);
   void settle(size_t k, int slot, int64_t step, pipeline::Loop& loop, ReceiveReport& report,
               StepPhases& phases, Tracer* tracer);
   // The bucket's checksum as it landed and as sent; equal when not checked.

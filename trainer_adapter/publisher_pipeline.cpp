@@ -120,16 +120,18 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
           add_pack(in_place ? a.pack_in_place : a.pack, c, tensor, -pipeline::kFrameHeaderBytes);
       }
       a.items = pipeline::frame_items(plan, a.bucket);
-      slot_bytes_ =
-          std::max(slot_bytes_, static_cast<size_t>(pipeline::kFrameHeaderBytes + a.bytes) +
-                                    kBucketTrailerBytes);
+      compile_fragments(a, plan, tensors, a.whole_pack, a.whole_quant);
+      slot_bytes_ = std::max(
+          slot_bytes_,
+          static_cast<size_t>(std::max(pipeline::kFrameHeaderBytes + a.bytes, a.packed_bytes)) +
+              kBucketTrailerBytes);
       frame_bytes_ =
           std::max(frame_bytes_, static_cast<size_t>(pipeline::frame_capacity(a.items, a.bytes)) +
                                      kBucketTrailerBytes);
       continue;
     }
     if (a.kind == SendAction::Kind::p2p) {
-      compile_fragments(a, plan, tensors);
+      compile_fragments(a, plan, tensors, a.pack, a.quant);
       slot_bytes_ =
           std::max(slot_bytes_, static_cast<size_t>(a.packed_bytes) + kBucketTrailerBytes);
       continue;
@@ -144,7 +146,8 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
 }
 
 void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,
-                                     const std::vector<TensorView>& tensors) {
+                                     const std::vector<TensorView>& tensors, CopyProgram& pack,
+                                     fp8::QuantProgram& quant) {
   auto tensor = [&](const Copy& c) -> const TensorView& {
     return tensors.at(static_cast<size_t>(c.src_param));
   };
@@ -157,14 +160,14 @@ void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,
                    : FragmentRoute{};
       },
       [&](const Copy& c, int64_t shift) {
-        first_run.push_back(static_cast<uint32_t>(a.pack.size()));
+        first_run.push_back(static_cast<uint32_t>(pack.size()));
         if (c.fp8)
-          add_quant(a.quant, c, tensor(c), -shift);
+          add_quant(quant, c, tensor(c), -shift);
         else
-          add_pack(a.pack, c, tensor(c), -shift);
+          add_pack(pack, c, tensor(c), -shift);
       },
       a.packed_bytes);
-  first_run.push_back(static_cast<uint32_t>(a.pack.size()));
+  first_run.push_back(static_cast<uint32_t>(pack.size()));
   // Items -> runs: a packed fragment runs its items' runs of the program.
   for (FragmentRoute& f : a.fragments) {
     if (f.direct) continue;
@@ -199,87 +202,126 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
   }
 }
 
+void SendPipeline::keep_base(SendAction& a) {
+  if (!a.last_sent) a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+  // The frame's programs write at bucket offset + header from their base.
+  const std::uintptr_t base = addr(a.last_sent.get()) - pipeline::kFrameHeaderBytes;
+  if (!a.quant.empty()) fp8::execute_quant_host(a.quant, 0, base);
+  execute_host(a.pack, 0, base);
+  execute_host(a.pack_in_place, 0, base);
+}
+
 int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& phases) {
   SendAction& a = actions_[index];
   Slot& slot = slots_[k];
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
-  const auto pack_start = Clock::now();
-  if (copier_.on_gpu()) {
-    pack_on_device(index, k);
-  } else {
-    quantize(index, k);
-    pack(index, k);
-  }
-  phases.pack += seconds_since(pack_start);
-  char* body = slot.buffer.data + pipeline::kFrameHeaderBytes;
-  // Each item's new bytes: in place, or packed in the slot.
-  std::vector<const char*>& next = next_;
-  next.resize(a.items.size());
-  for (size_t i = 0; i < a.items.size(); ++i)
-    next[i] = a.in_place[i] ? a.in_place[i] : body + a.items[i].offset;
-  bool whole_packed = false;
-  auto pack_whole = [&] {
-    if (whole_packed) return;
-    const auto start = Clock::now();
-    execute_host(a.pack_in_place, 0, addr(slot.buffer.data));
-    phases.pack += seconds_since(start);
-    whole_packed = true;
-  };
   const auto held = static_cast<size_t>(a.dst_engine) < held_.size()
                         ? held_[static_cast<size_t>(a.dst_engine)]
                         : int64_t{-1};
   pipeline::FrameHeader h;
   h.step = step;
-  char* frame = slot.buffer.data;
-  int64_t bytes = pipeline::kFrameHeaderBytes + a.bytes;
-  StagingBuffer* from = &slot.buffer;
   const bool base_held = a.last_sent && a.last_step >= 0 && a.last_step == held;
   // A bucket whose last delta came out nearly whole goes whole for a few
   // steps without trying (most of its elements change every step), then
   // tries again.
   const bool attempt = base_held && a.skip_deltas == 0;
   if (a.skip_deltas > 0) --a.skip_deltas;
-  bool sent_delta = false;
+  bool packed = false;        // the frame's layout is in the slot
+  bool base_is_next = false;  // the encoder brought the base up to this step
+  char* body = slot.buffer.data + pipeline::kFrameHeaderBytes;
+  auto pack_frame = [&] {
+    const auto start = Clock::now();
+    if (copier_.on_gpu()) {
+      pack_on_device(index, k);
+    } else {
+      quantize(index, k);
+      pack(index, k);
+    }
+    phases.pack += seconds_since(start);
+    packed = true;
+  };
   if (attempt) {
+    pack_frame();
     const auto encode_start = Clock::now();  // counted as packing
-    const int64_t n =
-        pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data);
-    // Nearly whole: the bytes themselves spare the engine its read-modify-write.
-    if (4 * (n - pipeline::kFrameHeaderBytes) < 3 * a.bytes) {
-      sent_delta = true;
+    // Each item's new bytes: in place, or packed in the slot.
+    std::vector<const char*>& next = next_;
+    next.resize(a.items.size());
+    for (size_t i = 0; i < a.items.size(); ++i)
+      next[i] = a.in_place[i] ? a.in_place[i] : body + a.items[i].offset;
+    // A look at 1/64 of the bytes first: a delta that would come out
+    // nearly whole is not worth its encoding (the bytes themselves spare the
+    // engine its read-modify-write, and go without a copy).
+    const bool nearly_whole = [&] {
+      const int64_t est = pipeline::estimate_frame(a.items, next.data(), a.last_sent.get());
+      if (4 * est >= 3 * a.bytes) return true;
+      const int64_t n =
+          pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data);
+      base_is_next = true;
+      if (4 * (n - pipeline::kFrameHeaderBytes) >= 3 * a.bytes) return true;
       h.delta = true;
       h.base = a.last_step;
       h.has_digest = delta_verify_;
       if (delta_verify_) h.digest = pipeline::frame_digest(a.items, next.data(), step);
-      frame = slot.frame.data;
-      from = &slot.frame;
-      bytes = n;
+      pipeline::store_frame_header(slot.frame.data, h);
+      int64_t bytes = n;
+      if (wire_.checksums) {
+        store_trailer(slot.frame.data + bytes, checksum64(slot.frame.data, static_cast<size_t>(n),
+                                                          static_cast<uint64_t>(step)));
+        bytes += static_cast<int64_t>(kBucketTrailerBytes);
+      }
+      slot.bytes = bytes;
+      return false;
+    }();
+    phases.pack += seconds_since(encode_start);
+    if (!nearly_whole) {
       ++delta_buckets_;
       delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
-    } else {
-      a.skip_deltas = kWholeStepsBeforeRetry;
+      a.last_step = step;
+      slot.bucket = a.bucket;
+      slot.posted_us = pack_us;
+      if (tracer_)
+        tracer_->complete(cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
+                          {{"bucket", a.bucket}, {"bytes", slot.bytes}, {"delta", true}});
+      slot.posted.add(
+          loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
+                                  slot.frame.buffer(0, static_cast<size_t>(slot.bytes))),
+          a.dst_engine);
+      return slot.bytes;
     }
-    phases.pack += seconds_since(encode_start);
+    a.skip_deltas = kWholeStepsBeforeRetry;
   }
-  // The base holds this step's bytes from here on (the encoder brought it
-  // up to date), and the engine rank holds them once it commits this step:
-  // only then does it get a delta. While deltas are not tried, the base is
-  // kept only for the step before the next try.
-  a.last_step = step;
-  if (!sent_delta) {
-    pack_whole();
-    if (!attempt && a.skip_deltas > 0) {
-      a.last_step = -1;
-    } else if (!attempt) {
-      if (!a.last_sent)
-        a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
-      std::memcpy(a.last_sent.get(), body, static_cast<size_t>(a.bytes));
+  // The whole bytes. The engine rank holds them once it commits this step,
+  // so the base must hold them too, unless the next step will not try a
+  // delta (then the base is brought up to date on the step before a try).
+  const bool keep = base_is_next || a.skip_deltas == 0;
+  a.last_step = keep ? step : -1;
+  if (!copier_.on_gpu()) {
+    if (keep && !base_is_next) {
+      const auto start = Clock::now();
+      keep_base(a);
+      phases.pack += seconds_since(start);
     }
+    // The header alone, then the bucket's fragments, as without delta:
+    // dense runs straight from the tensors into the params.
+    h.fragments = true;
+    post_p2p(index, k, step, phases, &h);
+    return pipeline::kFrameHeaderBytes + a.bytes;
   }
-  pipeline::store_frame_header(frame, h);
+  // CUDA tensors: the packed bucket behind the header, as one frame.
+  if (!packed) pack_frame();
+  const auto start = Clock::now();
+  execute_host(a.pack_in_place, 0, addr(slot.buffer.data));
+  if (keep && !base_is_next) {
+    if (!a.last_sent)
+      a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+    std::memcpy(a.last_sent.get(), body, static_cast<size_t>(a.bytes));
+  }
+  phases.pack += seconds_since(start);
+  pipeline::store_frame_header(slot.buffer.data, h);
+  int64_t bytes = pipeline::kFrameHeaderBytes + a.bytes;
   if (wire_.checksums) {
-    store_trailer(frame + bytes,
-                  checksum64(frame, static_cast<size_t>(bytes), static_cast<uint64_t>(step)));
+    store_trailer(slot.buffer.data + bytes, checksum64(slot.buffer.data, static_cast<size_t>(bytes),
+                                                       static_cast<uint64_t>(step)));
     bytes += static_cast<int64_t>(kBucketTrailerBytes);
   }
   slot.bucket = a.bucket;
@@ -287,10 +329,10 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
   slot.posted_us = pack_us;
   if (tracer_)
     tracer_->complete(cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
-                      {{"bucket", a.bucket}, {"bytes", bytes}, {"delta", h.delta}});
+                      {{"bucket", a.bucket}, {"bytes", bytes}, {"delta", false}});
   slot.posted.add(
       loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
-                              from->buffer(0, static_cast<size_t>(bytes))),
+                              slot.buffer.buffer(0, static_cast<size_t>(bytes))),
       a.dst_engine);
   return bytes;
 }
@@ -313,22 +355,39 @@ void SendPipeline::quantize(size_t index, int slot) {
   fp8::execute_quant_host(a.quant, 0, addr(slots_[slot].buffer.data));
 }
 
-void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phases) {
+void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phases,
+                            const pipeline::FrameHeader* header) {
   const SendAction& a = actions_[index];
   Slot& slot = slots_[k];
   Transport& t = loop_->transport();
   const int peer = trainer_world_ + a.dst_engine;
   const Tag tag = bucket_tag(step, a.bucket, 0);
+  // Delta sync's whole steps pack with the fragments' own programs (the
+  // action's pack and quant lay out the frame).
+  const CopyProgram& pack_program = header ? a.whole_pack : a.pack;
+  const fp8::QuantProgram& quant = header ? a.whole_quant : a.quant;
+  if (header) {
+    char* frame = slot.frame.data;
+    pipeline::store_frame_header(frame, *header);
+    int64_t bytes = pipeline::kFrameHeaderBytes;
+    if (wire_.checksums) {
+      store_trailer(frame + bytes,
+                    checksum64(frame, static_cast<size_t>(bytes), static_cast<uint64_t>(step)));
+      bytes += static_cast<int64_t>(kBucketTrailerBytes);
+    }
+    slot.posted.add(t.send(peer, tag, slot.frame.buffer(0, static_cast<size_t>(bytes))),
+                    a.dst_engine);
+  }
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
   const auto pack_start = Clock::now();
   if (copier_.on_gpu()) {
     pack_on_device(index, k);  // its sends wait for it
-  } else {
+  } else if (!quant.empty()) {
     // FP8 engines: the bucket's quantized items first (their fragments go
     // out after every pack below).
-    quantize(index, k);
+    fp8::execute_quant_host(quant, 0, addr(slot.buffer.data));
   }
-  double pack_s = copier_.on_gpu() || !a.quant.empty() ? seconds_since(pack_start) : 0;
+  double pack_s = copier_.on_gpu() || !quant.empty() ? seconds_since(pack_start) : 0;
   uint64_t sum = 0;
   slot.bucket = a.bucket;
   slot.bytes = a.bytes;
@@ -343,7 +402,7 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
       if (!copier_.on_gpu()) {
         // On the host each fragment goes out as soon as it is packed.
         const auto start = Clock::now();
-        pack(index, k, f.first_op, f.num_ops);
+        execute_host(pack_program, 0, addr(slot.buffer.data), f.first_op, f.num_ops);
         pack_s += seconds_since(start);
       }
       buffer = slot.buffer.buffer(static_cast<size_t>(f.slot_offset), buffer.bytes);

@@ -65,6 +65,11 @@ struct SendAction {
   // in-place ones, for a whole frame.
   std::vector<const char*> in_place;
   CopyProgram pack_in_place;
+  // A whole step of host tensors: the frame's header alone, then the
+  // bucket's `fragments` as without delta, packed by these (the frame's
+  // layout is `pack`/`quant`'s).
+  CopyProgram whole_pack;
+  fp8::QuantProgram whole_quant;
   std::unique_ptr<char[]> last_sent;
   int64_t last_step = -1;
   int skip_deltas = 0;  // whole steps left before a delta is tried again
@@ -120,7 +125,10 @@ class SendPipeline {
     int64_t bytes = 0;
     int64_t posted_us = 0;
   };
-  void compile_fragments(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
+  // a.fragments and a.packed_bytes, and the pack of the packed fragments
+  // into `pack` and `quant`.
+  void compile_fragments(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors,
+                         CopyProgram& pack, fp8::QuantProgram& quant);
   void pack(size_t index, int slot, size_t first = 0, size_t count = static_cast<size_t>(-1));
   // CUDA tensors: one launch for the bucket, its pack and (FP8 engines) the
   // quantization of its quantized items, into `slot`; returns once done.
@@ -128,10 +136,16 @@ class SendPipeline {
   // Runs action `index`'s FP8 quantization into `slot` (host: now; GPU: on
   // the copier's stream, ahead of its pack).
   void quantize(size_t index, int slot);
-  void post_p2p(size_t index, int slot, int64_t step, PushPhases& phases);
-  // Delta sync: the bucket as one frame, its delta or its bytes; returns the
-  // frame's bytes.
+  // The bucket's fragments; with delta sync on (a whole step), `header`
+  // (its frame header, in the slot's frame buffer) goes first.
+  void post_p2p(size_t index, int slot, int64_t step, PushPhases& phases,
+                const pipeline::FrameHeader* header = nullptr);
+  // Delta sync: the bucket's delta as one frame, or its bytes (a header,
+  // then its fragments); returns the bytes sent.
   int64_t post_frame(size_t index, int slot, int64_t step, PushPhases& phases);
+  // Delta sync: the bucket's bytes into a.last_sent, packed as the frame
+  // lays them out (host tensors).
+  void keep_base(SendAction& a);
   void post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
   void drain(Slot& slot, std::vector<bool>& dead);
 

@@ -163,6 +163,41 @@ int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out
   return list ? list_bytes : runs_bytes;
 }
 
+// Samples of `next` against `base`: windows of kSampleWindow bytes, one in
+// every kSampleStride bytes at a pseudo-random place (64-byte aligned), so
+// that the samples do not fall in step with a tensor's rows. Each window is
+// costed as a chunk
+// would be (the least of list, runs and dense for its elements, runs cut at
+// the window's edges), and the sum scaled to the whole item.
+constexpr size_t kSampleWindow = 256, kSampleStride = 16384;
+
+template <int E>
+int64_t estimate_all(const uint8_t* next, const uint8_t* base, int64_t elements) {
+  const auto bytes = static_cast<size_t>(elements) * E;
+  if (bytes == 0) return 0;
+  int64_t sampled = 0, cost = 0;
+  for (size_t start = 0, i = 0; start < bytes; start += kSampleStride, ++i) {
+    const size_t room = std::min(kSampleStride, bytes - start);
+    const size_t jitter =
+        room > kSampleWindow ? ((i + 1) * 0x9E3779B97F4A7C15ULL >> 40) % (room - kSampleWindow) : 0;
+    const size_t at = start + jitter / 64 * 64;
+    const size_t len = std::min(kSampleWindow, bytes - at);
+    int64_t k = 0, runs = 0;
+    uint64_t carry = 0;
+    for (size_t j = 0; j * 64 < len; ++j) {
+      const uint64_t f = block_flags<E>(next + at, base + at, j, len);
+      k += count_bits(f);
+      runs += count_bits(f & ~((f << E) | carry));
+      carry = f ? (f >> (64 - E)) & 1 : 0;
+    }
+    const auto n = static_cast<int64_t>(len / E);
+    cost += std::min({k * (2 + E), runs * 4 + k * E, n * E});
+    sampled += static_cast<int64_t>(len);
+  }
+  return static_cast<int64_t>(static_cast<double>(cost) * static_cast<double>(bytes) /
+                              static_cast<double>(sampled));
+}
+
 template <int E>
 int64_t encode_all(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t* out,
                    EncodeStats* stats) {
@@ -315,6 +350,24 @@ int64_t encode(const void* next, void* base, int64_t elements, int element_bytes
     stats->bytes += bytes;
   }
   return bytes;
+}
+
+int64_t estimate_encoded_bytes(const void* next, const void* base, int64_t elements,
+                               int element_bytes) {
+  check_element_bytes(element_bytes);
+  if (elements < 0) fail(Errc::invalid_argument, "delta: ", elements, " elements");
+  const auto* n = static_cast<const uint8_t*>(next);
+  const auto* b = static_cast<const uint8_t*>(base);
+  switch (element_bytes) {
+    case 1:
+      return estimate_all<1>(n, b, elements);
+    case 2:
+      return estimate_all<2>(n, b, elements);
+    case 4:
+      return estimate_all<4>(n, b, elements);
+    default:
+      return estimate_all<8>(n, b, elements);
+  }
 }
 
 void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,

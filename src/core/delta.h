@@ -52,6 +52,15 @@ struct EncodeStats {
 int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
                EncodeStats* stats = nullptr);
 
+// About what encode() would return for `next` against `base`, from samples
+// (256 bytes somewhere in every 16 KiB, about 1/64 of the bytes), without
+// writing anything: what a sender
+// reads before it pays for an encoding that would come out nearly whole.
+// Exact for uniformly scattered changes only in expectation; changes that
+// fall between the samples go unseen.
+int64_t estimate_encoded_bytes(const void* next, const void* base, int64_t elements,
+                               int element_bytes);
+
 // Applies `bytes` bytes of an encoding to `target` (the `elements` elements
 // the encoding's base holds). Errc::format naming `what`, the chunk and what
 // is wrong when the encoding is malformed; `target` is then unchanged.

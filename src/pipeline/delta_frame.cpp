@@ -12,12 +12,13 @@ namespace weightsync::pipeline {
 namespace {
 
 constexpr uint32_t kMagic = 0x46445357;  // "WSDF" little-endian
-constexpr uint32_t kDeltaFlag = 1, kDigestFlag = 2;
+constexpr uint32_t kDeltaFlag = 1, kDigestFlag = 2, kFragmentsFlag = 4;
 
 }  // namespace
 
 void store_frame_header(char* at, const FrameHeader& h) noexcept {
-  const uint32_t flags = (h.delta ? kDeltaFlag : 0) | (h.has_digest ? kDigestFlag : 0);
+  const uint32_t flags = (h.delta ? kDeltaFlag : 0) | (h.has_digest ? kDigestFlag : 0) |
+                         (h.fragments ? kFragmentsFlag : 0);
   store_le64(at, (static_cast<uint64_t>(flags) << 32) | kMagic);
   store_le64(at + 8, static_cast<uint64_t>(h.step));
   store_le64(at + 16, static_cast<uint64_t>(h.base));
@@ -30,12 +31,15 @@ FrameHeader read_frame_header(const char* at, int64_t bytes, const std::string& 
          kFrameHeaderBytes, "-byte header");
   const uint64_t first = read_le64(at);
   const auto flags = static_cast<uint32_t>(first >> 32);
-  if (static_cast<uint32_t>(first) != kMagic || (flags & ~(kDeltaFlag | kDigestFlag)) != 0)
+  if (static_cast<uint32_t>(first) != kMagic ||
+      (flags & ~(kDeltaFlag | kDigestFlag | kFragmentsFlag)) != 0 ||
+      ((flags & kDeltaFlag) != 0 && (flags & kFragmentsFlag) != 0))
     fail(Errc::format, what, ": not a delta-sync frame (magic and flags ", std::hex, first,
          std::dec, "; does the sender use the same wire options?)");
   FrameHeader h;
   h.delta = (flags & kDeltaFlag) != 0;
   h.has_digest = (flags & kDigestFlag) != 0;
+  h.fragments = (flags & kFragmentsFlag) != 0;
   h.step = static_cast<int64_t>(read_le64(at + 8));
   h.base = static_cast<int64_t>(read_le64(at + 16));
   h.digest = read_le64(at + 24);
@@ -85,6 +89,16 @@ int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* nex
     at += n;
   }
   return at - out;
+}
+
+int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* next,
+                       const char* base) {
+  int64_t bytes = 8 * static_cast<int64_t>(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const FrameItem& f = items[i];
+    bytes += delta::estimate_encoded_bytes(next[i], base + f.offset, f.elements(), f.element_bytes);
+  }
+  return bytes;
 }
 
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,

@@ -4,10 +4,14 @@
 // (docs/delta.md).
 //
 //   header (kFrameHeaderBytes), little-endian:
-//     u32 magic "WSDF"   u32 flags (bit 0: delta, bit 1: digest present)
+//     u32 magic "WSDF"   u32 flags (bit 0: delta, bit 1: digest present,
+//                        bit 2: the bucket follows as fragments)
 //     i64 step           i64 base (delta: the version it applies to; else -1)
 //     u64 digest         checksum64(the bucket's new bytes, seed step)
 //   full frame:  the packed bucket (Bucket::bytes), as without delta
+//   header only (bit 2): nothing more; the bucket's bytes follow as the
+//                fragments it travels as without delta (wire.h), same tag,
+//                straight from the tensors into the params where they can
 //   delta frame: an i64 per item (its encoding's bytes), then the items'
 //                encodings (core/delta.h) back to back, in plan order
 //   with WireOptions::checksums: an 8-byte trailer, checksum64 of all the
@@ -34,6 +38,7 @@ inline constexpr int64_t kFrameHeaderBytes = 32;
 struct FrameHeader {
   bool delta = false;
   bool has_digest = false;
+  bool fragments = false;  // the header alone; the bucket follows as fragments
   int64_t step = 0;
   int64_t base = -1;
   uint64_t digest = 0;
@@ -71,6 +76,11 @@ int64_t frame_capacity(const std::vector<FrameItem>& items, int64_t bucket_bytes
 // itself is the caller's). `stats` sums the items'.
 int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* next, char* base,
                      char* out, delta::EncodeStats* stats = nullptr);
+
+// About the bytes encode_frame would return, header aside, from samples of
+// each item (delta::estimate_encoded_bytes), reading 1/64 of the bytes.
+int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* next,
+                       const char* base);
 
 // Applies the delta frame at `frame` (`bytes`, header included, trailer not)
 // to the items' bytes at the frame's base version, item i at `targets[i]`

@@ -33,9 +33,9 @@ std::vector<Fragment> bucket_fragments(const Plan& plan, int32_t bucket, int64_t
 }
 
 int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wire) {
-  if (wire.delta) return 1;  // one frame (delta_frame.h)
+  // With delta sync, a whole bucket's header goes first (delta_frame.h).
   return static_cast<int64_t>(bucket_fragments(plan, bucket, wire.direct_min_bytes).size()) +
-         (wire.checksums ? 1 : 0);
+         (wire.checksums ? 1 : 0) + (wire.delta ? 1 : 0);
 }
 
 FragmentRoute direct_route(const TensorView& tensor, const Box& box, const Capabilities& caps,

@@ -79,7 +79,8 @@ struct Fragment {
 std::vector<Fragment> bucket_fragments(const Plan& plan, int32_t bucket, int64_t direct_min_bytes);
 
 // The messages of p2p bucket `bucket` on the wire: its fragments, plus the
-// checksum message when checksums are on; with delta sync, one frame.
+// checksum message when checksums are on; with delta sync, plus the frame
+// header before them (a bucket sent as a delta is one message, its frame).
 int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wire);
 
 // When the elements of `box`, in row-major order, are one dense run of memory

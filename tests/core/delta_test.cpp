@@ -118,6 +118,40 @@ INSTANTIATE_TEST_SUITE_P(ElementBytes, DeltaSizes, ::testing::Values(1, 2, 4, 8)
 
 // Each element is compared as a whole: a change in any one of its bytes is
 // found, and only that element is sent.
+// The sender's look before it encodes: near the encoding's size for
+// scattered changes, about dense for a total change, next to nothing for
+// none, and well under dense for changes clustered in runs; it writes nothing.
+TEST(Delta, EstimateIsNearTheEncodingWithoutWritingAnything) {
+  const size_t n = size_t{8} << 20;
+  const Bytes old = random_bytes(n, 7);
+  for (int e : {1, 2, 4}) {
+    SCOPED_TRACE(e);
+    const auto elements = static_cast<int64_t>(n) / e;
+    for (double fraction : {0.0, 0.02, 0.2, 1.0}) {
+      SCOPED_TRACE(fraction);
+      const Bytes next = changed(old, e, fraction, 11);
+      const Bytes before = next;
+      const int64_t estimate = estimate_encoded_bytes(next.data(), old.data(), elements, e);
+      EXPECT_EQ(next, before);
+      const int64_t exact = round_trip(old, next, e).bytes;
+      if (fraction == 0.0) {
+        EXPECT_EQ(estimate, 0);
+      } else {
+        EXPECT_GT(estimate, exact * 7 / 10) << "exact " << exact;
+        EXPECT_LT(estimate, exact * 13 / 10) << "exact " << exact;
+      }
+    }
+  }
+  // Half of every 16 KiB changed in one run: runs, not a list.
+  Bytes next = old;
+  for (size_t at = 0; at < n; at += 16384)
+    for (size_t i = at; i < at + 8192; ++i) next[i] = static_cast<uint8_t>(next[i] ^ 0xff);
+  const int64_t estimate = estimate_encoded_bytes(next.data(), old.data(), n / 2, 2);
+  EXPECT_GT(estimate, static_cast<int64_t>(n) / 4);
+  EXPECT_LT(estimate, static_cast<int64_t>(n) * 3 / 4);
+  EXPECT_THROW(estimate_encoded_bytes(next.data(), old.data(), 1, 3), Error);
+}
+
 TEST(Delta, FindsAChangeInAnyByteOfAnElement) {
   for (int e : {2, 4, 8})
     for (int byte = 0; byte < e; ++byte) {

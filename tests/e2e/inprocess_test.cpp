@@ -96,7 +96,8 @@ class InProcess : public ::testing::Test {
     for (const auto& p : rank_layout().params) {
       out.emplace_back(static_cast<size_t>(numel(p.shape)) * itemsize(p.dtype));
       fill_param(*ckpt_, p, out.back().data());
-      delta_version(out.back().data(), out.back().size(), itemsize(p.dtype), step, last);
+      delta_version(out.back().data(), out.back().size(), itemsize(p.dtype), step, last,
+                    percent_(step));
     }
     return out;
   }
@@ -105,7 +106,7 @@ class InProcess : public ::testing::Test {
     for (size_t i = 0; i < shards_.size(); ++i) {
       shards_[i] = pristine[i];
       delta_version(shards_[i].data(), shards_[i].size(), itemsize(layout_.params[i].dtype), step,
-                    last);
+                    last, percent_(step));
     }
   }
   // Pushes versions first..to of a delta run whose last is `last`, each
@@ -120,13 +121,22 @@ class InProcess : public ::testing::Test {
         EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
     }
   }
-  // Version `step` of a delta run from the checkpoint's bytes: about 1 % of
-  // the elements have their lowest bit flipped, chosen by their own value
-  // (so that the trainer's shards and the engine's params, laid out
-  // differently, agree), a new choice each step; version `last` is the
-  // checkpoint.
-  static void delta_version(char* data, size_t bytes, size_t item, int64_t step, int64_t last) {
+  // Version `step` of a delta run from the checkpoint's bytes: about
+  // `percent` % of the elements (1 unless a test says otherwise) have their
+  // lowest bit flipped, chosen by their own value (so that the trainer's
+  // shards and the engine's params, laid out differently, agree), a new
+  // choice each step; version `last` is the checkpoint.
+  static void delta_version(char* data, size_t bytes, size_t item, int64_t step, int64_t last,
+                            int percent) {
     if (step == last) return;
+    if (percent >= 100) {
+      // Every element but zeros (the engine's padding, which no checkpoint
+      // element lands on, stays zero).
+      for (size_t at = 0; at + item <= bytes; at += item)
+        if (std::any_of(data + at, data + at + item, [](char c) { return c != 0; }))
+          data[at] = static_cast<char>(data[at] ^ (step % 2 ? 1 : 2));
+      return;
+    }
     for (size_t at = 0; at + item <= bytes; at += item) {
       uint64_t v = 0;
       std::memcpy(&v, data + at, std::min<size_t>(item, 8));
@@ -134,10 +144,12 @@ class InProcess : public ::testing::Test {
           static_cast<uint64_t>(step) * 0xBF58476D1CE4E5B9ULL;
       v ^= v >> 31;
       v *= 0x94D049BB133111EBULL;
-      if ((v >> 40) % 100 == 0) data[at] = static_cast<char>(data[at] ^ 1);
+      if ((v >> 40) % 100 < static_cast<uint64_t>(percent))
+        data[at] = static_cast<char>(data[at] ^ 1);
     }
   }
 
+  std::function<int(int64_t step)> percent_ = [](int64_t) { return 1; };
   Model m_;
   std::optional<Checkpoint> ckpt_;
   TrainerLayout layout_;
@@ -281,6 +293,53 @@ TEST_F(InProcess, ADeltaOntoParamsThatDifferFailsItsDigestAndTheNextStepGoesWhol
   EXPECT_EQ(results[3].delta_buckets, 0u) << "the rank failed step 3: step 4 goes whole";
   EXPECT_TRUE(outcomes_[3].committed) << outcomes_[3].reason;
   EXPECT_EQ(final_version_, 4);
+  expect_params_match_checkpoint();
+}
+
+// A version that changes every element goes whole, without an encoding:
+// the header, then the bucket's fragments as without delta, the dense runs
+// straight into the params. A few whole steps later (the base brought up to
+// date on the step before) deltas are tried again, and go.
+TEST_F(InProcess, AVersionThatChangesEverythingGoesWholeAndDeltasComeBack) {
+  const int64_t last = 8;
+  percent_ = [](int64_t step) { return step == 2 || step == 3 ? 100 : 1; };
+  auto small_direct = [](PublisherOptions& o) {
+    o.delta = DeltaMode::automatic;
+    o.wire.direct_min_bytes = 64;  // the tiny model's runs go straight too
+  };
+  std::map<int64_t, std::vector<std::vector<char>>> held;
+  std::thread engine = this->engine(
+      [&](Subscriber& sub) {
+        sub.on_end([&](int64_t s) {
+          if (sub.version() == s) held[s] = params_;
+        });
+      },
+      last, 10);
+  auto pub = publisher(small_direct);
+  const auto pristine = shards_;
+  std::vector<PushResult> results;
+  push_versions(*pub, pristine, 1, last, last, results);
+  engine.join();
+  ASSERT_EQ(engine_error_, "");
+  ASSERT_EQ(outcomes_.size(), static_cast<size_t>(last));
+  const uint64_t buckets = pub->plan().buckets().size();
+  // Step 2 tries (every element changed: whole), steps 3-5 go whole untried,
+  // step 6 tries again: 1 % changed, deltas.
+  for (int64_t step = 1; step <= 5; ++step) {
+    const size_t i = static_cast<size_t>(step - 1);
+    EXPECT_EQ(results[i].delta_buckets, 0u) << "step " << step;
+    EXPECT_GT(outcomes_[i].bytes_direct, outcomes_[i].bytes / 2)
+        << "step " << step << ": whole bytes land straight in the params";
+  }
+  for (int64_t step = 6; step <= last; ++step)
+    EXPECT_GT(results[static_cast<size_t>(step - 1)].delta_buckets, buckets / 2) << "step " << step;
+  for (int64_t step = 1; step <= last; ++step) {
+    ASSERT_TRUE(held.count(step)) << "step " << step << " did not commit";
+    const auto expected = expected_params(step, last);
+    for (size_t i = 0; i < expected.size(); ++i)
+      ASSERT_EQ(held[step][i], expected[i])
+          << "step " << step << ", " << rank_layout().params[i].name;
+  }
   expect_params_match_checkpoint();
 }
 

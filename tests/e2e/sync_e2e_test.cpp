@@ -182,12 +182,9 @@ TEST(E2E, DeltaDamagedOnTheWireIsRejectedAndTheNextStepGoesWhole) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
   const Plan plan = plan_of(m, "p2p", 4096);
-  WireOptions wire;
-  wire.delta = true;
-  int64_t per_step = 0;
-  for (int32_t b : plan.buckets_received_by(1)) per_step += bucket_messages(plan, b, wire);
-  // Engine rank 1's receives of step 1 come first; its first of step 2 is hit.
-  const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&after=" + std::to_string(per_step);
+  // Engine rank 1's first receive of step 2 (its first bucket's frame) is hit.
+  const Tag tag = bucket_tag(2, plan.buckets_received_by(1).at(0), 0);
+  const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&tag=" + std::to_string(tag);
   const auto d = run_demo(
       m, {"--delta", "--steps", "3", "--bucket-bytes", "4096", "--engine-transport", fault});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;

@@ -222,6 +222,8 @@ TEST(Wire, FragmentsCoverEachBucketBackToBack) {
       EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()));
       w.checksums = true;
       EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()) + 1);
+      w.delta = true;
+      EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()) + 2);
     }
   }
 }

@@ -132,6 +132,15 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   const int64_t n = ops_per_step(plan, k.role, k.rank, wire);
   k.op = k.role == "engine" ? "recv" : "send";
   k.after = (step - 1) * n + n / 2 + 1;
+  if (job.delta && step > 1 && plan.mode() == PlanMode::p2p) {
+    // Step 1 goes whole; a later bucket is one message as a delta, more
+    // when it goes whole. Counted as deltas, so that a kill at step 2 lands
+    // in step 2 (at a later step K: in step K or, after whole steps, before).
+    const auto buckets = static_cast<int64_t>(
+        (k.role == "engine" ? plan.buckets_received_by(k.rank) : plan.buckets_sent_by(k.rank))
+            .size());
+    k.after = n + (step - 2) * buckets + buckets / 2 + 1;
+  }
   return k;
 }
 
