@@ -364,10 +364,10 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
       for (size_t i = 0; i < a.items.size(); ++i)
         targets_[i] = a.in_place[i] ? a.in_place[i] : scratch_.get() + a.items[i].offset;
       execute_host(a.gather, 0, addr(scratch_.get()));
-      pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what);
+      uint64_t digest = 0;
+      pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what, step,
+                            h.has_digest ? &digest : nullptr);
       if (h.has_digest) {
-        const uint64_t digest =
-            pipeline::frame_digest(a.items, const_cast<const char* const*>(targets_.data()), step);
         if (digest != h.digest)
           fail(Errc::mismatch, what, ": after its delta the bucket hashes to ", std::hex, digest,
                ", the trainer's bytes to ", h.digest, std::dec,

@@ -255,13 +255,13 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
       const int64_t est = pipeline::estimate_frame(a.items, next.data(), a.last_sent.get());
       if (4 * est >= 3 * a.bytes) return true;
       const int64_t n =
-          pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data);
+          pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data, nullptr,
+                                 step, delta_verify_ ? &h.digest : nullptr);
       base_is_next = true;
       if (4 * (n - pipeline::kFrameHeaderBytes) >= 3 * a.bytes) return true;
       h.delta = true;
       h.base = a.last_step;
       h.has_digest = delta_verify_;
-      if (delta_verify_) h.digest = pipeline::frame_digest(a.items, next.data(), step);
       pipeline::store_frame_header(slot.frame.data, h);
       int64_t bytes = n;
       if (wire_.checksums) {

@@ -4,6 +4,9 @@
 // GB/s per core, well above what one transport stream moves.
 #include <weightsync/checksum.h>
 
+#include "core/checksum_stream.h"
+
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -43,26 +46,81 @@ inline uint64_t avalanche(uint64_t h) noexcept {
   return h;
 }
 
+// The lanes' starting values, and 32-byte rounds of `p` into them while
+// `end` leaves room for one; returns where the rounds stopped.
+inline void start_lanes(uint64_t* lane, uint64_t seed) noexcept {
+  lane[0] = seed + kPrime1 + kPrime2;
+  lane[1] = seed + kPrime2;
+  lane[2] = seed;
+  lane[3] = seed - kPrime1;
+}
+
+inline const unsigned char* rounds(uint64_t* lane, const unsigned char* p,
+                                   const unsigned char* end) noexcept {
+  for (; end - p >= 32; p += 32) {
+    __builtin_prefetch(p + 2048);  // this machine's prefetcher alone halves the speed
+    lane[0] = mix_lane(lane[0], load64(p));
+    lane[1] = mix_lane(lane[1], load64(p + 8));
+    lane[2] = mix_lane(lane[2], load64(p + 16));
+    lane[3] = mix_lane(lane[3], load64(p + 24));
+  }
+  return p;
+}
+
+// The end: the lanes (when there were rounds) and the bytes after them.
+inline uint64_t finish_hash(uint64_t h, const uint64_t* lane, bool had_rounds,
+                            const unsigned char* p, const unsigned char* end) noexcept {
+  if (had_rounds) {
+    h ^= rotl(lane[0], 1) + rotl(lane[1], 7) + rotl(lane[2], 12) + rotl(lane[3], 18);
+    for (int i = 0; i < 4; ++i) h = (h ^ mix_lane(0, lane[i])) * kPrime1 + kPrime4;
+  }
+  for (; end - p >= 8; p += 8) h = rotl(h ^ mix_lane(0, load64(p)), 27) * kPrime1 + kPrime4;
+  for (; p < end; ++p) h = rotl(h ^ (uint64_t{*p} * kPrime4), 11) * kPrime1;
+  return avalanche(h);
+}
+
+inline uint64_t first_hash(uint64_t seed, std::size_t bytes) noexcept {
+  return seed + kPrime4 + static_cast<uint64_t>(bytes) * kPrime3;
+}
+
 }  // namespace
 
 uint64_t checksum64(const void* data, std::size_t bytes, uint64_t seed) noexcept {
   const auto* p = static_cast<const unsigned char*>(data);
   const unsigned char* const end = p + bytes;
-  uint64_t h = seed + kPrime4 + static_cast<uint64_t>(bytes) * kPrime3;
+  uint64_t lane[4] = {};
   if (bytes >= 32) {
-    uint64_t lane[4] = {seed + kPrime1 + kPrime2, seed + kPrime2, seed, seed - kPrime1};
-    for (; end - p >= 32; p += 32) {
-      lane[0] = mix_lane(lane[0], load64(p));
-      lane[1] = mix_lane(lane[1], load64(p + 8));
-      lane[2] = mix_lane(lane[2], load64(p + 16));
-      lane[3] = mix_lane(lane[3], load64(p + 24));
-    }
-    h ^= rotl(lane[0], 1) + rotl(lane[1], 7) + rotl(lane[2], 12) + rotl(lane[3], 18);
-    for (uint64_t l : lane) h = (h ^ mix_lane(0, l)) * kPrime1 + kPrime4;
+    start_lanes(lane, seed);
+    p = rounds(lane, p, end);
   }
-  for (; end - p >= 8; p += 8) h = rotl(h ^ mix_lane(0, load64(p)), 27) * kPrime1 + kPrime4;
-  for (; p < end; ++p) h = rotl(h ^ (uint64_t{*p} * kPrime4), 11) * kPrime1;
-  return avalanche(h);
+  return finish_hash(first_hash(seed, bytes), lane, bytes >= 32, p, end);
+}
+
+Checksum64Stream::Checksum64Stream(uint64_t seed, std::size_t total) noexcept
+    : seed_(seed), total_(total) {
+  start_lanes(lane_, seed);
+}
+
+void Checksum64Stream::update(const void* data, std::size_t bytes) noexcept {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const unsigned char* const end = p + bytes;
+  if (pending_bytes_ > 0) {
+    const auto take = std::min<std::size_t>(32 - pending_bytes_, bytes);
+    std::memcpy(pending_ + pending_bytes_, p, take);
+    pending_bytes_ += take;
+    p += take;
+    if (pending_bytes_ < 32) return;
+    rounds(lane_, pending_, pending_ + 32);
+    pending_bytes_ = 0;
+  }
+  p = rounds(lane_, p, end);
+  std::memcpy(pending_, p, static_cast<std::size_t>(end - p));
+  pending_bytes_ = static_cast<std::size_t>(end - p);
+}
+
+uint64_t Checksum64Stream::finish() const noexcept {
+  return finish_hash(first_hash(seed_, total_), lane_, total_ >= 32, pending_,
+                     pending_ + pending_bytes_);
 }
 
 }  // namespace weightsync

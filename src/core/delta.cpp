@@ -1,5 +1,7 @@
 #include "core/delta.h"
 
+#include "core/checksum_stream.h"
+
 #include <weightsync/error.h>
 
 #include <algorithm>
@@ -104,6 +106,8 @@ int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out
   uint64_t carry = 0;                       // 1: the previous block's last element changed
   uint64_t flags[kChunkElements * 8 / 64];  // by block, for the second pass
   for (size_t j = 0; j < blocks; ++j) {
+    __builtin_prefetch(next + j * 64 + 2048);
+    __builtin_prefetch(base + j * 64 + 2048);
     const uint64_t f = flags[j] = block_flags<E>(next, base, j, bytes);
     if (f == 0) {
       carry = 0;
@@ -200,11 +204,13 @@ int64_t estimate_all(const uint8_t* next, const uint8_t* base, int64_t elements)
 
 template <int E>
 int64_t encode_all(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t* out,
-                   EncodeStats* stats) {
+                   EncodeStats* stats, Checksum64Stream* hash) {
   int64_t at = 0;
   for (int64_t first = 0; first < elements; first += kChunkElements) {
     const int64_t n = std::min(kChunkElements, elements - first);
     at += encode_chunk<E>(next + first * E, base + first * E, n, out + at, stats);
+    // While the chunk is in cache.
+    if (hash) hash->update(next + first * E, static_cast<size_t>(n * E));
   }
   return at;
 }
@@ -219,7 +225,7 @@ struct Record {
 
 template <int E>
 void apply_all(const uint8_t* enc, int64_t bytes, uint8_t* target, int64_t elements,
-               const std::string& what) {
+               const std::string& what, Checksum64Stream* hash) {
   // Check everything first: nothing is written unless the whole encoding is sound.
   std::vector<Record> records;
   records.reserve(static_cast<size_t>((elements + kChunkElements - 1) / kChunkElements));
@@ -307,6 +313,7 @@ void apply_all(const uint8_t* enc, int64_t bytes, uint8_t* target, int64_t eleme
         }
         break;
     }
+    if (hash) hash->update(dst, static_cast<size_t>(n * E));
     first += kChunkElements;
   }
 }
@@ -324,7 +331,7 @@ int64_t max_encoded_bytes(int64_t elements, int element_bytes) noexcept {
 }
 
 int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
-               EncodeStats* stats) {
+               EncodeStats* stats, Checksum64Stream* hash) {
   check_element_bytes(element_bytes);
   if (elements < 0) fail(Errc::invalid_argument, "delta: ", elements, " elements");
   const auto* n = static_cast<const uint8_t*>(next);
@@ -333,16 +340,16 @@ int64_t encode(const void* next, void* base, int64_t elements, int element_bytes
   int64_t bytes = 0;
   switch (element_bytes) {
     case 1:
-      bytes = encode_all<1>(n, b, elements, o, stats);
+      bytes = encode_all<1>(n, b, elements, o, stats, hash);
       break;
     case 2:
-      bytes = encode_all<2>(n, b, elements, o, stats);
+      bytes = encode_all<2>(n, b, elements, o, stats, hash);
       break;
     case 4:
-      bytes = encode_all<4>(n, b, elements, o, stats);
+      bytes = encode_all<4>(n, b, elements, o, stats, hash);
       break;
     default:
-      bytes = encode_all<8>(n, b, elements, o, stats);
+      bytes = encode_all<8>(n, b, elements, o, stats, hash);
       break;
   }
   if (stats) {
@@ -371,7 +378,7 @@ int64_t estimate_encoded_bytes(const void* next, const void* base, int64_t eleme
 }
 
 void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,
-           const std::string& what) {
+           const std::string& what, Checksum64Stream* hash) {
   check_element_bytes(element_bytes);
   if (elements < 0 || bytes < 0)
     fail(Errc::invalid_argument, what, ": delta of ", elements, " elements in ", bytes, " bytes");
@@ -379,13 +386,13 @@ void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, 
   auto* t = static_cast<uint8_t*>(target);
   switch (element_bytes) {
     case 1:
-      return apply_all<1>(e, bytes, t, elements, what);
+      return apply_all<1>(e, bytes, t, elements, what, hash);
     case 2:
-      return apply_all<2>(e, bytes, t, elements, what);
+      return apply_all<2>(e, bytes, t, elements, what, hash);
     case 4:
-      return apply_all<4>(e, bytes, t, elements, what);
+      return apply_all<4>(e, bytes, t, elements, what, hash);
     default:
-      return apply_all<8>(e, bytes, t, elements, what);
+      return apply_all<8>(e, bytes, t, elements, what, hash);
   }
 }
 

@@ -28,6 +28,10 @@
 #include <cstdint>
 #include <string>
 
+namespace weightsync {
+class Checksum64Stream;
+}
+
 namespace weightsync::delta {
 
 inline constexpr int64_t kChunkElements = 4096;
@@ -48,9 +52,10 @@ struct EncodeStats {
 // Encodes `next` against `base` (each `elements` elements of `element_bytes`
 // bytes: 1, 2, 4 or 8) into `out`, which holds max_encoded_bytes, and writes
 // the changed elements into `base`, which then equals `next`. Returns the
-// encoded bytes. Errc::invalid_argument for another element size.
+// encoded bytes. Errc::invalid_argument for another element size. With
+// `hash`, `next` goes into it too, chunk by chunk while in cache.
 int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
-               EncodeStats* stats = nullptr);
+               EncodeStats* stats = nullptr, Checksum64Stream* hash = nullptr);
 
 // About what encode() would return for `next` against `base`, from samples
 // (256 bytes somewhere in every 16 KiB, about 1/64 of the bytes), without
@@ -64,8 +69,10 @@ int64_t estimate_encoded_bytes(const void* next, const void* base, int64_t eleme
 // Applies `bytes` bytes of an encoding to `target` (the `elements` elements
 // the encoding's base holds). Errc::format naming `what`, the chunk and what
 // is wrong when the encoding is malformed; `target` is then unchanged.
+// With `hash`, the target's bytes after the patch go into it, chunk by
+// chunk while in cache.
 void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,
-           const std::string& what);
+           const std::string& what, Checksum64Stream* hash = nullptr);
 // What apply checks, without a target: Errc::format as apply throws it.
 void check(const void* encoding, int64_t bytes, int64_t elements, int element_bytes,
            const std::string& what);

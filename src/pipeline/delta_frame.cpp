@@ -2,6 +2,8 @@
 
 #include "pipeline/wire.h"
 
+#include "core/checksum_stream.h"
+
 #include <weightsync/checksum.h>
 #include <weightsync/error.h>
 
@@ -77,13 +79,17 @@ int64_t frame_capacity(const std::vector<FrameItem>& items, int64_t bucket_bytes
 }
 
 int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* next, char* base,
-                     char* out, delta::EncodeStats* stats) {
+                     char* out, delta::EncodeStats* stats, int64_t step, uint64_t* digest) {
   char* table = out + kFrameHeaderBytes;
   char* at = table + 8 * static_cast<int64_t>(items.size());
+  if (digest) *digest = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const FrameItem& f = items[i];
-    const int64_t n =
-        delta::encode(next[i], base + f.offset, f.elements(), f.element_bytes, at, stats);
+    Checksum64Stream hash(fragment_seed(step, static_cast<uint32_t>(i)),
+                          static_cast<size_t>(f.bytes));
+    const int64_t n = delta::encode(next[i], base + f.offset, f.elements(), f.element_bytes, at,
+                                    stats, digest ? &hash : nullptr);
+    if (digest) *digest = checksum_fold(*digest, hash.finish());
     store_le64(table, static_cast<uint64_t>(n));
     table += 8;
     at += n;
@@ -102,7 +108,7 @@ int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* n
 }
 
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
-                 char* const* targets, const std::string& what) {
+                 char* const* targets, const std::string& what, int64_t step, uint64_t* digest) {
   const auto table_bytes = 8 * static_cast<int64_t>(items.size());
   if (bytes < kFrameHeaderBytes + table_bytes)
     fail(Errc::format, what, ": a delta frame of ", bytes, " bytes cannot hold the table of its ",
@@ -123,10 +129,15 @@ void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t
   if (at != bytes)
     fail(Errc::format, what, ": ", bytes - at, " bytes left over after the last item's encoding");
   at = kFrameHeaderBytes + table_bytes;
+  if (digest) *digest = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const auto n = static_cast<int64_t>(read_le64(table + 8 * i));
     const FrameItem& f = items[i];
-    delta::apply(frame + at, n, targets[i], f.elements(), f.element_bytes, item_what(i));
+    Checksum64Stream hash(fragment_seed(step, static_cast<uint32_t>(i)),
+                          static_cast<size_t>(f.bytes));
+    delta::apply(frame + at, n, targets[i], f.elements(), f.element_bytes, item_what(i),
+                 digest ? &hash : nullptr);
+    if (digest) *digest = checksum_fold(*digest, hash.finish());
     at += n;
   }
 }

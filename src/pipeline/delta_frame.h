@@ -73,9 +73,12 @@ int64_t frame_capacity(const std::vector<FrameItem>& items, int64_t bucket_bytes
 // (`next[i]`, item i's packed bytes wherever they lie) against `base` (the
 // packed bucket the receiver holds; updated to the new bytes) at `out` +
 // kFrameHeaderBytes; returns the frame's bytes, header included (the header
-// itself is the caller's). `stats` sums the items'.
+// itself is the caller's). `stats` sums the items'. With `digest`, the new
+// bytes' frame_digest for `step` goes there, hashed while the encoder has
+// them in cache.
 int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* next, char* base,
-                     char* out, delta::EncodeStats* stats = nullptr);
+                     char* out, delta::EncodeStats* stats = nullptr, int64_t step = 0,
+                     uint64_t* digest = nullptr);
 
 // About the bytes encode_frame would return, header aside, from samples of
 // each item (delta::estimate_encoded_bytes), reading 1/64 of the bytes.
@@ -86,9 +89,12 @@ int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* n
 // to the items' bytes at the frame's base version, item i at `targets[i]`
 // (wherever it lies: a param, or a scratch bucket). Checks the table and
 // every encoding before it writes anything: Errc::format naming `what` and
-// the item when one is malformed.
+// the item when one is malformed. With `digest`, the frame_digest for
+// `step` of the targets after the patch goes there (hashed as they are
+// patched, while in cache).
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
-                 char* const* targets, const std::string& what);
+                 char* const* targets, const std::string& what, int64_t step = 0,
+                 uint64_t* digest = nullptr);
 
 // The digest of a bucket of `step` whose item i holds the bytes at
 // `data[i]`: the fold of each item's checksum64 (seed fragment_seed(step, i)).

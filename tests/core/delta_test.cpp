@@ -3,6 +3,10 @@
 // malformed encodings refused without a byte of the target changed.
 #include "core/delta.h"
 
+#include "core/checksum_stream.h"
+
+#include <weightsync/checksum.h>
+
 #include <weightsync/error.h>
 
 #include <gtest/gtest.h>
@@ -48,13 +52,17 @@ RoundTrip round_trip(const Bytes& old, const Bytes& next, int e) {
   Bytes base = old;
   Bytes out(static_cast<size_t>(max_encoded_bytes(elements, e)));
   RoundTrip r;
-  r.bytes = encode(next.data(), base.data(), elements, e, out.data(), &r.stats);
+  // Both sides hash as they go: the new bytes, chunk by chunk.
+  Checksum64Stream sent(5, next.size()), applied(5, next.size());
+  r.bytes = encode(next.data(), base.data(), elements, e, out.data(), &r.stats, &sent);
+  EXPECT_EQ(sent.finish(), checksum64(next.data(), next.size(), 5));
   EXPECT_LE(r.bytes, static_cast<int64_t>(out.size()));
   EXPECT_EQ(r.bytes, r.stats.bytes);
   EXPECT_EQ(base, next) << "the sender's base must equal what it sent";
   Bytes target = old;
-  apply(out.data(), r.bytes, target.data(), elements, e, "test item");
+  apply(out.data(), r.bytes, target.data(), elements, e, "test item", &applied);
   EXPECT_EQ(target, next);
+  EXPECT_EQ(applied.finish(), checksum64(next.data(), next.size(), 5));
   return r;
 }
 

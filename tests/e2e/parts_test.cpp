@@ -7,6 +7,7 @@
 #include <weightsync/subscriber.h>
 #include <weightsync/trace.h>
 
+#include "core/checksum_stream.h"
 #include "pipeline/wire.h"
 
 #include <nlohmann/json.hpp>
@@ -15,6 +16,7 @@
 
 #include <fstream>
 #include <numeric>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -40,6 +42,28 @@ TEST(Checksum, DeterministicAndSensitiveToEveryByte) {
   }
   EXPECT_EQ(seen.size(), 1 + 2 * data.size()) << "every single-bit flip gives a new checksum";
   EXPECT_NE(checksum64(nullptr, 0, 0), checksum64(nullptr, 0, 1));
+}
+
+// The wire's values, pinned (a bucket's trailer and a delta's digest are
+// checksum64 values that both sides must agree on, across versions).
+TEST(Checksum, KnownValuesAndTheStreamGivesThemInAnyPieces) {
+  std::vector<unsigned char> data(1000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 131 + 7);
+  EXPECT_EQ(checksum64(data.data(), 5, 3), 0xd6c6d6d749430e50ULL);
+  EXPECT_EQ(checksum64(data.data(), 100, 3), 0x8b7f7d5952a1f9f8ULL);
+  EXPECT_EQ(checksum64(data.data(), 1000, 3), 0xaa217101601e6e93ULL);
+  std::mt19937 rng(9);
+  for (size_t n : {0, 1, 8, 31, 32, 33, 100, 999, 1000}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      Checksum64Stream stream(7, n);
+      for (size_t at = 0; at < n;) {
+        const size_t piece = std::min<size_t>(n - at, trial == 0 ? 32 : 1 + rng() % 80);
+        stream.update(data.data() + at, piece);
+        at += piece;
+      }
+      EXPECT_EQ(stream.finish(), checksum64(data.data(), n, 7)) << n << " bytes, trial " << trial;
+    }
+  }
 }
 
 TEST(Checksum, BucketTagsSeparateStepsBucketsAndParts) {

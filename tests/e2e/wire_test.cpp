@@ -135,8 +135,12 @@ TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
   std::vector<char> frame(static_cast<size_t>(pipeline::frame_capacity(items, b.bytes)));
   std::vector<const char*> sources;
   for (const auto& f : items) sources.push_back(next.data() + f.offset);
-  const int64_t n = pipeline::encode_frame(items, sources.data(), base.data(), frame.data());
+  uint64_t sent_digest = 0;
+  const int64_t n = pipeline::encode_frame(items, sources.data(), base.data(), frame.data(),
+                                           nullptr, 9, &sent_digest);
   EXPECT_EQ(base, next) << "the sender's copy follows what it sent";
+  EXPECT_EQ(sent_digest, pipeline::frame_digest(items, sources.data(), 9))
+      << "the encoder's digest is the new bytes'";
   EXPECT_LT(n, b.bytes / 2) << "about 1 % of the bytes changed";
   pipeline::FrameHeader h;
   h.delta = true;
@@ -156,8 +160,11 @@ TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
     for (const auto& f : items) out.push_back(bucket.data() + f.offset);
     return out;
   };
-  pipeline::apply_frame(items, frame.data(), n, targets_in(target).data(), "bucket 1");
+  uint64_t applied_digest = 0;
+  pipeline::apply_frame(items, frame.data(), n, targets_in(target).data(), "bucket 1", 9,
+                        &applied_digest);
   EXPECT_EQ(target, next);
+  EXPECT_EQ(applied_digest, sent_digest) << "the patched bytes hash as the sender's";
 
   auto refused = [&](const std::vector<char>& f, int64_t bytes, const std::string& says) {
     std::vector<char> t = old;
