@@ -248,16 +248,19 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
     next.resize(a.items.size());
     for (size_t i = 0; i < a.items.size(); ++i)
       next[i] = a.in_place[i] ? a.in_place[i] : body + a.items[i].offset;
-    // A look at 1/64 of the bytes first: a delta that would come out
-    // nearly whole is not worth its encoding (the bytes themselves spare the
-    // engine its read-modify-write, and go without a copy).
+    // A look at 1/64 of the bytes first, unless the last delta was small: a
+    // delta that would come out nearly whole is not worth its encoding (the
+    // bytes themselves spare the engine its read-modify-write, and go
+    // without a copy).
     const bool nearly_whole = [&] {
-      const int64_t est = pipeline::estimate_frame(a.items, next.data(), a.last_sent.get());
-      if (4 * est >= 3 * a.bytes) return true;
+      if (!a.last_delta_small &&
+          4 * pipeline::estimate_frame(a.items, next.data(), a.last_sent.get()) >= 3 * a.bytes)
+        return true;
       const int64_t n =
           pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data, nullptr,
                                  step, delta_verify_ ? &h.digest : nullptr);
       base_is_next = true;
+      a.last_delta_small = 4 * (n - pipeline::kFrameHeaderBytes) < a.bytes;
       if (4 * (n - pipeline::kFrameHeaderBytes) >= 3 * a.bytes) return true;
       h.delta = true;
       h.base = a.last_step;

@@ -72,7 +72,8 @@ struct SendAction {
   fp8::QuantProgram whole_quant;
   std::unique_ptr<char[]> last_sent;
   int64_t last_step = -1;
-  int skip_deltas = 0;  // whole steps left before a delta is tried again
+  int skip_deltas = 0;            // whole steps left before a delta is tried again
+  bool last_delta_small = false;  // its last encoding was under 1/4 of the bytes
 };
 
 // Waits for the user's producer work before a push reads the tensors
