@@ -46,6 +46,9 @@ struct Subscriber::Impl : pipeline::Endpoint {
   std::unique_ptr<char[]> arena_host;
   gpu::Memory arena_device;
   std::string weights_error;  // the step's first failure of on_weights
+  // Delta sync in load_weights mode: the version the arena holds (-1 when
+  // opened: nothing yet), which a delta must name as its base.
+  int64_t arena_version = -1;
   std::string adopt_error;    // elastic: why the step's plan could not be made
   std::atomic<int64_t> version{-1};
   std::atomic<bool> stopping{false};
@@ -151,10 +154,6 @@ void Subscriber::Impl::build_receiver(const Plan& p) {
   pipeline.reset();  // its slots first
   fp8.reset();
   const std::string who = cat("engine rank ", global);
-  if (on_weights && wire.delta)
-    fail(Errc::unsupported, who, ": load_weights mode (on_weights) cannot take delta sync yet: ",
-         "its arena does not keep the version the engine holds; run the trainers with ",
-         "delta=off (docs/delta.md)");
   if (on_weights) open_arena(p);
   std::unique_ptr<engine::Fp8Staging> quant;
   if (engine::has_fp8(rank_layout()))
@@ -212,7 +211,10 @@ pipeline::RankMemory Subscriber::Impl::weights_memory() const {
 
 // The arena and, in it, each HF key of the rank as the param it applies into.
 void Subscriber::Impl::open_arena(const Plan& p) {
-  delivery = engine::plan_delivery(p, global, rank_layout());
+  // With delta sync every tensor keeps its own place from step to step: the
+  // arena holds the version a delta applies to.
+  delivery = engine::plan_delivery(p, global, rank_layout(), /*keep_version=*/wire.delta);
+  arena_version = -1;
   const auto bytes = static_cast<size_t>(std::max<int64_t>(delivery.arena_bytes, 1));
   const pipeline::RankMemory memory = weights_memory();
   char* base = nullptr;
@@ -351,7 +353,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
                        " (layouts or plan options differ)");
   } else {
     try {
-      pipeline->set_version(version);
+      pipeline->set_version(on_weights ? arena_version : version.load());
       report = pipeline->run(
           begin.step, *transport, [this] { poll(); }, deadline, out.phases, opt.tracer);
     } catch (const Error& e) {
@@ -408,6 +410,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
       if (!error.empty()) out.reason = error;
     }
     version = begin.step;
+    if (on_weights) arena_version = begin.step;
   }
   out.phases.commit = seconds_since(commit_start);
   out.seconds = seconds_since(start);

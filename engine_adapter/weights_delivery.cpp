@@ -48,7 +48,8 @@ std::vector<std::vector<uint32_t>> params_per_bucket(const Plan& plan, int globa
 
 }  // namespace
 
-DeliveryPlan plan_delivery(const Plan& plan, int global_rank, const EngineRankLayout& layout) {
+DeliveryPlan plan_delivery(const Plan& plan, int global_rank, const EngineRankLayout& layout,
+                           bool keep_version) {
   check_whole_tensors(layout, global_rank);
   const auto per_bucket = params_per_bucket(plan, global_rank);
   const size_t n = layout.params.size();
@@ -75,7 +76,10 @@ DeliveryPlan plan_delivery(const Plan& plan, int global_rank, const EngineRankLa
     }
     out.complete_after[static_cast<size_t>(last[p])].push_back(p);
     // Receives are posted up to two buckets ahead of the one being applied.
-    spans.push_back({p, std::max<int64_t>(0, first[p] - 2), last[p], aligned(bytes)});
+    if (keep_version)
+      spans.push_back({p, 0, end, aligned(bytes)});
+    else
+      spans.push_back({p, std::max<int64_t>(0, first[p] - 2), last[p], aligned(bytes)});
   }
   for (auto& c : out.complete_after) std::sort(c.begin(), c.end());
   out.arena_bytes = detail::place_first_fit(std::move(spans), out.offset);

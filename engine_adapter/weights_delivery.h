@@ -9,7 +9,8 @@
 // key occupies its place from two buckets before the first that carries it
 // (receives are posted ahead) to the one that completes it; keys whose
 // spans do not meet share memory. The arena stays near a few buckets even
-// for a model far larger than the rank's memory.
+// for a model far larger than the rank's memory (but with delta sync, which
+// needs the version kept).
 #pragma once
 
 #include <weightsync/engine_layout.h>
@@ -30,7 +31,10 @@ struct DeliveryPlan {
 };
 
 // Errc::invalid_argument when `layout` is not whole HF tensors (one segment
-// covering each param).
-DeliveryPlan plan_delivery(const Plan& plan, int global_rank, const EngineRankLayout& layout);
+// covering each param). With `keep_version` (delta sync) no two keys share
+// memory: the arena holds the rank's whole version from step to step (the
+// base a delta patches), at the cost of the rank's bytes.
+DeliveryPlan plan_delivery(const Plan& plan, int global_rank, const EngineRankLayout& layout,
+                           bool keep_version = false);
 
 }  // namespace weightsync::engine

@@ -348,6 +348,51 @@ def test_load_weights_replica_beside_a_direct_one(setup, mode):
     loader.close()
 
 
+def test_load_weights_takes_deltas_and_hands_whole_tensors(setup):
+    """load_weights mode with delta="auto": the rank's arena keeps the version
+    it holds, a delta patches it there, and every tensor goes, whole, to the
+    load_weights callback; each step equals the trainer's tensors, and steps
+    after the first move a small part of the bytes."""
+    coord, layout, engine, _ = setup
+    hf = {**engine, "framework": "hf"}
+    loader = ws.Subscriber(coordinator=coord.address, engine=hf)
+    got = {}
+
+    @loader.on_weights
+    def load_weights(batch):
+        for key, t in batch:
+            got[key] = t.clone()  # the views are valid during the call only
+
+    outcomes = []
+    t = threading.Thread(target=lambda: outcomes.extend(
+        loader.run_step(timeout=30.0) for _ in range(3)))
+    t.start()
+    tensors = trainer_tensors(layout, 5)
+    results = []
+    with ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=hf,
+                      bucket_bytes=16 << 10, delta="auto") as pub:
+        pub.register_module(module_of(tensors))
+        for step in (1, 2, 3):
+            got.clear()
+            if step > 1:
+                for x in tensors.values():
+                    x.view(-1)[step::101].add_(1.0)  # about 1 % of the elements
+            results.append(pub.push(step))
+            assert results[-1].committed == [0], results[-1].failed
+            while len(outcomes) < step:
+                time.sleep(0.01)
+            assert sorted(got) == sorted(tensors)
+            for key, x in tensors.items():
+                assert torch.equal(got[key], x), (step, key)
+    t.join()
+    assert [o.committed for o in outcomes] == [True, True, True]
+    assert outcomes[0].delta_buckets == 0 and results[0].delta_buckets == 0
+    for res, out in zip(results[1:], outcomes[1:]):
+        assert res.delta_buckets > 0 and out.delta_buckets == res.delta_buckets
+        assert res.bytes_sent * 4 < results[0].bytes_sent, (res.bytes_sent, results[0].bytes_sent)
+    loader.close()
+
+
 def test_a_failing_load_weights_fails_only_that_rank(setup):
     coord, layout, engine, _ = setup
     groups = [engine, {**engine, "framework": "hf"}]
