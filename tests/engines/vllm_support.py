@@ -75,6 +75,25 @@ def make_checkpoint(kind: str, out: str, seed: int) -> str:
     return out
 
 
+def nearby_checkpoint(src: str, out: str, seed: int, fraction: float = 0.01) -> str:
+    """Checkpoint `src` with about `fraction` of each tensor's elements moved
+    by one bf16 step (what an RL step's optimizer does to a few weights): the
+    next version of a delta-sync run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            flat = p.view(-1)
+            picked = torch.rand(flat.shape, generator=g) < fraction
+            bits = flat.view(torch.int16)
+            bits[picked] ^= 1  # the lowest mantissa bit: the next bf16 value
+    model.save_pretrained(out)
+    return out
+
+
 def hf_tensors(path: str) -> dict:
     from safetensors.torch import load_file
 
@@ -278,7 +297,7 @@ def trainer_layout_and_model(path: str):
 
 
 def _trainer_main(coordinator: str, engine: Any, first: str, commands: Any, results: Any,
-                  transport: str, bucket_bytes: int) -> None:
+                  transport: str, bucket_bytes: int, delta: str) -> None:
     """Runs in its own process: a one-rank trainer; each command ("push",
     step, checkpoint dir) loads that version into the model in place and
     pushes it; ("push_and_die", step, dir, seconds) starts the push and kills
@@ -289,7 +308,7 @@ def _trainer_main(coordinator: str, engine: Any, first: str, commands: Any, resu
 
         model, layout = trainer_layout_and_model(first)
         with ws.Publisher(coordinator=coordinator, rank=0, layout=layout, engine=engine,
-                          transport=transport, bucket_bytes=bucket_bytes,
+                          transport=transport, bucket_bytes=bucket_bytes, delta=delta,
                           step_timeout=60.0) as pub:
             pub.register_module(model)
             results.put(("ready", None))
@@ -308,7 +327,9 @@ def _trainer_main(coordinator: str, engine: Any, first: str, commands: Any, resu
                     os.kill(os.getpid(), signal.SIGKILL)
                 res = pub.push(step)
                 results.put(("pushed", {"step": res.step, "committed": list(res.committed),
-                                        "failed": [tuple(f) for f in res.failed]}))
+                                        "failed": [tuple(f) for f in res.failed],
+                                        "delta_buckets": res.delta_buckets,
+                                        "bytes_sent": res.bytes_sent}))
     except BaseException:  # noqa: BLE001 - reported to the test
         results.put(("error", traceback.format_exc()))
 
@@ -317,12 +338,12 @@ class Trainer:
     """The trainer process, driven from the test."""
 
     def __init__(self, coordinator: str, engine: Any, first: str, transport: str = "ucx",
-                 bucket_bytes: int = 256 << 20):
+                 bucket_bytes: int = 256 << 20, delta: str = "off"):
         ctx = mp.get_context("spawn")
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_trainer_main,
                                 args=(coordinator, engine, first, self.commands, self.results,
-                                      transport, bucket_bytes), daemon=True)
+                                      transport, bucket_bytes, delta), daemon=True)
         self.proc.start()
         kind, value = self._next(120)
         assert kind == "ready", value
