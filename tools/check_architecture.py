@@ -76,6 +76,7 @@ LAYERS = {
 # the command's benchmarks, installed nowhere. Any other private header is its
 # component's alone (tests aside).
 SHARED_INTERNALS = {
+    "src/core/checksum_stream.h",
     "src/core/copy_program.h",
     "src/core/cuda/gpu.h",
     "src/core/delta.h",
