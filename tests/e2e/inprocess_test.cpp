@@ -121,6 +121,39 @@ class InProcess : public ::testing::Test {
         EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
     }
   }
+  using Versions = std::map<int64_t, std::vector<std::vector<char>>>;
+  // A delta run: the engine keeps the params of every version it commits
+  // (`held`); a publisher with delta on (and `tweak`) pushes versions
+  // 1..last, which it returns once the engine is done.
+  std::unique_ptr<Publisher> push_delta_run(int64_t last, Versions& held,
+                                            std::vector<PushResult>& results,
+                                            const std::function<void(PublisherOptions&)>& tweak) {
+    std::thread engine = this->engine(
+        [&](Subscriber& sub) {
+          sub.on_end([&](int64_t s) {
+            if (sub.version() == s) held[s] = params_;
+          });
+        },
+        last, 10);
+    auto pub = publisher([&](PublisherOptions& o) {
+      o.delta = DeltaMode::automatic;
+      if (tweak) tweak(o);
+    });
+    const auto pristine = shards_;
+    push_versions(*pub, pristine, 1, last, last, results);
+    engine.join();
+    return pub;
+  }
+  // Every version 1..last committed, bit-exact.
+  void expect_versions_held(const Versions& held, int64_t last) {
+    for (int64_t step = 1; step <= last; ++step) {
+      ASSERT_TRUE(held.count(step)) << "step " << step << " did not commit";
+      const auto expected = expected_params(step, last);
+      for (size_t i = 0; i < expected.size(); ++i)
+        ASSERT_EQ(held.at(step)[i], expected[i])
+            << "step " << step << ", " << rank_layout().params[i].name;
+    }
+  }
   // Version `step` of a delta run from the checkpoint's bytes: about
   // `percent` % of the elements (1 unless a test says otherwise) have their
   // lowest bit flipped, chosen by their own value (so that the trainer's
@@ -224,19 +257,9 @@ TEST_F(InProcess, AHookThatThrowsFailsOnlyItsStep) {
 // fraction of the bytes; every step bit-exact, the last the checkpoint.
 TEST_F(InProcess, DeltaStepsAreBitExactAndMoveOnlyTheChanges) {
   const int64_t last = 4;
-  std::map<int64_t, std::vector<std::vector<char>>> held;
-  std::thread engine = this->engine(
-      [&](Subscriber& sub) {
-        sub.on_end([&](int64_t s) {
-          if (sub.version() == s) held[s] = params_;
-        });
-      },
-      last, 10);
-  auto pub = publisher([](PublisherOptions& o) { o.delta = DeltaMode::automatic; });
-  const auto pristine = shards_;
+  Versions held;
   std::vector<PushResult> results;
-  push_versions(*pub, pristine, 1, last, last, results);
-  engine.join();
+  auto pub = push_delta_run(last, held, results, {});
   ASSERT_EQ(engine_error_, "");
   EXPECT_EQ(results[0].delta_buckets, 0u) << "version 1 has no base to diff against";
   const uint64_t buckets = pub->plan().buckets().size();
@@ -246,13 +269,7 @@ TEST_F(InProcess, DeltaStepsAreBitExactAndMoveOnlyTheChanges) {
     EXPECT_LT(r.bytes_sent * 4, results[0].bytes_sent)
         << "step " << step << ": " << r.bytes_sent << " bytes, whole " << results[0].bytes_sent;
   }
-  for (int64_t step = 1; step <= last; ++step) {
-    ASSERT_TRUE(held.count(step)) << "step " << step << " did not commit";
-    const auto expected = expected_params(step, last);
-    for (size_t i = 0; i < expected.size(); ++i)
-      ASSERT_EQ(held[step][i], expected[i])
-          << "step " << step << ", " << rank_layout().params[i].name;
-  }
+  expect_versions_held(held, last);
   expect_params_match_checkpoint();
 }
 
@@ -305,23 +322,11 @@ TEST_F(InProcess, ADeltaOntoParamsThatDifferFailsItsDigestAndTheNextStepGoesWhol
 TEST_F(InProcess, AVersionThatChangesEverythingGoesWholeAndDeltasComeBack) {
   const int64_t last = 9;
   percent_ = [](int64_t step) { return step == 2 || step == 3 || step == 8 ? 100 : 1; };
-  auto small_direct = [](PublisherOptions& o) {
-    o.delta = DeltaMode::automatic;
-    o.wire.direct_min_bytes = 64;  // the tiny model's runs go straight too
-  };
-  std::map<int64_t, std::vector<std::vector<char>>> held;
-  std::thread engine = this->engine(
-      [&](Subscriber& sub) {
-        sub.on_end([&](int64_t s) {
-          if (sub.version() == s) held[s] = params_;
-        });
-      },
-      last, 10);
-  auto pub = publisher(small_direct);
-  const auto pristine = shards_;
+  Versions held;
   std::vector<PushResult> results;
-  push_versions(*pub, pristine, 1, last, last, results);
-  engine.join();
+  auto pub = push_delta_run(last, held, results, [](PublisherOptions& o) {
+    o.wire.direct_min_bytes = 64;  // the tiny model's runs go straight too
+  });
   ASSERT_EQ(engine_error_, "");
   ASSERT_EQ(outcomes_.size(), static_cast<size_t>(last));
   const uint64_t buckets = pub->plan().buckets().size();
@@ -336,13 +341,7 @@ TEST_F(InProcess, AVersionThatChangesEverythingGoesWholeAndDeltasComeBack) {
   }
   for (int64_t step : {6, 7})
     EXPECT_GT(results[static_cast<size_t>(step - 1)].delta_buckets, buckets / 2) << "step " << step;
-  for (int64_t step = 1; step <= last; ++step) {
-    ASSERT_TRUE(held.count(step)) << "step " << step << " did not commit";
-    const auto expected = expected_params(step, last);
-    for (size_t i = 0; i < expected.size(); ++i)
-      ASSERT_EQ(held[step][i], expected[i])
-          << "step " << step << ", " << rank_layout().params[i].name;
-  }
+  expect_versions_held(held, last);
   expect_params_match_checkpoint();
 }
 
