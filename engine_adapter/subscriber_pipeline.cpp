@@ -206,9 +206,9 @@ void ReceivePipeline::post_fragments(const RecvAction& a, Slot& slot, int64_t st
 
 bool ReceivePipeline::header_only(const RecvAction& a, Slot& slot, int64_t step) {
   // A delta frame holds a table entry per item and a whole frame the
-  // bucket's bytes, so a message of exactly a header is one, intact or not;
-  // its fragments follow either way, and are received so that the trainer
-  // does not stall.
+  // bucket's bytes, so a message of exactly a header is one. A damaged one
+  // rejects the step, but its fragments are received all the same, so that
+  // the trainer does not stall.
   const int64_t trailer = wire_.checksums ? static_cast<int64_t>(kBucketTrailerBytes) : 0;
   if (slot.received != pipeline::kFrameHeaderBytes + trailer || !slot.error.empty()) return false;
   const std::string what = cat("engine rank ", global_rank_, ": bucket ", a.bucket, " of step ",
@@ -224,8 +224,14 @@ bool ReceivePipeline::header_only(const RecvAction& a, Slot& slot, int64_t step)
     }
     const pipeline::FrameHeader h =
         pipeline::read_frame_header(frame, pipeline::kFrameHeaderBytes, what);
+    // An intact header of a delta (or whole) frame that came this short:
+    // a frame cut short, which settle_frame rejects; no fragments follow.
+    if (!h.fragments) return false;
     if (h.step != step) fail(Errc::format, what, ": the frame says step ", h.step);
-    if (!h.fragments) fail(Errc::format, what, ": a header alone that announces no fragments");
+    // Every byte of it is checked: a whole bucket names no base and no digest.
+    if (h.base != -1 || h.has_digest || h.digest != 0)
+      fail(Errc::format, what, ": a whole bucket's header that names base ", h.base, " and digest ",
+           std::hex, h.digest, std::dec);
   } catch (const Error& e) {
     if (e.code() != Errc::format) throw;
     slot.error = e.what();

@@ -256,15 +256,17 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
       if (!a.last_delta_small &&
           4 * pipeline::estimate_frame(a.items, next.data(), a.last_sent.get()) >= 3 * a.bytes)
         return true;
+      uint64_t digest = 0;
       const int64_t n =
           pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data, nullptr,
-                                 step, delta_verify_ ? &h.digest : nullptr);
+                                 step, delta_verify_ ? &digest : nullptr);
       base_is_next = true;
       a.last_delta_small = 4 * (n - pipeline::kFrameHeaderBytes) < a.bytes;
       if (4 * (n - pipeline::kFrameHeaderBytes) >= 3 * a.bytes) return true;
       h.delta = true;
       h.base = a.last_step;
       h.has_digest = delta_verify_;
+      h.digest = digest;
       pipeline::store_frame_header(slot.frame.data, h);
       int64_t bytes = n;
       if (wire_.checksums) {

@@ -202,6 +202,31 @@ TEST(E2E, DeltaDamagedOnTheWireIsRejectedAndTheNextStepGoesWhole) {
   EXPECT_NE(reason.find("of step 2 from trainer rank"), std::string::npos) << reason;
 }
 
+// A whole bucket's header damaged on its way to engine rank 1 (step 1 goes
+// whole: the header, then the fragments): the engine still takes the
+// fragments that follow, so nobody stalls, rejects the step naming the
+// header, and step 2 goes whole to it again and is bit-exact.
+TEST(E2E, DeltaDamagedWholeHeaderIsRejectedWithoutAStall) {
+  REQUIRE_UCX();
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const Plan plan = plan_of(m, "p2p", 4096);
+  const Tag tag = bucket_tag(1, plan.buckets_received_by(1).at(0), 0);
+  const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&tag=" + std::to_string(tag);
+  const auto d = run_demo(m, {"--delta", "--steps", "2", "--bucket-bytes", "4096", "--timeout",
+                              "20", "--engine-transport", fault});
+  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+  EXPECT_NE(d.run.exit_code, 0) << "a rejected step must fail the demo";
+  const auto& steps = d.summary["steps"];
+  EXPECT_EQ(ints(steps[0]["committed"]), (std::vector<int>{2, 3}));
+  EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ints(steps[1]["verified"]), (std::vector<int>{0, 1, 2, 3}));
+  const auto stats = read_json(m.dir + "/work/stats-engine1.json");
+  ASSERT_TRUE(stats.is_object());
+  const std::string reason = stats["steps"][0]["reason"].get<std::string>();
+  EXPECT_NE(reason.find("of step 1 from trainer rank"), std::string::npos) << reason;
+  EXPECT_EQ(reason.find("did not complete"), std::string::npos) << "a stall: " << reason;
+}
+
 // A restarted engine rank (a new process, nothing of the old version) gets
 // the whole version from trainers that send the others deltas.
 TEST(E2E, DeltaRestartedEngineGetsTheWholeVersion) {
