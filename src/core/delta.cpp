@@ -93,38 +93,60 @@ inline uint64_t block_flags(const uint8_t* next, const uint8_t* base, size_t j, 
                                            : diff_bytes_tail(next + at, base + at, bytes - at));
 }
 
+// What a record of `n` elements with `changed` of them changed in `runs`
+// runs takes as each kind, its 2-byte head aside.
+struct RecordBytes {
+  int64_t list, runs, dense;
+};
+
+template <int E>
+RecordBytes record_bytes(int64_t n, int64_t changed, int64_t runs) {
+  return {changed * (2 + E), runs * 4 + changed * E, n * E};
+}
+
+// The changed elements of the `bytes` bytes at `next` against `base`, and
+// the runs they form (a flag per element, 64 bytes at a time); with
+// `flags`, each block's flags go there too.
+template <int E>
+void count_changes(const uint8_t* next, const uint8_t* base, size_t bytes, uint64_t* flags,
+                   int64_t& changed, int64_t& runs) {
+  uint64_t carry = 0;  // 1: the previous block's last element changed
+  for (size_t j = 0; j * 64 < bytes; ++j) {
+    __builtin_prefetch(next + j * 64 + 2048);
+    __builtin_prefetch(base + j * 64 + 2048);
+    const uint64_t f = block_flags<E>(next, base, j, bytes);
+    if (flags) flags[j] = f;
+    if (f == 0) {
+      carry = 0;
+      continue;
+    }
+    changed += count_bits(f);
+    runs += count_bits(f & ~((f << E) | carry));
+    carry = (f >> (64 - E)) & 1;
+  }
+}
+
 // One chunk of `n` elements: the record at `out`, `base` brought up to
-// `next`. A first pass counts the changed elements and their runs (a flag
-// per element, 64 bytes at a time), which decides the record's kind and its
-// layout; a second pass, for a list or runs, writes them.
+// `next`. A first pass counts the changed elements and their runs, which
+// decides the record's kind and its layout; a second pass, for a list or
+// runs, writes them.
 template <int E>
 int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out,
                      EncodeStats* stats) {
   const auto bytes = static_cast<size_t>(n * E);
   const size_t blocks = (bytes + 63) / 64;
   int64_t k = 0, runs = 0;
-  uint64_t carry = 0;                       // 1: the previous block's last element changed
   uint64_t flags[kChunkElements * 8 / 64];  // by block, for the second pass
-  for (size_t j = 0; j < blocks; ++j) {
-    __builtin_prefetch(next + j * 64 + 2048);
-    __builtin_prefetch(base + j * 64 + 2048);
-    const uint64_t f = flags[j] = block_flags<E>(next, base, j, bytes);
-    if (f == 0) {
-      carry = 0;
-      continue;
-    }
-    k += count_bits(f);
-    runs += count_bits(f & ~((f << E) | carry));
-    carry = (f >> (64 - E)) & 1;
-  }
+  count_changes<E>(next, base, bytes, flags, k, runs);
   if (stats) stats->changed += k;
   if (k == 0) {
     put_u16(out, head(ChunkKind::unchanged, 0));
     if (stats) ++stats->chunks[0];
     return 2;
   }
-  const int64_t list_bytes = 2 + k * (2 + E), runs_bytes = 2 + runs * 4 + k * E,
-                dense_bytes = 2 + n * E;
+  const RecordBytes kinds = record_bytes<E>(n, k, runs);
+  const int64_t list_bytes = 2 + kinds.list, runs_bytes = 2 + kinds.runs,
+                dense_bytes = 2 + kinds.dense;
   if (dense_bytes <= list_bytes && dense_bytes <= runs_bytes) {
     put_u16(out, head(ChunkKind::dense, 0));
     std::memcpy(out + 2, next, bytes);
@@ -170,9 +192,9 @@ int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out
 // Samples of `next` against `base`: windows of kSampleWindow bytes, one in
 // every kSampleStride bytes at a pseudo-random place (64-byte aligned), so
 // that the samples do not fall in step with a tensor's rows. Each window is
-// costed as a chunk
-// would be (the least of list, runs and dense for its elements, runs cut at
-// the window's edges), and the sum scaled to the whole item.
+// costed as a chunk would be (the least of list, runs and dense for its
+// elements, runs cut at the window's edges), and the sum scaled to the
+// whole item.
 constexpr size_t kSampleWindow = 256, kSampleStride = 16384;
 
 template <int E>
@@ -187,15 +209,9 @@ int64_t estimate_all(const uint8_t* next, const uint8_t* base, int64_t elements)
     const size_t at = start + jitter / 64 * 64;
     const size_t len = std::min(kSampleWindow, bytes - at);
     int64_t k = 0, runs = 0;
-    uint64_t carry = 0;
-    for (size_t j = 0; j * 64 < len; ++j) {
-      const uint64_t f = block_flags<E>(next + at, base + at, j, len);
-      k += count_bits(f);
-      runs += count_bits(f & ~((f << E) | carry));
-      carry = f ? (f >> (64 - E)) & 1 : 0;
-    }
-    const auto n = static_cast<int64_t>(len / E);
-    cost += std::min({k * (2 + E), runs * 4 + k * E, n * E});
+    count_changes<E>(next + at, base + at, len, nullptr, k, runs);
+    const RecordBytes kinds = record_bytes<E>(static_cast<int64_t>(len / E), k, runs);
+    cost += std::min({kinds.list, kinds.runs, kinds.dense});
     sampled += static_cast<int64_t>(len);
   }
   return static_cast<int64_t>(static_cast<double>(cost) * static_cast<double>(bytes) /
