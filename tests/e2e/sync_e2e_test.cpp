@@ -174,6 +174,21 @@ TEST(E2E, DeltaSyncIsBitExactOnEveryP2pFamilyAndLayout) {
   }
 }
 
+// The fault transport of engine rank 1 that damages one byte of the first
+// message of `step` it receives (its first bucket's frame, or header).
+std::string corrupt_first_frame_of_rank1(const Model& m, int64_t step) {
+  const Plan plan = plan_of(m, "p2p", 4096);
+  const Tag tag = bucket_tag(step, plan.buckets_received_by(1).at(0), 0);
+  return "1:fault:ucx?corrupt_recv=1&count=1&tag=" + std::to_string(tag);
+}
+
+// Engine rank 1's reason for step `step` (index `step` - 1 of its steps).
+std::string rank1_reason(const Model& m, size_t step) {
+  const auto stats = read_json(m.dir + "/work/stats-engine1.json");
+  if (!stats.is_object()) return "(no stats-engine1.json)";
+  return stats["steps"][step - 1]["reason"].get<std::string>();
+}
+
 // A delta frame damaged on its way to engine rank 1 (no checksums: the
 // frame's own checks and its digest) fails step 2 for that rank's replica
 // only, with the params half-patched (no staging); step 3 goes whole to it
@@ -181,12 +196,8 @@ TEST(E2E, DeltaSyncIsBitExactOnEveryP2pFamilyAndLayout) {
 TEST(E2E, DeltaDamagedOnTheWireIsRejectedAndTheNextStepGoesWhole) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
-  const Plan plan = plan_of(m, "p2p", 4096);
-  // Engine rank 1's first receive of step 2 (its first bucket's frame) is hit.
-  const Tag tag = bucket_tag(2, plan.buckets_received_by(1).at(0), 0);
-  const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&tag=" + std::to_string(tag);
-  const auto d = run_demo(
-      m, {"--delta", "--steps", "3", "--bucket-bytes", "4096", "--engine-transport", fault});
+  const auto d = run_demo(m, {"--delta", "--steps", "3", "--bucket-bytes", "4096",
+                              "--engine-transport", corrupt_first_frame_of_rank1(m, 2)});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;
   EXPECT_NE(d.run.exit_code, 0) << "a rejected step must fail the demo";
   const auto& steps = d.summary["steps"];
@@ -196,9 +207,7 @@ TEST(E2E, DeltaDamagedOnTheWireIsRejectedAndTheNextStepGoesWhole) {
   EXPECT_EQ(ints(steps[2]["committed"]), (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(ints(steps[2]["verified"]), (std::vector<int>{0, 1, 2, 3}));
   for (int g = 0; g < 4; ++g) EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 3);
-  const auto stats = read_json(m.dir + "/work/stats-engine1.json");
-  ASSERT_TRUE(stats.is_object());
-  const std::string reason = stats["steps"][1]["reason"].get<std::string>();
+  const std::string reason = rank1_reason(m, 2);
   EXPECT_NE(reason.find("of step 2 from trainer rank"), std::string::npos) << reason;
 }
 
@@ -209,20 +218,15 @@ TEST(E2E, DeltaDamagedOnTheWireIsRejectedAndTheNextStepGoesWhole) {
 TEST(E2E, DeltaDamagedWholeHeaderIsRejectedWithoutAStall) {
   REQUIRE_UCX();
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
-  const Plan plan = plan_of(m, "p2p", 4096);
-  const Tag tag = bucket_tag(1, plan.buckets_received_by(1).at(0), 0);
-  const std::string fault = "1:fault:ucx?corrupt_recv=1&count=1&tag=" + std::to_string(tag);
   const auto d = run_demo(m, {"--delta", "--steps", "2", "--bucket-bytes", "4096", "--timeout",
-                              "20", "--engine-transport", fault});
+                              "20", "--engine-transport", corrupt_first_frame_of_rank1(m, 1)});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;
   EXPECT_NE(d.run.exit_code, 0) << "a rejected step must fail the demo";
   const auto& steps = d.summary["steps"];
   EXPECT_EQ(ints(steps[0]["committed"]), (std::vector<int>{2, 3}));
   EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(ints(steps[1]["verified"]), (std::vector<int>{0, 1, 2, 3}));
-  const auto stats = read_json(m.dir + "/work/stats-engine1.json");
-  ASSERT_TRUE(stats.is_object());
-  const std::string reason = stats["steps"][0]["reason"].get<std::string>();
+  const std::string reason = rank1_reason(m, 1);
   EXPECT_NE(reason.find("of step 1 from trainer rank"), std::string::npos) << reason;
   EXPECT_EQ(reason.find("did not complete"), std::string::npos) << "a stall: " << reason;
 }
