@@ -202,8 +202,12 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
   }
 }
 
-void SendPipeline::keep_base(SendAction& a) {
+void SendPipeline::keep_base(SendAction& a, const char* packed) {
   if (!a.last_sent) a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+  if (packed) {
+    std::memcpy(a.last_sent.get(), packed, static_cast<size_t>(a.bytes));
+    return;
+  }
   // The frame's programs write at bucket offset + header from their base.
   const std::uintptr_t base = addr(a.last_sent.get()) - pipeline::kFrameHeaderBytes;
   if (!a.quant.empty()) fp8::execute_quant_host(a.quant, 0, base);
@@ -316,11 +320,7 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
   if (!packed) pack_frame();
   const auto start = Clock::now();
   execute_host(a.pack_in_place, 0, addr(slot.buffer.data));
-  if (keep && !base_is_next) {
-    if (!a.last_sent)
-      a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
-    std::memcpy(a.last_sent.get(), body, static_cast<size_t>(a.bytes));
-  }
+  if (keep && !base_is_next) keep_base(a, body);
   phases.pack += seconds_since(start);
   pipeline::store_frame_header(slot.buffer.data, h);
   int64_t bytes = pipeline::kFrameHeaderBytes + a.bytes;

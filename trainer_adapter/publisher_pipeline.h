@@ -144,9 +144,10 @@ class SendPipeline {
   // Delta sync: the bucket's delta as one frame, or its bytes (a header,
   // then its fragments); returns the bytes sent.
   int64_t post_frame(size_t index, int slot, int64_t step, PushPhases& phases);
-  // Delta sync: the bucket's bytes into a.last_sent, packed as the frame
-  // lays them out (host tensors).
-  void keep_base(SendAction& a);
+  // Delta sync: the bucket's bytes into a.last_sent, as the frame lays them
+  // out: copied from `packed` (the bucket packed so already), else packed
+  // there from the tensors (host tensors).
+  void keep_base(SendAction& a, const char* packed = nullptr);
   void post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
   void drain(Slot& slot, std::vector<bool>& dead);
 
