@@ -16,6 +16,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <utility>
 
 namespace weightsync {
 namespace {
@@ -49,7 +50,7 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // Delta sync in load_weights mode: the version the arena holds (-1 when
   // opened: nothing yet), which a delta must name as its base.
   int64_t arena_version = -1;
-  std::string adopt_error;    // elastic: why the step's plan could not be made
+  std::string adopt_error;  // elastic: why the step's plan could not be made
   std::atomic<int64_t> version{-1};
   std::atomic<bool> stopping{false};
   std::string abort_reason;
@@ -58,6 +59,10 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // reconnected at the next step it begins (follow_trainers).
   std::vector<uint64_t> trainer_member;
   bool trainers_changed = false;
+  // Trainer rank 0 is held by a new process since the last step: it may
+  // have published other wire options (delta sync, checksums) under the
+  // same plan, which the next step must use.
+  bool leader_changed = false;
 
   const EngineRankLayout& rank_layout() const { return engine.rank_layout(global); }
   std::string key(const std::string& what) const { return opt.job + "/" + what; }
@@ -66,9 +71,12 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // The plan for `replicas` and a receive pipeline for it, unless the
   // current plan is for them already.
   void use_plan(const std::vector<int>& replicas);
-  // A static job's step under a plan this rank does not have: the plan
+  // A static job's step under a plan this rank does not have, or the first
+  // step of a new process at trainer rank 0: the plan and wire options
   // trainer rank 0 publishes now (a new trainer process took rank 0 with
-  // other options), adopted when it is the step's; else adopt_error says why.
+  // other options), adopted when the plan is the step's; else adopt_error
+  // says why. Elastic jobs take the wire options only (the step's
+  // membership makes the plan).
   void follow_published_plan(const control::StepBegin& begin);
   pipeline::RankMemory weights_memory() const;
   void open_arena(const Plan& plan);
@@ -180,17 +188,31 @@ void Subscriber::Impl::use_plan(const std::vector<int>& replicas) {
 }
 
 void Subscriber::Impl::follow_published_plan(const control::StepBegin& begin) {
-  if (elastic || !trainer || (plan && begin.plan_id == plan->plan_id_hex())) return;
+  const bool new_leader = std::exchange(leader_changed, false);
+  if (!trainer) return;
+  if (!new_leader && (elastic || (plan && begin.plan_id == plan->plan_id_hex()))) return;
   const std::string who = cat("engine rank ", global);
   try {
     pipeline::PublishedPlan now =
         pipeline::fetch_published_plan(*client, opt.job, who, opt.connect_timeout);
+    const bool same_wire = now.wire.to_json() == wire.to_json();
+    if (elastic) {
+      // use_plan() makes the step's plan, and a receiver for the new options.
+      if (!same_wire) {
+        plan.reset();
+        wire = now.wire;
+      }
+      return;
+    }
     if (now.trainer.mesh.world() != trainer->mesh.world())
       fail(Errc::unsupported, "the trainers are now ", now.trainer.mesh.world(), " ranks, were ",
            trainer->mesh.world(), " (a job keeps its trainer world)");
     Plan p = make_plan(now.trainer, engine, Topology{}, now.options);
     if (p.plan_id_hex() != begin.plan_id)
       fail(Errc::mismatch, "trainer rank 0 publishes plan ", p.plan_id_hex(), ", not the step's");
+    // The same plan and options: the receiver (and a load_weights arena's
+    // version) stays.
+    if (same_wire && plan && p.plan_id_hex() == plan->plan_id_hex()) return;
     plan.reset();
     trainer = std::move(now.trainer);
     plan_options = now.options;
@@ -267,6 +289,7 @@ void Subscriber::Impl::follow_trainers() {
       continue;
     uint64_t& known = trainer_member[static_cast<size_t>(mem.rank)];
     if (known == mem.id) continue;
+    if (known != 0 && mem.rank == 0) leader_changed = true;
     if (known != 0) {
       try {
         transport->reconnect(mem.rank);
@@ -560,7 +583,7 @@ std::optional<StepOutcome> Subscriber::run_step(std::chrono::milliseconds wait) 
 }
 
 void Subscriber::serve() {
-  while (!impl_->stopping) run_step(Millis(200));
+  while (!impl_->stopping) static_cast<void>(run_step(Millis(200)));  // outcomes go to the hooks
 }
 
 void Subscriber::stop() {

@@ -123,3 +123,87 @@ def test_a_new_trainer_process_takes_the_rank_of_a_killed_one(tmp_path, monkeypa
             p.join(timeout=10)
         sub.close()
         coord.close()
+
+
+def _near(layout: dict, k: int) -> dict:
+    """The tensors of seed 0 with the lowest bit of every 61st element from
+    offset k flipped: versions k and k+1 differ in about 3 % of elements."""
+    out = _tensors(layout, 0)
+    for t in out.values():
+        bits = t.view(-1).view(torch.int16)
+        bits[k % 61::61] ^= 1
+    return out
+
+
+def _push_near(address: str, layout: dict, steps: list, delta: str, results) -> None:
+    """Trainer rank 0 pushing version _near(k) as step k for each k in
+    `steps`, with delta sync `delta`; then it leaves the job."""
+    with ws.Publisher(coordinator=address, rank=0, layout=layout, engine=ENGINE,
+                      bucket_bytes=1 << 20, step_timeout=20.0, delta=delta) as pub:
+        held = _near(layout, 0)
+        for name, t in held.items():
+            pub.register(name, t)
+        for step in steps:
+            for name, t in _near(layout, step).items():
+                held[name].copy_(t)
+            res = pub.push(step)
+            results.put((step, list(res.committed), res.delta_buckets, res.bytes_sent))
+
+
+def test_a_new_trainer_process_with_other_wire_options_is_followed(tmp_path):
+    """Trainer rank 0 replaced by processes with delta sync on, then off, in
+    the same job (the plan stays the same; the wire options change): the
+    engine follows each one's options. The first step of the delta trainer
+    goes whole, its second as a delta; every step is bit for bit the version
+    pushed."""
+    layout = _layout()
+    coord = ws.Coordinator()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    sub = ws.Subscriber(coordinator=coord.address, engine=ENGINE, replica=0, rank=0,
+                        step_timeout=30.0)
+    params = wst.allocate_engine_params(ENGINE)
+    for name, t in params.items():
+        sub.register(name, t)
+    (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
+    from safetensors.torch import load_file, save_file
+
+    def check(step):
+        ckpt = str(tmp_path / f"v{step}.safetensors")
+        save_file(_near(layout, step), ckpt)
+        ref_path = str(tmp_path / f"ref{step}.safetensors")
+        cli("materialize", "--checkpoint", ckpt, "--engine", str(tmp_path / "engine.json"),
+            "--rank", "0", "--out", ref_path)
+        ref = load_file(ref_path)
+        for name, t in params.items():
+            assert torch.equal(t.view(torch.int16), ref[name].view(torch.int16)), (step, name)
+
+    procs = []
+    outcomes = {}
+    try:
+        for steps, delta in (([1], "off"), ([2, 3], "auto"), ([4], "off")):
+            p = ctx.Process(target=_push_near, args=(coord.address, layout, steps, delta, results))
+            procs.append(p)
+            p.start()
+            for step in steps:
+                out = sub.run_step(timeout=60.0)
+                assert out is not None and out.step == step and out.committed, out
+                outcomes[step] = out
+                check(step)
+            p.join(timeout=60)
+            assert p.exitcode == 0, f"trainer of steps {steps} ended with {p.exitcode}"
+        pushed = {}
+        while len(pushed) < 4:
+            step, committed, delta_buckets, sent = results.get(timeout=10)
+            assert committed == [0], (step, committed)
+            pushed[step] = (delta_buckets, sent)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        sub.close()
+        coord.close()
+    assert [outcomes[s].delta_buckets for s in (1, 2, 4)] == [0, 0, 0], outcomes
+    assert outcomes[3].delta_buckets > 0 and pushed[3][0] == outcomes[3].delta_buckets, pushed
+    assert pushed[3][1] * 4 < pushed[2][1], pushed
