@@ -231,7 +231,7 @@ class WorkerSync(EngineSync):
             if e.code != "timeout":
                 raise
             out = {"step": self._began, "committed": False, "reason": str(e), "bytes": 0,
-                   "seconds": 0.0}
+                   "delta_buckets": 0, "seconds": 0.0}
         if out is not None and self.mode == "load_weights":
             if out["committed"] and self._served != out["step"]:
                 out.update(committed=False, reason=out["reason"] or "the model did not take it")

@@ -212,7 +212,8 @@ def _trainer_op(checkpoints: list) -> Callable[[Any, str, dict], Any]:
                     t.copy_(tensors[name])
             res = state["pub"].push(args["step"])
             return {"step": res.step, "committed": list(res.committed),
-                    "failed": [(int(r), str(why)) for r, why in res.failed]}
+                    "failed": [(int(r), str(why)) for r, why in res.failed],
+                    "bytes_sent": res.bytes_sent, "delta_buckets": res.delta_buckets}
         if op == "shutdown":
             state["pub"].close()
             return None

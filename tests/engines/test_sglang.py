@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_versions import nearby_checkpoint  # noqa: E402
 from sglang_procs import run_in_thread, start_engine, start_trainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,14 +128,17 @@ def references(checkpoints, tmp_path_factory):
     cache: dict = {}
 
     def get(kind, tp, c):
+        """c: a checkpoint's index in checkpoints(kind), or another
+        checkpoint's directory."""
         key = (kind, tp, c)
         if key not in cache:
-            engine = start_engine(checkpoints(kind)[c], tp)
+            path = checkpoints(kind)[c] if isinstance(c, int) else c
+            engine = start_engine(path, tp)
             try:
                 log(f"fresh engine {kind} tp={tp} checkpoint {c}: started in "
                     f"{engine.call('started_in'):.1f} s")
                 tokens = [o["tokens"] for o in _generate(engine)] if MODELS[kind][2] else None
-                dump = str(tmp_path_factory.mktemp(f"ref-{kind}-tp{tp}-c{c}"))
+                dump = str(tmp_path_factory.mktemp(f"ref-{kind}-tp{tp}"))
                 engine.call("dump", path=dump)
             finally:
                 engine.close()
@@ -374,3 +378,46 @@ def test_trainer_killed_mid_step_then_a_new_trainer_commits(live, references, tm
     assert out["committed"] and out["version"] == step + 1, out
     live.version, live.checkpoint = step + 1, new
     live.check(references(live.kind, live.tp, new), tmp_path, step + 1)
+
+
+def test_delta_sync_moves_only_the_changes(live, references, tmp_path):
+    """delta="auto" through SGLang's weight-update session (load_weights
+    mode, tp=2, MoE): a new trainer process's first step goes whole, then
+    versions about 1 % of the elements apart go as deltas of a small part of
+    the bytes, each onto what the last delta made; after every step each
+    rank's parameters and the greedy tokens equal a fresh engine's of that
+    version."""
+    if (live.kind, live.tp) != ("moe", 2):
+        pytest.skip("run for moe-tp2 only (engine starts are slow)")
+    if live.version < 0:
+        pytest.skip("needs a committed version first")
+    live.close()  # the case's trainer leaves; one with delta on takes rank 0
+    live._trainer = None
+    held = live.ckpts[live.checkpoint]
+    nearby = nearby_checkpoint(held, str(tmp_path / "nearby"), seed=live.version)
+    trainer = start_trainer(live.coord.address, live.config, [held, nearby, held],
+                            delta="auto", bucket_bytes=BUCKET_BYTES, step_timeout=60.0)
+    try:
+        steps = []
+        # held -> nearby (whole: nothing to diff against yet), then deltas:
+        # -> held -> nearby -> held
+        for index, version_dir in ((1, nearby), (2, held), (1, nearby), (2, held)):
+            step = live.version + 1
+            out, pushed = live.sync(step, checkpoint=index, trainer=trainer)
+            assert pushed["committed"] == list(range(live.tp)) and not pushed["failed"], pushed
+            assert out["committed"] and out["version"] == step, out
+            live.version = step
+            reference = (references(live.kind, live.tp, version_dir) if version_dir == nearby
+                         else references(live.kind, live.tp, live.checkpoint))
+            live.check(reference, tmp_path, step)
+            steps.append((pushed, [r["outcome"]["delta_buckets"] for r in out["ranks"]]))
+            log(f"{live.kind} tp={live.tp} delta step {step}: {pushed['bytes_sent']} bytes sent, "
+                f"{pushed['delta_buckets']} delta buckets; per engine rank {steps[-1][1]}")
+    finally:
+        trainer.close()
+    (whole, whole_ranks), *deltas = steps
+    assert whole["delta_buckets"] == 0 and whole_ranks == [0] * live.tp, steps
+    for pushed, ranks in deltas:
+        assert pushed["delta_buckets"] > 0 and all(n > 0 for n in ranks), steps
+        assert sum(ranks) == pushed["delta_buckets"], steps
+        assert pushed["bytes_sent"] * 4 < whole["bytes_sent"], steps

@@ -38,6 +38,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                 allow_module_level=True)
 
 import vllm_support as vs  # noqa: E402
+from engine_versions import nearby_checkpoint  # noqa: E402
 
 _SHIMS = tempfile.mkdtemp(prefix="weightsync-vllm-test-")
 vs.install_process_shims(_SHIMS)
@@ -236,8 +237,8 @@ def test_delta_sync_through_load_weights_dense_tp1(dense1, tmp_path):
     the engine equals a fresh engine of each version, tokens included."""
     eng = dense1
     base = eng.versions[eng.current]
-    v1 = vs.nearby_checkpoint(base, str(tmp_path / "v1"), seed=1)
-    v2 = vs.nearby_checkpoint(v1, str(tmp_path / "v2"), seed=2)
+    v1 = nearby_checkpoint(base, str(tmp_path / "v1"), seed=1)
+    v2 = nearby_checkpoint(v1, str(tmp_path / "v2"), seed=2)
     eng.versions += [v1, v2]
     job = Job(eng, "hf", bucket_bytes=1 << 20, delta="auto")
     try:

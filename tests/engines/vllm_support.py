@@ -75,25 +75,6 @@ def make_checkpoint(kind: str, out: str, seed: int) -> str:
     return out
 
 
-def nearby_checkpoint(src: str, out: str, seed: int, fraction: float = 0.01) -> str:
-    """Checkpoint `src` with about `fraction` of each tensor's elements moved
-    by one bf16 step (what an RL step's optimizer does to a few weights): the
-    next version of a delta-sync run."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            flat = p.view(-1)
-            picked = torch.rand(flat.shape, generator=g) < fraction
-            bits = flat.view(torch.int16)
-            bits[picked] ^= 1  # the lowest mantissa bit: the next bf16 value
-    model.save_pretrained(out)
-    return out
-
-
 def hf_tensors(path: str) -> dict:
     from safetensors.torch import load_file
 
