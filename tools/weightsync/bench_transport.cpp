@@ -278,7 +278,9 @@ double perftest_once(const std::string& exe, const Settings& s, std::size_t byte
   args.insert(args.begin() + 1, "127.0.0.1");
   Child client{spawn(args, env, fileno(files.out), fileno(files.client_err))};
   try {
-    client.join("ucx_perftest client", kWait);
+    // Well within the 300 s a caller may give the whole command, so that a
+    // hung pair is repeated and its output shown.
+    client.join("ucx_perftest client", std::chrono::seconds(90));
     server.join("ucx_perftest server", std::chrono::seconds(60));
   } catch (const Error& e) {
     fail(e.code(), e.what(), "\nclient:\n", read_all(files.client_err), "server:\n",
