@@ -335,7 +335,10 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
     if (holds(spec, m.opt.layout.mesh, m.opt.rank)) {
       m.index.emplace(spec.name, i);
     } else {
-      m.tensors[i] = TensorView{nullptr, spec.dtype, Shape{0}};
+      TensorView none;  // this rank holds none of it
+      none.dtype = spec.dtype;
+      none.shape = Shape{0};
+      m.tensors[i] = none;
       m.registered[i] = true;
     }
   }
