@@ -78,6 +78,9 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // says why. Elastic jobs take the wire options only (the step's
   // membership makes the plan).
   void follow_published_plan(const control::StepBegin& begin);
+  // Wire options published by trainer rank 0, and the slots they call for
+  // (checksums need slots the host reads).
+  void adopt_wire(const WireOptions& now);
   pipeline::RankMemory weights_memory() const;
   void open_arena(const Plan& plan);
   void deliver(size_t k);
@@ -155,6 +158,10 @@ void Subscriber::Impl::ensure_ready() {
     const std::string id = std::to_string(client->member_id());
     client->set(pipeline::ready_key(opt.job, global), std::vector<uint8_t>(id.begin(), id.end()));
   }
+  // The options read above may be those of a process that held trainer
+  // rank 0 just before the one recorded here: read them again at the first
+  // step (one fetch; nothing is rebuilt when they are the same).
+  leader_changed = true;
   ready = true;
 }
 
@@ -195,18 +202,24 @@ void Subscriber::Impl::follow_published_plan(const control::StepBegin& begin) {
   try {
     pipeline::PublishedPlan now =
         pipeline::fetch_published_plan(*client, opt.job, who, opt.connect_timeout);
-    const bool same_wire = now.wire.to_json() == wire.to_json();
-    if (elastic) {
-      // use_plan() makes the step's plan, and a receiver for the new options.
-      if (!same_wire) {
-        plan.reset();
-        wire = now.wire;
-      }
-      return;
-    }
     if (now.trainer.mesh.world() != trainer->mesh.world())
       fail(Errc::unsupported, "the trainers are now ", now.trainer.mesh.world(), " ranks, were ",
            trainer->mesh.world(), " (a job keeps its trainer world)");
+    const bool same_wire = now.wire.to_json() == wire.to_json();
+    if (elastic) {
+      // The step's membership makes its plan (use_plan), from these.
+      const bool same = same_wire && now.options.mode == plan_options.mode &&
+                        now.options.bucket_bytes == plan_options.bucket_bytes &&
+                        now.options.fp8_site == plan_options.fp8_site &&
+                        now.trainer.to_json() == trainer->to_json();
+      if (same) return;
+      plan.reset();
+      pipeline.reset();
+      trainer = std::move(now.trainer);
+      plan_options = now.options;
+      adopt_wire(now.wire);
+      return;
+    }
     Plan p = make_plan(now.trainer, engine, Topology{}, now.options);
     if (p.plan_id_hex() != begin.plan_id)
       fail(Errc::mismatch, "trainer rank 0 publishes plan ", p.plan_id_hex(), ", not the step's");
@@ -214,16 +227,24 @@ void Subscriber::Impl::follow_published_plan(const control::StepBegin& begin) {
     // version) stays.
     if (same_wire && plan && p.plan_id_hex() == plan->plan_id_hex()) return;
     plan.reset();
+    pipeline.reset();
     trainer = std::move(now.trainer);
     plan_options = now.options;
-    wire = now.wire;
+    adopt_wire(now.wire);
     build_receiver(p);
     plan = std::move(p);
   } catch (const Error& e) {
+    leader_changed = new_leader;  // tried again at the next step
     adopt_error = cat(who, ": step ", begin.step, " uses plan ", begin.plan_id,
                       ", this engine has plan ", plan ? plan->plan_id_hex() : std::string("none"),
                       ", and taking the job's current one failed: ", e.what());
   }
+}
+
+void Subscriber::Impl::adopt_wire(const WireOptions& now) {
+  pipeline::choose_slots(memory, transport->capabilities(), now, cat("engine rank ", global),
+                         opt.transport, slots, slot_device);
+  wire = now;
 }
 
 pipeline::RankMemory Subscriber::Impl::weights_memory() const {
@@ -324,6 +345,7 @@ bool Subscriber::Impl::wait_decision(int64_t step, Clock::time_point deadline,
       fail(e.code(), "engine rank ", global, ": step ", step, ": acked, then waited ",
            seconds_since(began), " s for the coordinator's decision: ", e.what());
     }
+    note(ev);  // a trainer that left while the step was decided
     if (auto* c = std::get_if<control::Commit>(&ev); c && c->step == step) return true;
     if (auto* a = std::get_if<control::Abort>(&ev); a && a->step == step) {
       reason = a->reason;

@@ -90,16 +90,22 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
   dp.progress = std::move(end.progress);
   if (!dp.elastic) dp.plan = make_plan(dp.trainer, dp.engine, Topology{}, dp.options);
   // Up front: slots the transport cannot reach would fail deep inside a step.
-  const Capabilities caps = dp.transport->capabilities();
-  if (spec.memory.any)
-    dp.slots = choose_slot_memory(spec.memory.memory, caps, dp.wire, spec.who, spec.transport);
-  else
-    dp.slots = caps.host_memory ? SlotMemory::host : SlotMemory::device;
-  dp.slot_device = dp.slots == SlotMemory::device ? spec.memory.device : -1;
+  choose_slots(dp.memory, dp.transport->capabilities(), dp.wire, spec.who, spec.transport, dp.slots,
+               dp.slot_device);
   return dp;
 }
 
 }  // namespace
+
+void choose_slots(const RankMemory& memory, const Capabilities& caps, const WireOptions& wire,
+                  const std::string& who, const std::string& transport, SlotMemory& slots,
+                  int& slot_device) {
+  if (memory.any)
+    slots = choose_slot_memory(memory.memory, caps, wire, who, transport);
+  else
+    slots = caps.host_memory ? SlotMemory::host : SlotMemory::device;
+  slot_device = slots == SlotMemory::device ? memory.device : -1;
+}
 
 PublishedPlan fetch_published_plan(control::Client& client, const std::string& job,
                                    const std::string& who, std::chrono::milliseconds wait) {

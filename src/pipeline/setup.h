@@ -136,6 +136,13 @@ TransportEnd open_transport(control::Client& client, const std::string& name,
 // weightsync::Error naming `who` (malformed JSON in the store included).
 DataPath open_data_path(control::Client& client, const SetupSpec& spec);
 
+// The slots of a rank whose tensors are in `memory`, for `wire` over a
+// transport of `caps`: host, pinned or device memory (choose_slot_memory;
+// checksums need slots the host reads), and device slots' GPU (else -1).
+void choose_slots(const RankMemory& memory, const Capabilities& caps, const WireOptions& wire,
+                  const std::string& who, const std::string& transport, SlotMemory& slots,
+                  int& slot_device);
+
 // What trainer rank 0 publishes in the job's store now: a trainer process
 // that took rank 0 over publishes its own layout and plan options, which may
 // differ from its predecessor's (another bucket size, say).

@@ -135,11 +135,11 @@ def _near(layout: dict, k: int) -> dict:
     return out
 
 
-def _push_near(address: str, layout: dict, steps: list, delta: str, results) -> None:
+def _push_near(address: str, layout: dict, steps: list, options: dict, results) -> None:
     """Trainer rank 0 pushing version _near(k) as step k for each k in
-    `steps`, with delta sync `delta`; then it leaves the job."""
+    `steps`, with Publisher `options`; then it leaves the job."""
     with ws.Publisher(coordinator=address, rank=0, layout=layout, engine=ENGINE,
-                      bucket_bytes=1 << 20, step_timeout=20.0, delta=delta) as pub:
+                      bucket_bytes=1 << 20, step_timeout=30.0, **options) as pub:
         held = _near(layout, 0)
         for name, t in held.items():
             pub.register(name, t)
@@ -150,12 +150,13 @@ def _push_near(address: str, layout: dict, steps: list, delta: str, results) -> 
             results.put((step, list(res.committed), res.delta_buckets, res.bytes_sent))
 
 
-def test_a_new_trainer_process_with_other_wire_options_is_followed(tmp_path):
-    """Trainer rank 0 replaced by processes with delta sync on, then off, in
-    the same job (the plan stays the same; the wire options change): the
-    engine follows each one's options. The first step of the delta trainer
-    goes whole, its second as a delta; every step is bit for bit the version
-    pushed."""
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_a_new_trainer_process_with_other_wire_options_is_followed(tmp_path, elastic):
+    """Trainer rank 0 replaced by a process with delta sync on, then by one
+    with delta off and checksums on, in the same job (the plan stays the
+    same; the wire options change), static or elastic: the engine follows
+    each one's options. The first step of the delta trainer goes whole, its
+    second as a delta; every step is bit for bit the version pushed."""
     layout = _layout()
     coord = ws.Coordinator()
     ctx = mp.get_context("spawn")
@@ -181,8 +182,11 @@ def test_a_new_trainer_process_with_other_wire_options_is_followed(tmp_path):
     procs = []
     outcomes = {}
     try:
-        for steps, delta in (([1], "off"), ([2, 3], "auto"), ([4], "off")):
-            p = ctx.Process(target=_push_near, args=(coord.address, layout, steps, delta, results))
+        for steps, options in (([1], {}), ([2, 3], {"delta": "auto"}), ([4], {"checksums": True})):
+            if elastic:
+                options = dict(options, elastic=True)
+            p = ctx.Process(target=_push_near,
+                            args=(coord.address, layout, steps, options, results))
             procs.append(p)
             p.start()
             for step in steps:
