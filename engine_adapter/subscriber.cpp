@@ -72,11 +72,11 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // current plan is for them already.
   void use_plan(const std::vector<int>& replicas);
   // A static job's step under a plan this rank does not have, or the first
-  // step of a new process at trainer rank 0: the plan and wire options
-  // trainer rank 0 publishes now (a new trainer process took rank 0 with
-  // other options), adopted when the plan is the step's; else adopt_error
-  // says why. Elastic jobs take the wire options only (the step's
-  // membership makes the plan).
+  // step of a new process at trainer rank 0: the layout, plan options and
+  // wire options trainer rank 0 publishes now (a new trainer process took
+  // rank 0 with other options), adopted when the plan is the step's; else
+  // adopt_error says why. Elastic jobs adopt them without a plan (the
+  // step's membership makes it, use_plan).
   void follow_published_plan(const control::StepBegin& begin);
   // Wire options published by trainer rank 0, and the slots they call for
   // (checksums need slots the host reads).
@@ -206,32 +206,30 @@ void Subscriber::Impl::follow_published_plan(const control::StepBegin& begin) {
       fail(Errc::unsupported, "the trainers are now ", now.trainer.mesh.world(), " ranks, were ",
            trainer->mesh.world(), " (a job keeps its trainer world)");
     const bool same_wire = now.wire.to_json() == wire.to_json();
-    if (elastic) {
-      // The step's membership makes its plan (use_plan), from these.
-      const bool same = same_wire && now.options.mode == plan_options.mode &&
-                        now.options.bucket_bytes == plan_options.bucket_bytes &&
-                        now.options.fp8_site == plan_options.fp8_site &&
-                        now.trainer.to_json() == trainer->to_json();
-      if (same) return;
-      plan.reset();
-      pipeline.reset();
-      trainer = std::move(now.trainer);
-      plan_options = now.options;
-      adopt_wire(now.wire);
-      return;
+    const bool same = same_wire && now.options.mode == plan_options.mode &&
+                      now.options.bucket_bytes == plan_options.bucket_bytes &&
+                      now.options.fp8_site == plan_options.fp8_site &&
+                      now.options.replicas == plan_options.replicas &&
+                      now.trainer.to_json() == trainer->to_json();
+    // Nothing changed (the usual first step): no plan is made again.
+    if (same && (elastic || (plan && begin.plan_id == plan->plan_id_hex()))) return;
+    std::optional<Plan> p;
+    if (!elastic) {
+      p = make_plan(now.trainer, engine, Topology{}, now.options);
+      if (p->plan_id_hex() != begin.plan_id)
+        fail(Errc::mismatch, "trainer rank 0 publishes plan ", p->plan_id_hex(),
+             ", not the step's");
+      // The same plan and options: the receiver (and a load_weights arena's
+      // version) stays.
+      if (same_wire && plan && p->plan_id_hex() == plan->plan_id_hex()) return;
     }
-    Plan p = make_plan(now.trainer, engine, Topology{}, now.options);
-    if (p.plan_id_hex() != begin.plan_id)
-      fail(Errc::mismatch, "trainer rank 0 publishes plan ", p.plan_id_hex(), ", not the step's");
-    // The same plan and options: the receiver (and a load_weights arena's
-    // version) stays.
-    if (same_wire && plan && p.plan_id_hex() == plan->plan_id_hex()) return;
     plan.reset();
     pipeline.reset();
     trainer = std::move(now.trainer);
     plan_options = now.options;
     adopt_wire(now.wire);
-    build_receiver(p);
+    if (!p) return;  // elastic: use_plan() makes the step's plan and receiver
+    build_receiver(*p);
     plan = std::move(p);
   } catch (const Error& e) {
     leader_changed = new_leader;  // tried again at the next step
