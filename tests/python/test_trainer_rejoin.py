@@ -54,6 +54,28 @@ def _trainer(address: str, layout: dict, steps: list, die_in_last: bool, transpo
             results.put((step, list(res.committed), [tuple(f) for f in res.failed]))
 
 
+def _materialized(tmp_path, tensors: dict, tag: str) -> dict:
+    """Engine rank 0's params for HF `tensors`, as `weightsync materialize`
+    lays them out."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, out = str(tmp_path / f"{tag}.safetensors"), str(tmp_path / f"ref-{tag}.safetensors")
+    save_file(tensors, ckpt)
+    (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
+    cli("materialize", "--checkpoint", ckpt, "--engine", str(tmp_path / "engine.json"),
+        "--rank", "0", "--out", out)
+    return load_file(out)
+
+
+def _close(procs: list, sub, coord) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    sub.close()
+    coord.close()
+
+
 @pytest.mark.parametrize("tls", ["shm,self", "tcp,self"])
 def test_a_new_trainer_process_takes_the_rank_of_a_killed_one(tmp_path, monkeypatch, tls):
     monkeypatch.setenv("UCX_TLS", tls)  # this process's transport and the trainers'
@@ -103,26 +125,13 @@ def test_a_new_trainer_process_takes_the_rank_of_a_killed_one(tmp_path, monkeypa
                 pass
         assert (3, [0], []) in got, got
         # Bit for bit the tensors of step 3, as `weightsync materialize` lays them out.
-        want = _tensors(layout, 3)
-        ckpt = str(tmp_path / "ckpt.safetensors")
-        from safetensors.torch import load_file, save_file
-
-        save_file(want, ckpt)
-        (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
-        cli("materialize", "--checkpoint", ckpt, "--engine", str(tmp_path / "engine.json"),
-            "--rank", "0", "--out", str(tmp_path / "ref.safetensors"))
-        ref = load_file(str(tmp_path / "ref.safetensors"))
+        ref = _materialized(tmp_path, _tensors(layout, 3), "v3")
         assert sorted(ref) == sorted(params)
         for name, t in params.items():
             assert torch.equal(t.view(torch.int16), ref[name].view(torch.int16)), name
             assert not torch.equal(t.view(torch.int16), v1[name].view(torch.int16)), name
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-        sub.close()
-        coord.close()
+        _close(procs, sub, coord)
 
 
 def _near(layout: dict, k: int) -> dict:
@@ -166,16 +175,9 @@ def test_a_new_trainer_process_with_other_wire_options_is_followed(tmp_path, ela
     params = wst.allocate_engine_params(ENGINE)
     for name, t in params.items():
         sub.register(name, t)
-    (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
-    from safetensors.torch import load_file, save_file
 
     def check(step):
-        ckpt = str(tmp_path / f"v{step}.safetensors")
-        save_file(_near(layout, step), ckpt)
-        ref_path = str(tmp_path / f"ref{step}.safetensors")
-        cli("materialize", "--checkpoint", ckpt, "--engine", str(tmp_path / "engine.json"),
-            "--rank", "0", "--out", ref_path)
-        ref = load_file(ref_path)
+        ref = _materialized(tmp_path, _near(layout, step), f"v{step}")
         for name, t in params.items():
             assert torch.equal(t.view(torch.int16), ref[name].view(torch.int16)), (step, name)
 
@@ -202,12 +204,7 @@ def test_a_new_trainer_process_with_other_wire_options_is_followed(tmp_path, ela
             assert committed == [0], (step, committed)
             pushed[step] = (delta_buckets, sent)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-        sub.close()
-        coord.close()
+        _close(procs, sub, coord)
     assert [outcomes[s].delta_buckets for s in (1, 2, 4)] == [0, 0, 0], outcomes
     assert outcomes[3].delta_buckets > 0 and pushed[3][0] == outcomes[3].delta_buckets, pushed
     assert pushed[3][1] * 4 < pushed[2][1], pushed
