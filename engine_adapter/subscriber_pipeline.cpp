@@ -39,6 +39,8 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
       trainer_world_(plan.trainer_world()),
       engine_world_(plan.engine_world()),
       broadcast_(plan.mode() == PlanMode::broadcast),
+      engine_template_(plan.engine_template(global_rank)),
+      engine_templates_(plan.engine_templates()),
       wire_(wire),
       caps_(caps),
       memory_(memory) {
@@ -57,6 +59,7 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
         add_apply(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)), 0);
       }
       a.slot_bytes = a.bytes;
+      if (wire_.delta) compile_broadcast_frame(a, plan);
     } else if (wire_.delta) {
       compile_frame(a, plan, targets);
       compile_fragments(a, plan, targets);
@@ -127,11 +130,7 @@ static CopyRun reversed(const CopyRun& r) {
 
 void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
                                     const std::vector<TensorView>& targets) {
-  if (memory_.memory == MemoryKind::cuda)
-    fail(Errc::unsupported, "engine rank ", global_rank_, ": delta sync (the trainers' ",
-         "delta=auto) applies on the host so far, and this rank's params are on ",
-         pipeline::memory_str(memory_.memory, memory_.device),
-         "; run the trainers without delta (docs/delta.md)");
+  if (memory_.memory == MemoryKind::cuda) refuse_cuda_delta();
   for (const PlanItem& item : plan.items(a.bucket)) {
     const Copy c = plan.resolve(item);
     const TensorView& target = targets.at(static_cast<size_t>(c.dst_param));
@@ -150,15 +149,37 @@ void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
   a.frame_bytes = pipeline::frame_capacity(a.items, a.bytes);
 }
 
+void ReceivePipeline::compile_broadcast_frame(RecvAction& a, const Plan& plan) {
+  if (memory_.memory == MemoryKind::cuda) refuse_cuda_delta();
+  a.items = pipeline::frame_items(plan, a.bucket);
+  a.in_place.assign(a.items.size(), nullptr);
+  for (const CopyRun& r : a.apply.runs()) a.gather.add_run(reversed(r));
+  a.reads = pipeline::template_reads(plan, a.bucket, engine_template_);
+  a.frame_bytes = pipeline::frame_capacity(a.items, a.bytes) + 8 * int64_t{engine_templates_};
+  slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.frame_bytes) + kBucketTrailerBytes);
+}
+
+void ReceivePipeline::refuse_cuda_delta() const {
+  fail(Errc::unsupported, "engine rank ", global_rank_, ": delta sync (the trainers' ",
+       "delta=auto) applies on the host so far, and this rank's params are on ",
+       pipeline::memory_str(memory_.memory, memory_.device),
+       "; run the trainers without delta (docs/delta.md)");
+}
+
 void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_device) {
   if (slots_[0].buffer.data) return;
+  if (wire_.delta && broadcast_ && transport.capabilities().native_broadcast)
+    fail(Errc::unsupported, "engine rank ", global_rank_, ": delta sync in broadcast mode ",
+         "takes frames whose size changes from step to step, which this transport's native ",
+         "broadcast cannot carry; use plan mode p2p, a transport without a native broadcast ",
+         "(ucx, tcp), or no delta (docs/delta.md)");
   std::vector<const CopyProgram*> programs;
   for (const RecvAction& a : actions_) programs.push_back(&a.apply);
   programs.push_back(&publish_);
   copier_.prepare(programs, memory_, 3);
   if (slot_bytes_ == 0) return;
   for (Slot& s : slots_) s.buffer = allocate_staging(transport, slot_bytes_, slots, slot_device);
-  if (wire_.delta && !broadcast_) {
+  if (wire_.delta) {
     int64_t most = 1;
     for (const RecvAction& a : actions_) most = std::max(most, a.bytes);
     scratch_.reset(new char[static_cast<size_t>(most)]);
@@ -172,7 +193,7 @@ void ReceivePipeline::post(size_t k, int s, int64_t step, Transport& t) {
   slot.posted_us = trace_now_us();
   const Tag tag = bucket_tag(step, a.bucket, 0);
   slot.fragments = false;
-  if (!broadcast_ && wire_.delta) {
+  if (wire_.delta) {  // a frame (broadcast: never a native broadcast, see prepare)
     slot.posted.add(t.recv(a.src, tag, slot.buffer.buffer(0, slot_bytes_)));
     return;
   }
@@ -266,7 +287,7 @@ void ReceivePipeline::receive(size_t k, int s, int64_t step, pipeline::Loop& loo
   // a shorter one is a peer out of step with it, never data to apply.
   hooks.done = [&](const Request& r) {
     // A frame says its size itself (settle_frame checks it).
-    if (wire_.delta && !broadcast_ && !slot.fragments) {
+    if (wire_.delta && !slot.fragments) {
       slot.received = static_cast<int64_t>(r.transferred());
       return;
     }
@@ -276,10 +297,15 @@ void ReceivePipeline::receive(size_t k, int s, int64_t step, pipeline::Loop& loo
                        " (does the sender use the same plan and wire options?)");
   };
   slot.posted.drain(loop, hooks);
-  if (wire_.delta && !broadcast_ && header_only(a, slot, step)) {
-    // Whole bytes: the fragments after the header.
+  if (wire_.delta && header_only(a, slot, step)) {
+    // Whole bytes: the fragments after the header (broadcast: the bucket).
     slot.fragments = true;
-    post_fragments(a, slot, step, loop.transport());
+    if (broadcast_)
+      slot.posted.add(loop.transport().recv(
+          a.src, bucket_tag(step, a.bucket, 0),
+          slot.buffer.buffer(0, static_cast<size_t>(a.bytes) + kBucketTrailerBytes)));
+    else
+      post_fragments(a, slot, step, loop.transport());
     slot.posted.drain(loop, hooks);
   }
   phases.receive += seconds_since(t);
@@ -293,8 +319,7 @@ void ReceivePipeline::receive(size_t k, int s, int64_t step, pipeline::Loop& loo
 void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop,
                              ReceiveReport& report, StepPhases& phases, Tracer* tracer) {
   Slot& slot = slots_[s];
-  if (wire_.delta && !broadcast_ && !slot.fragments)
-    return settle_frame(k, s, step, loop, report, phases);
+  if (wire_.delta && !slot.fragments) return settle_frame(k, s, step, loop, report, phases);
   const RecvAction& a = actions_[k];
   auto t = Clock::now();
   const auto [sum, sent] = checksums(a, slot.buffer.data, step);
@@ -370,23 +395,34 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
       for (size_t i = 0; i < a.items.size(); ++i)
         targets_[i] = a.in_place[i] ? a.in_place[i] : scratch_.get() + a.items[i].offset;
       execute_host(a.gather, 0, addr(scratch_.get()));
-      uint64_t digest = 0;
-      pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what, step,
-                            h.has_digest ? &digest : nullptr);
-      if (h.has_digest) {
-        if (digest != h.digest)
-          fail(Errc::mismatch, what, ": after its delta the bucket hashes to ", std::hex, digest,
-               ", the trainer's bytes to ", h.digest, std::dec,
-               " (this rank's params are not the version the delta applies to, or the delta ",
-               "was damaged)");
+      uint64_t digest = 0, sent = h.digest;
+      if (broadcast_) {
+        // Every rank gets the whole bucket's delta but holds, and checks,
+        // only what its template reads: the rest of scratch is left over.
+        const int64_t digests = h.has_digest ? 8 * int64_t{engine_templates_} : 0;
+        if (bytes < pipeline::kFrameHeaderBytes + digests)
+          fail(Errc::format, what, ": a delta frame of ", bytes,
+               " bytes cannot hold the digests of its ", engine_templates_, " engine templates");
+        sent = read_le64(frame + pipeline::kFrameHeaderBytes + 8 * engine_template_);
+        pipeline::apply_frame(a.items, frame + digests, bytes - digests, targets_.data(), what);
+        if (h.has_digest) digest = pipeline::reads_digest(a.reads, scratch_.get(), step);
+      } else {
+        pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what, step,
+                              h.has_digest ? &digest : nullptr);
       }
+      if (h.has_digest && digest != sent)
+        fail(Errc::mismatch, what, ": after its delta the bucket hashes to ", std::hex, digest,
+             ", the trainer's bytes to ", sent, std::dec,
+             " (this rank's params are not the version the delta applies to, or the delta ",
+             "was damaged)");
       packed = scratch_.get();
       ++report.delta_buckets;
     }
     phases.verify += seconds_since(t);
     report.bytes += static_cast<uint64_t>(slot.received);
     t = Clock::now();
-    if (!a.frame_apply.empty()) copier_.run(k, a.frame_apply, addr(packed), 0, s);
+    const CopyProgram& apply = broadcast_ ? a.apply : a.frame_apply;
+    if (!apply.empty()) copier_.run(k, apply, addr(packed), 0, s);
     copier_.wait(s, loop, "applying bucket");
     phases.apply += seconds_since(t);
   } catch (const Error& e) {

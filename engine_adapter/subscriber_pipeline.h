@@ -62,6 +62,10 @@ struct RecvAction {
   // Per item: its bytes in place in the target (a delta patches them
   // there, a whole frame copies them there), or nullptr (through `apply`).
   std::vector<char*> in_place;
+  // Broadcast plans: `apply` reads the bucket (a rebuilt one too) and
+  // `gather` is its reverse; a delta's digest covers `reads`, the parts of
+  // the bucket this rank's template reads.
+  std::vector<pipeline::ReadBox> reads;
 };
 
 struct ReceiveReport {
@@ -121,6 +125,9 @@ class ReceivePipeline {
   std::vector<TensorView> make_staging(const std::vector<TensorView>& params);
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   void compile_frame(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
+  // Delta sync, broadcast plans: a.items, a.gather and a.reads for `apply`.
+  void compile_broadcast_frame(RecvAction& a, const Plan& plan);
+  [[noreturn]] void refuse_cuda_delta() const;
   FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, int slot, int64_t step, Transport& t);
   void post_fragments(const RecvAction& a, Slot& slot, int64_t step, Transport& t);
@@ -142,6 +149,7 @@ class ReceivePipeline {
   int global_rank_ = 0;
   int trainer_world_ = 1, engine_world_ = 1;
   bool broadcast_ = false;
+  int engine_template_ = 0, engine_templates_ = 1;  // broadcast delta frames' digests
   WireOptions wire_;
   Capabilities caps_;
   pipeline::RankMemory memory_;

@@ -321,9 +321,6 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (!m.opt.plan.replicas.empty())
     fail(Errc::invalid_argument, "publisher: plan.replicas must be empty: a step serves the ",
          "job's replicas, or with elastic on, the replicas that are ready");
-  if (m.opt.delta != DeltaMode::off && m.opt.plan.mode != PlanMode::p2p)
-    fail(Errc::unsupported, "publisher: delta sync (delta=auto) needs plan mode p2p; ",
-         plan_mode_name(m.opt.plan.mode), " buckets always travel whole (docs/delta.md)");
   m.opt.wire.delta = m.opt.delta != DeltaMode::off;
   m.tensors.resize(m.opt.layout.params.size());
   m.registered.assign(m.opt.layout.params.size(), false);

@@ -142,6 +142,17 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
       add_pack(a.pack, c, tensors.at(static_cast<size_t>(c.src_param)), a.base);
     }
     slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.bytes) + kBucketTrailerBytes);
+    if (a.kind == SendAction::Kind::root && wire_.delta) {
+      // The delta of the whole bucket, which the root holds once gathered,
+      // with a digest for each engine template's part.
+      a.items = pipeline::frame_items(plan, a.bucket);
+      for (int t = 0; t < plan.engine_templates(); ++t)
+        a.reads.push_back(pipeline::template_reads(plan, a.bucket, t));
+      frame_bytes_ =
+          std::max(frame_bytes_, static_cast<size_t>(pipeline::frame_capacity(a.items, a.bytes) +
+                                                     8 * static_cast<int64_t>(a.reads.size())) +
+                                     kBucketTrailerBytes);
+    }
   }
 }
 
@@ -191,6 +202,13 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
     for (size_t i = 0; i < actions_.size(); ++i)
       if (!actions_[i].quant.empty())
         device_quant_[i] = gpu::DeviceQuant(actions_[i].quant, memory.device);
+  if (wire_.delta && native_broadcast_ &&
+      std::any_of(actions_.begin(), actions_.end(),
+                  [](const SendAction& a) { return a.kind != SendAction::Kind::p2p; }))
+    fail(Errc::unsupported, "trainer rank ", rank_, ": delta sync in broadcast mode sends ",
+         "frames whose size changes from step to step, which this transport's native ",
+         "broadcast cannot take; use plan mode p2p, a transport without a native broadcast ",
+         "(ucx, tcp), or no delta (docs/delta.md)");
   if (wire_.delta && slots == SlotMemory::device)
     fail(Errc::unsupported, "trainer rank ", rank_, ": delta sync encodes buckets on the host, ",
          "but this rank's slots are in device memory (its tensors are on a GPU and the transport ",
@@ -433,10 +451,13 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
 
 // A broadcast bucket: the root gathers the other holders' parts and packs its
 // own, then broadcasts; a holder packs its part and sends it to the root.
-void SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>& dead,
-                        PushPhases& phases) {
+int64_t SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>& dead,
+                           PushPhases& phases) {
   const SendAction& a = actions_[index];
-  if (a.kind == SendAction::Kind::p2p) return post_p2p(index, k, step, phases);
+  if (a.kind == SendAction::Kind::p2p) {
+    post_p2p(index, k, step, phases);
+    return a.bytes;
+  }
   Slot& slot = slots_[k];
   Transport& t = loop_->transport();
   const bool root = a.kind == SendAction::Kind::root;
@@ -460,6 +481,7 @@ void SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>& de
     drain(slot, dead);
     phases.gather += seconds_since(gather_start);
   }
+  if (root && wire_.delta) return post_root_frame(index, k, step, dead, phases);
   if (wire_.checksums)
     store_trailer(
         slot.buffer.data + a.bytes,
@@ -470,7 +492,7 @@ void SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>& de
   if (!root) {
     slot.posted.add(t.send(a.root, bucket_tag(step, a.bucket, 1),
                            slot.buffer.buffer(0, static_cast<size_t>(a.bytes))));
-    return;
+    return a.bytes;
   }
   const Tag tag = bucket_tag(step, a.bucket, 0);
   const Buffer payload = slot.buffer.buffer(0, static_cast<size_t>(a.bytes) + kBucketTrailerBytes);
@@ -478,10 +500,98 @@ void SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>& de
     std::vector<int> ranks{rank_};
     for (int g = 0; g < engine_world_; ++g) ranks.push_back(trainer_world_ + g);
     slot.posted.add(t.broadcast(payload, rank_, ranks, tag));
-    return;
+    return a.bytes;
   }
   for (int g = 0; g < engine_world_; ++g)
     if (!dead[static_cast<size_t>(g)]) slot.posted.add(t.send(trainer_world_ + g, tag, payload), g);
+  return a.bytes;
+}
+
+int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step,
+                                      const std::vector<bool>& dead, PushPhases& phases) {
+  SendAction& a = actions_[index];
+  Slot& slot = slots_[k];
+  Transport& t = loop_->transport();
+  const Tag tag = bucket_tag(step, a.bucket, 0);
+  const char* packed = slot.buffer.data;
+  auto send_all = [&](const Buffer& buffer) {
+    for (int g = 0; g < engine_world_; ++g)
+      if (!dead[static_cast<size_t>(g)])
+        slot.posted.add(t.send(trainer_world_ + g, tag, buffer), g);
+  };
+  auto with_trailer = [&](char* at, int64_t bytes) {
+    if (!wire_.checksums) return bytes;
+    store_trailer(at + bytes,
+                  checksum64(at, static_cast<size_t>(bytes), static_cast<uint64_t>(step)));
+    return bytes + static_cast<int64_t>(kBucketTrailerBytes);
+  };
+  slot.bucket = a.bucket;
+  slot.posted_us = tracer_ ? trace_now_us() : 0;
+  const auto start = Clock::now();
+  // Every engine rank gets the one frame: a delta only when each of them
+  // (the ranks this step serves) holds the version of the base.
+  bool base_held = a.last_sent && a.last_step >= 0;
+  for (int g = 0; g < engine_world_ && base_held; ++g)
+    if (!dead[static_cast<size_t>(g)] &&
+        (static_cast<size_t>(g) >= held_.size() || held_[static_cast<size_t>(g)] != a.last_step))
+      base_held = false;
+  const bool attempt = base_held && a.skip_deltas == 0;
+  if (a.skip_deltas > 0) --a.skip_deltas;
+  pipeline::FrameHeader h;
+  h.step = step;
+  bool base_is_next = false;
+  if (attempt) {
+    std::vector<const char*>& next = next_;
+    next.resize(a.items.size());
+    for (size_t i = 0; i < a.items.size(); ++i) next[i] = packed + a.items[i].offset;
+    bool nearly_whole =
+        !a.last_delta_small &&
+        4 * pipeline::estimate_frame(a.items, next.data(), a.last_sent.get()) >= 3 * a.bytes;
+    if (!nearly_whole) {
+      const int64_t digests = delta_verify_ ? 8 * static_cast<int64_t>(a.reads.size()) : 0;
+      const int64_t n = pipeline::encode_frame(a.items, next.data(), a.last_sent.get(),
+                                               slot.frame.data + digests);
+      base_is_next = true;
+      a.last_delta_small = 4 * (n - pipeline::kFrameHeaderBytes) < a.bytes;
+      nearly_whole = 4 * (n - pipeline::kFrameHeaderBytes) >= 3 * a.bytes;
+      if (!nearly_whole) {
+        h.delta = true;
+        h.base = a.last_step;
+        h.has_digest = delta_verify_;
+        pipeline::store_frame_header(slot.frame.data, h);
+        for (size_t r = 0; digests > 0 && r < a.reads.size(); ++r)
+          store_le64(slot.frame.data + pipeline::kFrameHeaderBytes + 8 * r,
+                     pipeline::reads_digest(a.reads[r], packed, step));
+        const int64_t bytes = with_trailer(slot.frame.data, digests + n);
+        ++delta_buckets_;
+        delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
+        a.last_step = step;
+        slot.bytes = bytes;
+        phases.pack += seconds_since(start);
+        send_all(slot.frame.buffer(0, static_cast<size_t>(bytes)));
+        return bytes;
+      }
+    }
+    a.skip_deltas = kWholeStepsBeforeRetry;
+  }
+  // The whole bytes: kept as the base unless the next step will not try a
+  // delta (as in post_frame).
+  const bool keep = base_is_next || a.skip_deltas == 0;
+  a.last_step = keep ? step : -1;
+  if (keep && !base_is_next) keep_base(a, packed);
+  phases.pack += seconds_since(start);
+  // The header alone, then the bucket as without delta.
+  h.fragments = true;
+  pipeline::store_frame_header(slot.frame.data, h);
+  send_all(slot.frame.buffer(
+      0, static_cast<size_t>(with_trailer(slot.frame.data, pipeline::kFrameHeaderBytes))));
+  if (wire_.checksums)
+    store_trailer(
+        slot.buffer.data + a.bytes,
+        checksum64(slot.buffer.data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step)));
+  slot.bytes = a.bytes;
+  send_all(slot.buffer.buffer(0, static_cast<size_t>(a.bytes) + kBucketTrailerBytes));
+  return pipeline::kFrameHeaderBytes + a.bytes;
 }
 
 void SendPipeline::drain(Slot& slot, std::vector<bool>& dead) {
@@ -528,7 +638,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
         sent += static_cast<uint64_t>(post_frame(i, s, step, phases));
         continue;
       }
-      post(i, s, step, dead, phases);
+      sent += static_cast<uint64_t>(post(i, s, step, dead, phases));
     } catch (const Error&) {
       // A send to an engine refused at posting (known dead, endpoint timeout,
       // unreachable) drops that engine, as a failed transfer does in drain().
@@ -536,7 +646,6 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
       dead[static_cast<size_t>(a.dst_engine)] = true;
       continue;
     }
-    sent += static_cast<uint64_t>(a.bytes);
   }
   const auto wire_start = Clock::now();
   for (Slot& slot : slots_) drain(slot, dead);

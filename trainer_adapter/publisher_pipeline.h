@@ -70,6 +70,9 @@ struct SendAction {
   // layout is `pack`/`quant`'s).
   CopyProgram whole_pack;
   fp8::QuantProgram whole_quant;
+  // Broadcast roots: what each engine template reads of the bucket (the
+  // delta frame's digests).
+  std::vector<std::vector<pipeline::ReadBox>> reads;
   std::unique_ptr<char[]> last_sent;
   int64_t last_step = -1;
   int skip_deltas = 0;            // whole steps left before a delta is tried again
@@ -144,11 +147,17 @@ class SendPipeline {
   // Delta sync: the bucket's delta as one frame, or its bytes (a header,
   // then its fragments); returns the bytes sent.
   int64_t post_frame(size_t index, int slot, int64_t step, PushPhases& phases);
+  // Delta sync, broadcast root, the bucket packed and gathered in `slot`:
+  // its delta as one frame to every engine rank when all of them hold its
+  // base, else its bytes (a header, then the bucket); returns the bytes sent.
+  int64_t post_root_frame(size_t index, int slot, int64_t step, const std::vector<bool>& dead,
+                          PushPhases& phases);
   // Delta sync: the bucket's bytes into a.last_sent, as the frame lays them
   // out: copied from `packed` (the bucket packed so already), else packed
   // there from the tensors (host tensors).
   void keep_base(SendAction& a, const char* packed = nullptr);
-  void post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
+  // Returns the bytes sent (a holder's part, a root's bucket or frame).
+  int64_t post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
   void drain(Slot& slot, std::vector<bool>& dead);
 
   int rank_ = 0, trainer_world_ = 1, engine_world_ = 1;

@@ -142,6 +142,46 @@ void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t
   }
 }
 
+std::vector<ReadBox> template_reads(const Plan& plan, int32_t bucket, int engine_template) {
+  std::vector<ReadBox> out;
+  const int rank = plan.template_rank(engine_template);
+  for (const ApplyItem& ai : plan.apply_items(bucket, engine_template)) {
+    const Copy c = plan.resolve(ai, rank);
+    out.push_back({c.offset, static_cast<int>(itemsize(c.dtype)), c.view_box, c.hf_box});
+  }
+  return out;
+}
+
+uint64_t reads_digest(const std::vector<ReadBox>& reads, const char* packed, int64_t step) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < reads.size(); ++i) {
+    const ReadBox& r = reads[i];
+    const size_t n = r.hf_box.rank();
+    const int64_t elements = r.hf_box.numel();
+    Checksum64Stream hash(fragment_seed(step, static_cast<uint32_t>(i)),
+                          static_cast<size_t>(elements * r.element_bytes));
+    if (elements > 0) {
+      // Row by row along the last dim: the rows of hf_box inside the view.
+      const Shape strides = contiguous_strides(r.view_box.lengths);
+      const int64_t row = n == 0 ? 1 : r.hf_box.lengths[n - 1];
+      std::vector<int64_t> at(n, 0);  // index inside hf_box, last dim 0
+      for (int64_t done = 0; done < elements; done += row) {
+        int64_t element = 0;
+        for (size_t d = 0; d < n; ++d)
+          element += (r.hf_box.offsets[d] - r.view_box.offsets[d] + at[d]) * strides[d];
+        hash.update(packed + r.offset + element * r.element_bytes,
+                    static_cast<size_t>(row * r.element_bytes));
+        for (size_t d = n == 0 ? 0 : n - 1; d-- > 0;) {  // the next row
+          if (++at[d] < r.hf_box.lengths[d]) break;
+          at[d] = 0;
+        }
+      }
+    }
+    sum = checksum_fold(sum, hash.finish());
+  }
+  return sum;
+}
+
 uint64_t frame_digest(const std::vector<FrameItem>& items, const char* const* data, int64_t step) {
   uint64_t sum = 0;
   for (size_t i = 0; i < items.size(); ++i)

@@ -14,6 +14,12 @@
 //                straight from the tensors into the params where they can
 //   delta frame: an i64 per item (its encoding's bytes), then the items'
 //                encodings (core/delta.h) back to back, in plan order
+//   broadcast plans: a bucket goes to every engine rank, and each reads a
+//   part of it, so a delta frame with a digest carries, between the header
+//   and the table, a u64 per engine template (Plan::engine_templates):
+//   reads_digest of what that template's ranks read of the new bucket
+//   (the header's digest is 0). Whole bytes go as the header alone, then
+//   the bucket as without delta.
 //   with WireOptions::checksums: an 8-byte trailer, checksum64 of all the
 //   frame before it (seed step), as a broadcast bucket carries.
 //
@@ -95,6 +101,27 @@ int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* n
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
                  char* const* targets, const std::string& what, int64_t step = 0,
                  uint64_t* digest = nullptr);
+
+// Broadcast plans: one apply item of an engine template as the digest sees
+// it: the part `hf_box` of the row-major view `view_box` packed at
+// `offset` of the bucket.
+struct ReadBox {
+  int64_t offset = 0;
+  int element_bytes = 1;
+  Box view_box;
+  Box hf_box;
+};
+
+// What the engine ranks of template `engine_template` read of broadcast
+// bucket `bucket`: its apply items, in plan order.
+std::vector<ReadBox> template_reads(const Plan& plan, int32_t bucket, int engine_template);
+
+// The digest of `reads` of the bucket packed at `packed` for `step`: the
+// fold of each read's checksum64 (its elements in row-major order, seed
+// fragment_seed(step, i)). The sender hashes the new bucket, the engine its
+// rebuilt copy: equal only where every byte the engine applies is the
+// sender's.
+uint64_t reads_digest(const std::vector<ReadBox>& reads, const char* packed, int64_t step);
 
 // The digest of a bucket of `step` whose item i holds the bytes at
 // `data[i]`: the fold of each item's checksum64 (seed fragment_seed(step, i)).

@@ -174,6 +174,59 @@ TEST(E2E, DeltaSyncIsBitExactOnEveryP2pFamilyAndLayout) {
   }
 }
 
+// Delta sync in broadcast mode: one frame for every engine rank, each rank
+// rebuilding and checking (its own digest) only the part it reads; tensor
+// parallel engines of two replicas, expert parallel ones, and engine groups
+// of different layouts (a digest per engine template).
+TEST(E2E, DeltaSyncIsBitExactInBroadcastMode) {
+  REQUIRE_UCX();
+  struct Case {
+    const char* model;
+    const char* mesh;
+    int tp, replicas;
+    bool expert_parallel, engine_groups;
+    int64_t bucket_bytes;
+  };
+  const std::vector<Case> cases = {
+      {"tiny-llama", "fsdp=3", 2, 1, false, false, 2048},
+      {"tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2, false, false, 4096},
+      {"tiny-deepseek-v3", "ep=2,fsdp=2", 2, 1, true, false, 8192},
+      {"tiny-qwen3-moe", "ep=2,fsdp=2", 2, 1, false, true, 8192},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.model) + (c.engine_groups ? " (engine groups)" : ""));
+    const Model m = make_model(c.model, c.mesh, c.tp, c.replicas, c.expert_parallel);
+    int engine_ranks = c.tp * c.replicas;
+    if (c.engine_groups) {
+      // Beside the vLLM replica, two replicas of framework "hf" (tp=1).
+      nlohmann::json vllm = read_json(m.engine), hf = vllm;
+      hf["framework"] = "hf";
+      hf["tp"] = 1;
+      hf["replicas"] = 2;
+      std::ofstream(m.engine) << nlohmann::json::array({vllm, hf}).dump();
+      engine_ranks += 2;
+    }
+    const std::string dump = m.dir + "/dump";
+    const auto d =
+        run_demo(m,
+                 {"--mode", "broadcast", "--bucket-bytes", std::to_string(c.bucket_bytes),
+                  "--delta", "--update", "random:0.02", "--steps", "3"},
+                 dump);
+    expect_all_good(m, d, engine_ranks, dump);
+    if (!d.summary.is_object()) continue;
+    const auto& steps = d.summary["steps"];
+    ASSERT_EQ(steps.size(), 3u);
+    EXPECT_EQ(steps[0]["delta_buckets"].get<int>(), 0) << "version 1: nothing to diff against";
+    const auto whole = steps[0]["engine_bytes_total"].get<int64_t>();
+    for (size_t s = 1; s < 3; ++s) {
+      EXPECT_GT(steps[s]["delta_buckets"].get<int>(), 0) << "step " << s + 1;
+      EXPECT_LT(steps[s]["engine_bytes_total"].get<int64_t>() * 4, whole)
+          << "step " << s + 1 << " moved " << steps[s]["engine_bytes_total"] << " bytes, whole "
+          << whole;
+    }
+  }
+}
+
 // The fault transport of engine rank 1 that damages one byte of the first
 // message of `step` it receives (its first bucket's frame, or header).
 std::string corrupt_first_frame_of_rank1(const Model& m, int64_t step) {
@@ -232,21 +285,26 @@ TEST(E2E, DeltaDamagedWholeHeaderIsRejectedWithoutAStall) {
 }
 
 // A restarted engine rank (a new process, nothing of the old version) gets
-// the whole version from trainers that send the others deltas.
+// the whole version from trainers that send the others deltas (p2p), or
+// that send every rank the whole bucket for that step (broadcast: one frame
+// for all), and deltas go on after it.
 TEST(E2E, DeltaRestartedEngineGetsTheWholeVersion) {
   REQUIRE_UCX();
-  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
-  const auto d = run_demo(m, {"--delta", "--steps", "5", "--bucket-bytes", "4096", "--kill",
-                              "engine:3:2", "--restart"});
-  ASSERT_TRUE(d.summary.is_object()) << d.run.output;
-  const auto& steps = d.summary["steps"];
-  EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 1})) << "killed mid-step 2";
-  EXPECT_EQ(ints(steps[4]["committed"]), (std::vector<int>{0, 1, 2, 3}));
-  EXPECT_EQ(ints(steps[4]["verified"]), (std::vector<int>{0, 1, 2, 3}));
-  EXPECT_GT(steps[4]["delta_buckets"].get<int>(), 0);
-  for (int g = 0; g < 4; ++g) {
-    EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 5) << "engine " << g;
-    EXPECT_TRUE(d.summary["engine_ok"][g].get<bool>()) << "engine " << g;
+  for (const char* mode : {"p2p", "broadcast"}) {
+    SCOPED_TRACE(mode);
+    const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+    const auto d = run_demo(m, {"--mode", mode, "--delta", "--steps", "6", "--bucket-bytes", "4096",
+                                "--kill", "engine:3:2", "--restart"});
+    ASSERT_TRUE(d.summary.is_object()) << d.run.output;
+    const auto& steps = d.summary["steps"];
+    EXPECT_EQ(ints(steps[1]["committed"]), (std::vector<int>{0, 1})) << "killed mid-step 2";
+    EXPECT_EQ(ints(steps[5]["committed"]), (std::vector<int>{0, 1, 2, 3}));
+    EXPECT_EQ(ints(steps[5]["verified"]), (std::vector<int>{0, 1, 2, 3}));
+    EXPECT_GT(steps[5]["delta_buckets"].get<int>(), 0);
+    for (int g = 0; g < 4; ++g) {
+      EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 6) << "engine " << g;
+      EXPECT_TRUE(d.summary["engine_ok"][g].get<bool>()) << "engine " << g;
+    }
   }
 }
 

@@ -409,8 +409,6 @@ int run_sync_bench(const std::vector<std::string>& argv) {
     job.update_fraction = demo::parse_update_fraction(*u, "--update");
   else if (delta)
     job.update_fraction = 0.02;
-  if (delta && job.mode != "p2p")
-    fail(Errc::invalid_argument, "--delta needs --mode p2p (docs/delta.md)");
   job.fp8_site = args.get_or("fp8-site", "sender");
   parse_fp8_site(job.fp8_site);
   job.raw_rounds = 3;

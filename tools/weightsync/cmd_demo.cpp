@@ -100,12 +100,15 @@ int64_t ops_per_step(const Plan& plan, const std::string& role, int rank, const 
       n += bucket_messages(plan, b, wire);
     return n;
   }
-  if (role == "engine") return static_cast<int64_t>(plan.buckets_received_by(rank).size());
+  // Broadcast: with delta sync, a whole bucket is a header, then the bucket.
+  const int64_t per_bucket = wire.delta ? 2 : 1;
+  if (role == "engine")
+    return per_bucket * static_cast<int64_t>(plan.buckets_received_by(rank).size());
   const auto roots = static_cast<int64_t>(plan.buckets_sent_by(rank).size());
   int64_t holder = 0;
   for (int32_t b : plan.buckets_gathered_from(rank))
     holder += plan.buckets()[static_cast<size_t>(b)].src_rank != rank;
-  return roots * plan.engine_world() + holder;
+  return per_bucket * roots * plan.engine_world() + holder;
 }
 
 demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
@@ -132,14 +135,20 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   const int64_t n = ops_per_step(plan, k.role, k.rank, wire);
   k.op = k.role == "engine" ? "recv" : "send";
   k.after = (step - 1) * n + n / 2 + 1;
-  if (job.delta && step > 1 && plan.mode() == PlanMode::p2p) {
-    // Step 1 goes whole; a later bucket is one message as a delta, more
-    // when it goes whole. Counted as deltas, so that a kill at step 2 lands
-    // in step 2 (at a later step K: in step K or, after whole steps, before).
-    const auto buckets = static_cast<int64_t>(
-        (k.role == "engine" ? plan.buckets_received_by(k.rank) : plan.buckets_sent_by(k.rank))
-            .size());
-    k.after = n + (step - 2) * buckets + buckets / 2 + 1;
+  if (job.delta && step > 1) {
+    // Step 1 goes whole; a later bucket is one message as a delta (to each
+    // engine rank, broadcast), more when it goes whole. Counted as deltas,
+    // so that a kill at step 2 lands in step 2 (at a later step K: in step
+    // K or, after whole steps, before).
+    WireOptions as_delta = wire;
+    as_delta.delta = false;  // what ops_per_step counts for one message a bucket
+    const int64_t per_step =
+        plan.mode() == PlanMode::p2p
+            ? static_cast<int64_t>((k.role == "engine" ? plan.buckets_received_by(k.rank)
+                                                       : plan.buckets_sent_by(k.rank))
+                                       .size())
+            : ops_per_step(plan, k.role, k.rank, as_delta);
+    k.after = n + (step - 2) * per_step + per_step / 2 + 1;
   }
   return k;
 }
@@ -177,8 +186,6 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
     job.update_fraction = demo::parse_update_fraction(*u, "--update");
   else if (job.delta)
     job.update_fraction = 0.02;
-  if (job.delta && job.mode != "p2p")
-    fail(Errc::invalid_argument, "--delta needs --mode p2p (docs/delta.md)");
   job.verify = !args.flag("no-verify");
   job.dump_dir = args.get_or("dump", "");
   job.trace = args.has("trace");
