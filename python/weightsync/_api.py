@@ -228,7 +228,7 @@ class PublisherOptions:
         min_replicas: elastic: the replicas a push waits for.
         delta: "off" or "auto": a bucket whose engine rank committed what
             this rank last sent it goes as the elements that changed since
-            (docs/delta.md; p2p mode, host memory; rank 0's holds).
+            (docs/delta.md; host memory; rank 0's holds).
         delta_verify: delta buckets carry the digest of the bytes the engine
             must hold after applying them, checked before they are written.
     """
