@@ -197,6 +197,55 @@ TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
   }
 }
 
+// Broadcast plans: each engine template's digest covers exactly what its
+// apply items read, row by row: the same value as each read gathered
+// row-major and hashed in one piece, and a byte it reads changes it.
+TEST(Wire, BroadcastReadsDigestCoversWhatATemplateReads) {
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 1);
+  const Plan plan = plan_of(m, "broadcast", 8192);
+  ASSERT_EQ(plan.engine_templates(), 2);
+  bool partial = false;  // some read is a strict part of its view
+  for (const Bucket& b : plan.buckets()) {
+    std::vector<char> bucket(static_cast<size_t>(b.bytes));
+    for (size_t i = 0; i < bucket.size(); ++i) bucket[i] = static_cast<char>(i * 131 + b.id);
+    for (int t = 0; t < plan.engine_templates(); ++t) {
+      const auto reads = pipeline::template_reads(plan, b.id, t);
+      uint64_t expected = 0;
+      for (size_t i = 0; i < reads.size(); ++i) {
+        const auto& r = reads[i];
+        partial = partial || r.hf_box.lengths != r.view_box.lengths;
+        const DType dtype = r.element_bytes == 2 ? DType::BF16 : DType::F32;
+        ASSERT_EQ(static_cast<int>(itemsize(dtype)), r.element_bytes);
+        std::vector<char> gathered(static_cast<size_t>(r.hf_box.numel() * r.element_bytes));
+        const TensorView view = host_view(bucket.data() + r.offset, dtype, r.view_box.lengths);
+        Box inside = r.hf_box;
+        for (size_t d = 0; d < inside.rank(); ++d) inside.offsets[d] -= r.view_box.offsets[d];
+        copy_box(view, inside, host_view(gathered.data(), dtype, r.hf_box.lengths),
+                 Box::full(r.hf_box.lengths));
+        expected = checksum_fold(expected, checksum64(gathered.data(), gathered.size(),
+                                                      fragment_seed(5, static_cast<uint32_t>(i))));
+      }
+      EXPECT_EQ(pipeline::reads_digest(reads, bucket.data(), 5), expected)
+          << "bucket " << b.id << ", template " << t;
+      if (!reads.empty()) {
+        // The first byte of the last read's last row changes the digest.
+        const auto& r = reads.back();
+        std::vector<char> changed = bucket;
+        const Shape strides = contiguous_strides(r.view_box.lengths);
+        int64_t element = 0;
+        for (size_t d = 0; d < r.hf_box.rank(); ++d)
+          element += (r.hf_box.offsets[d] - r.view_box.offsets[d] +
+                      (d + 1 < r.hf_box.rank() ? r.hf_box.lengths[d] - 1 : 0)) *
+                     strides[d];
+        changed[static_cast<size_t>(r.offset + element * r.element_bytes)] ^= 1;
+        EXPECT_NE(pipeline::reads_digest(reads, changed.data(), 5), expected)
+            << "bucket " << b.id << ", template " << t;
+      }
+    }
+  }
+  EXPECT_TRUE(partial) << "no read is a strict part of its view: the row walk went untested";
+}
+
 TEST(Wire, FragmentsCoverEachBucketBackToBack) {
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
   const Plan plan = plan_of(m, "p2p", 8192);
