@@ -348,11 +348,12 @@ def test_load_weights_replica_beside_a_direct_one(setup, mode):
     loader.close()
 
 
-def test_load_weights_takes_deltas_and_hands_whole_tensors(setup):
+@pytest.mark.parametrize("mode", ["p2p", "broadcast"])
+def test_load_weights_takes_deltas_and_hands_whole_tensors(setup, mode):
     """load_weights mode with delta="auto": the rank's arena keeps the version
     it holds, a delta patches it there, and every tensor goes, whole, to the
     load_weights callback; each step equals the trainer's tensors, and steps
-    after the first move a small part of the bytes."""
+    after the first move a small part of the bytes (in both plan modes)."""
     coord, layout, engine, _ = setup
     hf = {**engine, "framework": "hf"}
     loader = ws.Subscriber(coordinator=coord.address, engine=hf)
@@ -370,7 +371,7 @@ def test_load_weights_takes_deltas_and_hands_whole_tensors(setup):
     tensors = trainer_tensors(layout, 5)
     results = []
     with ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=hf,
-                      bucket_bytes=16 << 10, delta="auto") as pub:
+                      bucket_bytes=16 << 10, delta="auto", mode=mode) as pub:
         pub.register_module(module_of(tensors))
         for step in (1, 2, 3):
             got.clear()
@@ -384,6 +385,7 @@ def test_load_weights_takes_deltas_and_hands_whole_tensors(setup):
             assert sorted(got) == sorted(tensors)
             for key, x in tensors.items():
                 assert torch.equal(got[key], x), (step, key)
+        assert pub.plan_summary()["mode"] == mode
     t.join()
     assert [o.committed for o in outcomes] == [True, True, True]
     assert outcomes[0].delta_buckets == 0 and results[0].delta_buckets == 0
