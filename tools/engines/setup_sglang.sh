@@ -54,6 +54,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$key" ]; then
   echo "$key" > "$stamp"
 fi
 
+# WEIGHTSYNC_ENGINE_INSTALL_ONLY=1: the venv only, no checkout needed
+# (.ci/run installs it while the checkout builds).
+if [ "${WEIGHTSYNC_ENGINE_INSTALL_ONLY:-0}" = 1 ]; then
+  log "installed: $venv"
+  echo "$venv"
+  exit 0
+fi
+
 # weightsync from the checkout (tools/engines/link_checkout.sh).
 . "$here/link_checkout.sh"
 link_checkout "$venv" "$repo" "$build_dir"
