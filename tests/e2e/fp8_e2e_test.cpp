@@ -118,17 +118,21 @@ TEST(E2EFp8, SenderAndEngineQuantizationGiveTheSameBytesAndTheSenderHalvesTheWir
 }
 
 // Delta sync into FP8 engines: quantized by the senders (FP8 codes and
-// scales diffed as bytes) or on the engines (the source bytes diffed), codes
-// and scales bit-exact every step; the later steps move a small part.
+// scales diffed as bytes) or on the engines (the source bytes diffed; in
+// p2p and broadcast plans), codes and scales bit-exact every step; the
+// later steps move a small part.
 TEST(E2EFp8, DeltaSyncKeepsCodesAndScalesBitExact) {
   if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX";
-  for (const char* site : {"sender", "engine"}) {
-    SCOPED_TRACE(site);
+  const std::pair<const char*, const char*> cases[] = {
+      {"sender", "p2p"}, {"engine", "p2p"}, {"engine", "broadcast"}};
+  for (const auto& [site, mode] : cases) {
+    SCOPED_TRACE(std::string(site) + " site, " + mode);
     // ep=2 x fsdp=1: whole blocks on every trainer rank (the sender site quantizes all).
     const Model m = fp8_model("tiny-fp8-qwen3-moe", "ep=2,fsdp=1", 2, 1, true, "fp32");
-    const nlohmann::json s = sync_and_compare(
-        m, 2, 3,
-        {"--fp8-site", site, "--delta", "--update", "random:0.02", "--bucket-bytes", "131072"});
+    const nlohmann::json s =
+        sync_and_compare(m, 2, 3,
+                         {"--fp8-site", site, "--mode", mode, "--delta", "--update", "random:0.02",
+                          "--bucket-bytes", "131072"});
     if (!s.is_object()) continue;
     const auto& steps = s["steps"];
     const auto whole = steps[0]["engine_bytes_total"].get<int64_t>();
@@ -136,8 +140,8 @@ TEST(E2EFp8, DeltaSyncKeepsCodesAndScalesBitExact) {
       EXPECT_GT(steps[k]["delta_buckets"].get<int>(), 0) << "step " << k + 1;
       EXPECT_LT(steps[k]["engine_bytes_total"].get<int64_t>() * 2, whole) << "step " << k + 1;
     }
-    std::printf("FP8 engines, %s-site quantization, delta: %lld bytes whole, then %lld, %lld\n",
-                site, static_cast<long long>(whole),
+    std::printf("FP8 engines, %s-site quantization, %s, delta: %lld bytes whole, then %lld, %lld\n",
+                site, mode, static_cast<long long>(whole),
                 static_cast<long long>(steps[1]["engine_bytes_total"].get<int64_t>()),
                 static_cast<long long>(steps[2]["engine_bytes_total"].get<int64_t>()));
   }
