@@ -80,9 +80,12 @@ struct PublisherOptions {
   // committed the version this rank last sent it travels as the elements
   // that changed since (or whole, where that is about as small); any other
   // (a new or restarted engine rank, one that missed or failed a step) gets
-  // the whole bytes. p2p mode, host memory. Costs, on this rank, a copy of
-  // what it sends (its share of the engine-dtype bytes) and a second pair of
-  // slots; on the engines, one bucket of scratch. Rank 0's setting holds.
+  // the whole bytes. Broadcast mode: a delta when every engine rank holds
+  // the base, one frame for all (not over a native broadcast: NCCL). Host
+  // memory. Costs, on this rank, a copy of what it sends (p2p: its share of
+  // the engine-dtype bytes; broadcast: the buckets it roots) and a second
+  // pair of slots; on the engines, one bucket of scratch. Rank 0's setting
+  // holds.
   DeltaMode delta = DeltaMode::off;
   // Delta steps: each delta bucket carries the checksum64 of the bytes the
   // engine must hold after applying it, which the engine checks before it
