@@ -380,13 +380,15 @@ def test_trainer_killed_mid_step_then_a_new_trainer_commits(live, references, tm
     live.check(references(live.kind, live.tp, new), tmp_path, step + 1)
 
 
-def test_delta_sync_moves_only_the_changes(live, references, tmp_path):
+@pytest.mark.parametrize("mode", ["p2p", "broadcast"])
+def test_delta_sync_moves_only_the_changes(live, references, tmp_path, mode):
     """delta="auto" through SGLang's weight-update session (load_weights
     mode, tp=2, MoE): a new trainer process's first step goes whole, then
     versions about 1 % of the elements apart go as deltas of a small part of
     the bytes, each onto what the last delta made; after every step each
     rank's parameters and the greedy tokens equal a fresh engine's of that
-    version."""
+    version. In both plan modes (the new trainer's: the engines follow it;
+    broadcast: one delta for both ranks, each checking what it reads)."""
     if (live.kind, live.tp) != ("moe", 2):
         pytest.skip("run for moe-tp2 only (engine starts are slow)")
     if live.version < 0:
@@ -396,7 +398,8 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path):
     held = live.ckpts[live.checkpoint]
     nearby = nearby_checkpoint(held, str(tmp_path / "nearby"), seed=live.version)
     trainer = start_trainer(live.coord.address, live.config, [held, nearby, held],
-                            delta="auto", bucket_bytes=BUCKET_BYTES, step_timeout=60.0)
+                            delta="auto", bucket_bytes=BUCKET_BYTES, step_timeout=60.0,
+                            mode=mode)
     try:
         steps = []
         # held -> nearby (whole: nothing to diff against yet), then deltas:
@@ -411,7 +414,8 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path):
                          else references(live.kind, live.tp, live.checkpoint))
             live.check(reference, tmp_path, step)
             steps.append((pushed, [r["outcome"]["delta_buckets"] for r in out["ranks"]]))
-            log(f"{live.kind} tp={live.tp} delta step {step}: {pushed['bytes_sent']} bytes sent, "
+            log(f"{live.kind} tp={live.tp} {mode} delta step {step}: "
+                f"{pushed['bytes_sent']} bytes sent, "
                 f"{pushed['delta_buckets']} delta buckets; per engine rank {steps[-1][1]}")
     finally:
         trainer.close()
@@ -419,5 +423,8 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path):
     assert whole["delta_buckets"] == 0 and whole_ranks == [0] * live.tp, steps
     for pushed, ranks in deltas:
         assert pushed["delta_buckets"] > 0 and all(n > 0 for n in ranks), steps
-        assert sum(ranks) == pushed["delta_buckets"], steps
+        if mode == "p2p":  # a bucket for each rank
+            assert sum(ranks) == pushed["delta_buckets"], steps
+        else:  # every bucket for both ranks
+            assert ranks == [pushed["delta_buckets"]] * live.tp, steps
         assert pushed["bytes_sent"] * 4 < whole["bytes_sent"], steps
