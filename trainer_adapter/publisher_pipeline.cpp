@@ -502,23 +502,33 @@ int64_t SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>&
     slot.posted.add(t.broadcast(payload, rank_, ranks, tag));
     return a.bytes;
   }
-  for (int g = 0; g < engine_world_; ++g)
-    if (!dead[static_cast<size_t>(g)]) slot.posted.add(t.send(trainer_world_ + g, tag, payload), g);
+  send_to_engines(slot, tag, payload, dead);
   return a.bytes;
 }
 
-int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step,
-                                      const std::vector<bool>& dead, PushPhases& phases) {
+void SendPipeline::send_to_engines(Slot& slot, Tag tag, const Buffer& buffer,
+                                   std::vector<bool>& dead) {
+  Transport& t = loop_->transport();
+  for (int g = 0; g < engine_world_; ++g) {
+    if (dead[static_cast<size_t>(g)]) continue;
+    try {
+      slot.posted.add(t.send(trainer_world_ + g, tag, buffer), g);
+    } catch (const Error&) {
+      // Refused at posting (known dead, endpoint timeout, unreachable): that
+      // engine is dropped, as a failed transfer is in drain(); the others
+      // get the bucket.
+      dead[static_cast<size_t>(g)] = true;
+    }
+  }
+}
+
+int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::vector<bool>& dead,
+                                      PushPhases& phases) {
   SendAction& a = actions_[index];
   Slot& slot = slots_[k];
-  Transport& t = loop_->transport();
   const Tag tag = bucket_tag(step, a.bucket, 0);
   const char* packed = slot.buffer.data;
-  auto send_all = [&](const Buffer& buffer) {
-    for (int g = 0; g < engine_world_; ++g)
-      if (!dead[static_cast<size_t>(g)])
-        slot.posted.add(t.send(trainer_world_ + g, tag, buffer), g);
-  };
+  auto send_all = [&](const Buffer& buffer) { send_to_engines(slot, tag, buffer, dead); };
   auto with_trailer = [&](char* at, int64_t bytes) {
     if (!wire_.checksums) return bytes;
     store_trailer(at + bytes,

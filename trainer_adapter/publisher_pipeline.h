@@ -150,8 +150,11 @@ class SendPipeline {
   // Delta sync, broadcast root, the bucket packed and gathered in `slot`:
   // its delta as one frame to every engine rank when all of them hold its
   // base, else its bytes (a header, then the bucket); returns the bytes sent.
-  int64_t post_root_frame(size_t index, int slot, int64_t step, const std::vector<bool>& dead,
+  int64_t post_root_frame(size_t index, int slot, int64_t step, std::vector<bool>& dead,
                           PushPhases& phases);
+  // Broadcast without a native broadcast: `buffer` to every engine rank not
+  // `dead`; one whose send is refused at posting is marked dead.
+  void send_to_engines(Slot& slot, Tag tag, const Buffer& buffer, std::vector<bool>& dead);
   // Delta sync: the bucket's bytes into a.last_sent, as the frame lays them
   // out: copied from `packed` (the bucket packed so already), else packed
   // there from the tensors (host tensors).

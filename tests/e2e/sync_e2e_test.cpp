@@ -372,11 +372,23 @@ TEST(E2E, ShortMessageFailsTheStepForItsEngineOnly) {
   EXPECT_EQ(reasons, 4 - static_cast<int>(first.size()));
 }
 
+void engine_killed_mid_step(const char* mode);
+
+// In both plan modes: a broadcast root whose send to the dead rank is
+// refused at posting (endpoint timeout) drops that rank and sends the
+// bucket to the others.
 TEST(E2E, EngineKilledMidStepDoesNotStopTheOthers) {
   REQUIRE_UCX();
+  for (const char* mode : {"p2p", "broadcast"}) {
+    SCOPED_TRACE(mode);
+    engine_killed_mid_step(mode);
+  }
+}
+
+void engine_killed_mid_step(const char* mode) {
   const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
-  const auto d =
-      run_demo(m, {"--staging", "--steps", "3", "--bucket-bytes", "4096", "--kill", "engine:3:2"});
+  const auto d = run_demo(m, {"--mode", mode, "--staging", "--steps", "3", "--bucket-bytes", "4096",
+                              "--kill", "engine:3:2"});
   ASSERT_TRUE(d.summary.is_object()) << d.run.output;
   EXPECT_NE(d.run.exit_code, 0);
   const auto& steps = d.summary["steps"];
