@@ -403,7 +403,8 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
         if (bytes < pipeline::kFrameHeaderBytes + digests)
           fail(Errc::format, what, ": a delta frame of ", bytes,
                " bytes cannot hold the digests of its ", engine_templates_, " engine templates");
-        sent = read_le64(frame + pipeline::kFrameHeaderBytes + 8 * engine_template_);
+        if (h.has_digest)
+          sent = read_le64(frame + pipeline::kFrameHeaderBytes + 8 * engine_template_);
         pipeline::apply_frame(a.items, frame + digests, bytes - digests, targets_.data(), what);
         if (h.has_digest) digest = pipeline::reads_digest(a.reads, scratch_.get(), step);
       } else {

@@ -292,6 +292,21 @@ TEST_P(InProcessDelta, StepsAreBitExactAndMoveOnlyTheChanges) {
   expect_params_match_checkpoint();
 }
 
+// delta_verify off: delta frames without their digest (broadcast: without
+// the digest table), every step bit-exact all the same.
+TEST_P(InProcessDelta, StepsWithoutTheDigestAreBitExact) {
+  const int64_t last = 4;
+  Versions held;
+  std::vector<PushResult> results;
+  auto pub =
+      push_delta_run(last, held, results, [](PublisherOptions& o) { o.delta_verify = false; });
+  ASSERT_EQ(engine_error_, "");
+  for (int64_t step = 2; step <= last; ++step)
+    EXPECT_GT(results[static_cast<size_t>(step - 1)].delta_buckets, 0u) << "step " << step;
+  expect_versions_held(held, last);
+  expect_params_match_checkpoint();
+}
+
 // The engine's params are not the version a delta applies to (changed
 // behind the sync's back after step 2): step 3's digest catches it before a
 // byte is written, the step fails on that rank, and step 4 goes whole and

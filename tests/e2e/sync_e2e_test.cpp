@@ -176,8 +176,8 @@ TEST(E2E, DeltaSyncIsBitExactOnEveryP2pFamilyAndLayout) {
 
 // Delta sync in broadcast mode: one frame for every engine rank, each rank
 // rebuilding and checking (its own digest) only the part it reads; tensor
-// parallel engines of two replicas, expert parallel ones, and engine groups
-// of different layouts (a digest per engine template).
+// parallel engines of two replicas, expert parallel ones, engine groups of
+// different layouts (a digest per engine template), and staging engines.
 TEST(E2E, DeltaSyncIsBitExactInBroadcastMode) {
   REQUIRE_UCX();
   struct Case {
@@ -186,12 +186,14 @@ TEST(E2E, DeltaSyncIsBitExactInBroadcastMode) {
     int tp, replicas;
     bool expert_parallel, engine_groups;
     int64_t bucket_bytes;
+    bool staging = false;
   };
   const std::vector<Case> cases = {
       {"tiny-llama", "fsdp=3", 2, 1, false, false, 2048},
       {"tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2, false, false, 4096},
       {"tiny-deepseek-v3", "ep=2,fsdp=2", 2, 1, true, false, 8192},
       {"tiny-qwen3-moe", "ep=2,fsdp=2", 2, 1, false, true, 8192},
+      {"tiny-qwen2", "fsdp=3", 2, 1, false, false, 8192, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(std::string(c.model) + (c.engine_groups ? " (engine groups)" : ""));
@@ -207,11 +209,12 @@ TEST(E2E, DeltaSyncIsBitExactInBroadcastMode) {
       engine_ranks += 2;
     }
     const std::string dump = m.dir + "/dump";
-    const auto d =
-        run_demo(m,
-                 {"--mode", "broadcast", "--bucket-bytes", std::to_string(c.bucket_bytes),
-                  "--delta", "--update", "random:0.02", "--steps", "3"},
-                 dump);
+    std::vector<std::string> args = {
+        "--mode",  "broadcast", "--bucket-bytes", std::to_string(c.bucket_bytes),
+        "--delta", "--update",  "random:0.02",    "--steps",
+        "3"};
+    if (c.staging) args.push_back("--staging");
+    const auto d = run_demo(m, args, dump);
     expect_all_good(m, d, engine_ranks, dump);
     if (!d.summary.is_object()) continue;
     const auto& steps = d.summary["steps"];

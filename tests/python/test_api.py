@@ -156,9 +156,6 @@ def test_delta_sync_of_real_adamw_steps_lands_bit_exact(setup):
     with pytest.raises(ws.InvalidArgument, match="delta"):
         ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
                      delta="sometimes")
-    with pytest.raises(ws.Unsupported, match="p2p"):
-        ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
-                     mode="broadcast", delta="auto")
 
 
 @pytest.mark.parametrize("site", ["sender", "engine"])
