@@ -134,6 +134,22 @@ TEST(E2E, TransformersLayoutIntoEngineGroups) {
   }
 }
 
+// A delta run of `steps` steps: version 1 whole, the later ones as deltas
+// of under a quarter of its bytes.
+void expect_deltas_after_the_first(const Demo& d, size_t steps_run) {
+  if (!d.summary.is_object()) return;  // expect_all_good said why
+  const auto& steps = d.summary["steps"];
+  ASSERT_EQ(steps.size(), steps_run);
+  EXPECT_EQ(steps[0]["delta_buckets"].get<int>(), 0) << "version 1: nothing to diff against";
+  const auto whole = steps[0]["engine_bytes_total"].get<int64_t>();
+  for (size_t s = 1; s < steps_run; ++s) {
+    EXPECT_GT(steps[s]["delta_buckets"].get<int>(), 0) << "step " << s + 1;
+    EXPECT_LT(steps[s]["engine_bytes_total"].get<int64_t>() * 4, whole)
+        << "step " << s + 1 << " moved " << steps[s]["engine_bytes_total"] << " bytes, whole "
+        << whole;
+  }
+}
+
 // Delta sync (docs/delta.md) on every p2p family and layout above: sparse
 // versions, version 1 whole, the later ones as deltas of a small part of the
 // bytes, every step verified bit for bit and the dumps equal materialize.
@@ -160,17 +176,7 @@ TEST(E2E, DeltaSyncIsBitExactOnEveryP2pFamilyAndLayout) {
     for (const char* a : {"--delta", "--update", "random:0.02", "--steps", "3"}) args.push_back(a);
     const auto d = run_demo(m, args, dump);
     expect_all_good(m, d, c.tp * c.replicas, dump);
-    if (!d.summary.is_object()) continue;
-    const auto& steps = d.summary["steps"];
-    ASSERT_EQ(steps.size(), 3u);
-    EXPECT_EQ(steps[0]["delta_buckets"].get<int>(), 0) << "version 1: nothing to diff against";
-    const auto whole = steps[0]["engine_bytes_total"].get<int64_t>();
-    for (size_t s = 1; s < 3; ++s) {
-      EXPECT_GT(steps[s]["delta_buckets"].get<int>(), 0) << "step " << s + 1;
-      EXPECT_LT(steps[s]["engine_bytes_total"].get<int64_t>() * 4, whole)
-          << "step " << s + 1 << " moved " << steps[s]["engine_bytes_total"] << " bytes, whole "
-          << whole;
-    }
+    expect_deltas_after_the_first(d, 3);
   }
 }
 
@@ -216,17 +222,7 @@ TEST(E2E, DeltaSyncIsBitExactInBroadcastMode) {
     if (c.staging) args.push_back("--staging");
     const auto d = run_demo(m, args, dump);
     expect_all_good(m, d, engine_ranks, dump);
-    if (!d.summary.is_object()) continue;
-    const auto& steps = d.summary["steps"];
-    ASSERT_EQ(steps.size(), 3u);
-    EXPECT_EQ(steps[0]["delta_buckets"].get<int>(), 0) << "version 1: nothing to diff against";
-    const auto whole = steps[0]["engine_bytes_total"].get<int64_t>();
-    for (size_t s = 1; s < 3; ++s) {
-      EXPECT_GT(steps[s]["delta_buckets"].get<int>(), 0) << "step " << s + 1;
-      EXPECT_LT(steps[s]["engine_bytes_total"].get<int64_t>() * 4, whole)
-          << "step " << s + 1 << " moved " << steps[s]["engine_bytes_total"] << " bytes, whole "
-          << whole;
-    }
+    expect_deltas_after_the_first(d, 3);
   }
 }
 
