@@ -23,6 +23,45 @@ using pipeline::seconds_since;
 // Steps a bucket goes whole, untried, after its delta came out nearly whole.
 constexpr int kWholeStepsBeforeRetry = 3;
 
+// Delta sync, one bucket's choices (p2p post_frame, broadcast
+// post_root_frame). Whether this step tries a delta: its receivers must hold
+// the base, and a bucket whose last delta came out nearly whole goes whole
+// for a few steps without trying (most of its elements change every step),
+// then tries again.
+bool try_delta(SendAction& a, bool receivers_hold_base) {
+  const bool attempt = receivers_hold_base && a.skip_deltas == 0;
+  if (a.skip_deltas > 0) --a.skip_deltas;
+  return attempt;
+}
+
+// A look at 1/64 of the bytes first, unless the last delta was small: a
+// delta that would come out nearly whole is not worth its encoding (the
+// bytes themselves spare the engine its read-modify-write).
+bool looks_nearly_whole(const SendAction& a, const char* const* next) {
+  return !a.last_delta_small &&
+         4 * pipeline::estimate_frame(a.items, next, a.last_sent.get()) >= 3 * a.bytes;
+}
+
+// After an encoding of `frame_bytes` (header included): whether it came out
+// nearly whole; remembers whether it was small (the next step then encodes
+// without a look first).
+bool encoded_nearly_whole(SendAction& a, int64_t frame_bytes) {
+  const int64_t encoded = frame_bytes - pipeline::kFrameHeaderBytes;
+  a.last_delta_small = 4 * encoded < a.bytes;
+  return 4 * encoded >= 3 * a.bytes;
+}
+
+// A whole step: its receivers hold its bytes once they commit it, so the
+// base must hold them too, unless the next step will not try a delta (then
+// the base is brought up to date on the step before a try). Sets
+// a.last_step; true when the base must take this step's bytes (that is,
+// the encoder did not already bring it up to date).
+bool base_takes_whole(SendAction& a, int64_t step, bool base_is_next) {
+  const bool keep = base_is_next || a.skip_deltas == 0;
+  a.last_step = keep ? step : -1;
+  return keep && !base_is_next;
+}
+
 using pipeline::add_pack;
 using pipeline::addr;
 
@@ -242,12 +281,7 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
                         : int64_t{-1};
   pipeline::FrameHeader h;
   h.step = step;
-  const bool base_held = a.last_sent && a.last_step >= 0 && a.last_step == held;
-  // A bucket whose last delta came out nearly whole goes whole for a few
-  // steps without trying (most of its elements change every step), then
-  // tries again.
-  const bool attempt = base_held && a.skip_deltas == 0;
-  if (a.skip_deltas > 0) --a.skip_deltas;
+  const bool attempt = try_delta(a, a.last_sent && a.last_step >= 0 && a.last_step == held);
   bool packed = false;        // the frame's layout is in the slot
   bool base_is_next = false;  // the encoder brought the base up to this step
   char* body = slot.buffer.data + pipeline::kFrameHeaderBytes;
@@ -270,33 +304,22 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
     next.resize(a.items.size());
     for (size_t i = 0; i < a.items.size(); ++i)
       next[i] = a.in_place[i] ? a.in_place[i] : body + a.items[i].offset;
-    // A look at 1/64 of the bytes first, unless the last delta was small: a
-    // delta that would come out nearly whole is not worth its encoding (the
-    // bytes themselves spare the engine its read-modify-write, and go
-    // without a copy).
+    // A delta that would come out nearly whole goes whole instead: straight
+    // from the tensors into the params, without a copy.
     const bool nearly_whole = [&] {
-      if (!a.last_delta_small &&
-          4 * pipeline::estimate_frame(a.items, next.data(), a.last_sent.get()) >= 3 * a.bytes)
-        return true;
+      if (looks_nearly_whole(a, next.data())) return true;
       uint64_t digest = 0;
       const int64_t n =
           pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data, nullptr,
                                  step, delta_verify_ ? &digest : nullptr);
       base_is_next = true;
-      a.last_delta_small = 4 * (n - pipeline::kFrameHeaderBytes) < a.bytes;
-      if (4 * (n - pipeline::kFrameHeaderBytes) >= 3 * a.bytes) return true;
+      if (encoded_nearly_whole(a, n)) return true;
       h.delta = true;
       h.base = a.last_step;
       h.has_digest = delta_verify_;
       h.digest = digest;
       pipeline::store_frame_header(slot.frame.data, h);
-      int64_t bytes = n;
-      if (wire_.checksums) {
-        store_trailer(slot.frame.data + bytes, checksum64(slot.frame.data, static_cast<size_t>(n),
-                                                          static_cast<uint64_t>(step)));
-        bytes += static_cast<int64_t>(kBucketTrailerBytes);
-      }
-      slot.bytes = bytes;
+      slot.bytes = with_trailer(slot.frame.data, n, step);
       return false;
     }();
     phases.pack += seconds_since(encode_start);
@@ -317,13 +340,10 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
     }
     a.skip_deltas = kWholeStepsBeforeRetry;
   }
-  // The whole bytes. The engine rank holds them once it commits this step,
-  // so the base must hold them too, unless the next step will not try a
-  // delta (then the base is brought up to date on the step before a try).
-  const bool keep = base_is_next || a.skip_deltas == 0;
-  a.last_step = keep ? step : -1;
+  // The whole bytes.
+  const bool take = base_takes_whole(a, step, base_is_next);
   if (!copier_.on_gpu()) {
-    if (keep && !base_is_next) {
+    if (take) {
       const auto start = Clock::now();
       keep_base(a);
       phases.pack += seconds_since(start);
@@ -338,15 +358,10 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
   if (!packed) pack_frame();
   const auto start = Clock::now();
   execute_host(a.pack_in_place, 0, addr(slot.buffer.data));
-  if (keep && !base_is_next) keep_base(a, body);
+  if (take) keep_base(a, body);
   phases.pack += seconds_since(start);
   pipeline::store_frame_header(slot.buffer.data, h);
-  int64_t bytes = pipeline::kFrameHeaderBytes + a.bytes;
-  if (wire_.checksums) {
-    store_trailer(slot.buffer.data + bytes, checksum64(slot.buffer.data, static_cast<size_t>(bytes),
-                                                       static_cast<uint64_t>(step)));
-    bytes += static_cast<int64_t>(kBucketTrailerBytes);
-  }
+  const int64_t bytes = with_trailer(slot.buffer.data, pipeline::kFrameHeaderBytes + a.bytes, step);
   slot.bucket = a.bucket;
   slot.bytes = bytes;
   slot.posted_us = pack_us;
@@ -390,14 +405,8 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
   const CopyProgram& pack_program = header ? a.whole_pack : a.pack;
   const fp8::QuantProgram& quant = header ? a.whole_quant : a.quant;
   if (header) {
-    char* frame = slot.frame.data;
-    pipeline::store_frame_header(frame, *header);
-    int64_t bytes = pipeline::kFrameHeaderBytes;
-    if (wire_.checksums) {
-      store_trailer(frame + bytes,
-                    checksum64(frame, static_cast<size_t>(bytes), static_cast<uint64_t>(step)));
-      bytes += static_cast<int64_t>(kBucketTrailerBytes);
-    }
+    pipeline::store_frame_header(slot.frame.data, *header);
+    const int64_t bytes = with_trailer(slot.frame.data, pipeline::kFrameHeaderBytes, step);
     slot.posted.add(t.send(peer, tag, slot.frame.buffer(0, static_cast<size_t>(bytes))),
                     a.dst_engine);
   }
@@ -506,6 +515,13 @@ int64_t SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>&
   return a.bytes;
 }
 
+int64_t SendPipeline::with_trailer(char* at, int64_t bytes, int64_t step) const {
+  if (!wire_.checksums) return bytes;
+  store_trailer(at + bytes,
+                checksum64(at, static_cast<size_t>(bytes), static_cast<uint64_t>(step)));
+  return bytes + static_cast<int64_t>(kBucketTrailerBytes);
+}
+
 void SendPipeline::send_to_engines(Slot& slot, Tag tag, const Buffer& buffer,
                                    std::vector<bool>& dead) {
   Transport& t = loop_->transport();
@@ -529,12 +545,6 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
   const Tag tag = bucket_tag(step, a.bucket, 0);
   const char* packed = slot.buffer.data;
   auto send_all = [&](const Buffer& buffer) { send_to_engines(slot, tag, buffer, dead); };
-  auto with_trailer = [&](char* at, int64_t bytes) {
-    if (!wire_.checksums) return bytes;
-    store_trailer(at + bytes,
-                  checksum64(at, static_cast<size_t>(bytes), static_cast<uint64_t>(step)));
-    return bytes + static_cast<int64_t>(kBucketTrailerBytes);
-  };
   slot.bucket = a.bucket;
   slot.posted_us = tracer_ ? trace_now_us() : 0;
   const auto start = Clock::now();
@@ -545,8 +555,7 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
     if (!dead[static_cast<size_t>(g)] &&
         (static_cast<size_t>(g) >= held_.size() || held_[static_cast<size_t>(g)] != a.last_step))
       base_held = false;
-  const bool attempt = base_held && a.skip_deltas == 0;
-  if (a.skip_deltas > 0) --a.skip_deltas;
+  const bool attempt = try_delta(a, base_held);
   pipeline::FrameHeader h;
   h.step = step;
   bool base_is_next = false;
@@ -554,17 +563,12 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
     std::vector<const char*>& next = next_;
     next.resize(a.items.size());
     for (size_t i = 0; i < a.items.size(); ++i) next[i] = packed + a.items[i].offset;
-    bool nearly_whole =
-        !a.last_delta_small &&
-        4 * pipeline::estimate_frame(a.items, next.data(), a.last_sent.get()) >= 3 * a.bytes;
-    if (!nearly_whole) {
+    if (!looks_nearly_whole(a, next.data())) {
       const int64_t digests = delta_verify_ ? 8 * static_cast<int64_t>(a.reads.size()) : 0;
       const int64_t n = pipeline::encode_frame(a.items, next.data(), a.last_sent.get(),
                                                slot.frame.data + digests);
       base_is_next = true;
-      a.last_delta_small = 4 * (n - pipeline::kFrameHeaderBytes) < a.bytes;
-      nearly_whole = 4 * (n - pipeline::kFrameHeaderBytes) >= 3 * a.bytes;
-      if (!nearly_whole) {
+      if (!encoded_nearly_whole(a, n)) {
         h.delta = true;
         h.base = a.last_step;
         h.has_digest = delta_verify_;
@@ -572,7 +576,7 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
         for (size_t r = 0; digests > 0 && r < a.reads.size(); ++r)
           store_le64(slot.frame.data + pipeline::kFrameHeaderBytes + 8 * r,
                      pipeline::reads_digest(a.reads[r], packed, step));
-        const int64_t bytes = with_trailer(slot.frame.data, digests + n);
+        const int64_t bytes = with_trailer(slot.frame.data, digests + n, step);
         ++delta_buckets_;
         delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
         a.last_step = step;
@@ -584,17 +588,14 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
     }
     a.skip_deltas = kWholeStepsBeforeRetry;
   }
-  // The whole bytes: kept as the base unless the next step will not try a
-  // delta (as in post_frame).
-  const bool keep = base_is_next || a.skip_deltas == 0;
-  a.last_step = keep ? step : -1;
-  if (keep && !base_is_next) keep_base(a, packed);
+  // The whole bytes.
+  if (base_takes_whole(a, step, base_is_next)) keep_base(a, packed);
   phases.pack += seconds_since(start);
   // The header alone, then the bucket as without delta.
   h.fragments = true;
   pipeline::store_frame_header(slot.frame.data, h);
   send_all(slot.frame.buffer(
-      0, static_cast<size_t>(with_trailer(slot.frame.data, pipeline::kFrameHeaderBytes))));
+      0, static_cast<size_t>(with_trailer(slot.frame.data, pipeline::kFrameHeaderBytes, step))));
   if (wire_.checksums)
     store_trailer(
         slot.buffer.data + a.bytes,

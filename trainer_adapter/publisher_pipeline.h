@@ -152,6 +152,9 @@ class SendPipeline {
   // base, else its bytes (a header, then the bucket); returns the bytes sent.
   int64_t post_root_frame(size_t index, int slot, int64_t step, std::vector<bool>& dead,
                           PushPhases& phases);
+  // With WireOptions::checksums, the trailer of the `bytes` at `at` (a
+  // frame, a whole frame's header) after them; returns the bytes to send.
+  int64_t with_trailer(char* at, int64_t bytes, int64_t step) const;
   // Broadcast without a native broadcast: `buffer` to every engine rank not
   // `dead`; one whose send is refused at posting is marked dead.
   void send_to_engines(Slot& slot, Tag tag, const Buffer& buffer, std::vector<bool>& dead);
