@@ -20,6 +20,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -303,6 +304,53 @@ TEST(IpcBootstrap, TwoTransportsInOneProcess) {
   ASSERT_TRUE(received && sent);
   EXPECT_EQ(r->transferred(), 1u << 20);
   EXPECT_TRUE(in.holds(7, 1 << 20));
+}
+
+// A sender that completes its sends and destroys its transport at once:
+// each completion reaches the receiver, also when the last one and the end
+// of file land while the receiver reads the one before (it looked at the
+// closed connection before the last packet, and failed the receive).
+TEST(IpcBootstrap, SenderThatExitsRightAfterItsSendsLeavesThemComplete) {
+  constexpr int kRounds = 200;
+  constexpr std::size_t kLarge = 1 << 20;
+  int failures = 0;
+  std::string first;
+  for (int round = 0; round < kRounds; ++round) {
+    TempDir dir;
+    auto t0 = make_test_transport("ipc_host", dir.path, 0, 2);
+    auto t1 = make_test_transport("ipc_host", dir.path, 1, 2);
+    TestBuffer small_out(1, MemoryKind::host), small_in(1, MemoryKind::host);
+    TestBuffer large_out(kLarge, MemoryKind::host), large_in(kLarge, MemoryKind::host);
+    small_out.fill(uint64_t(round));
+    large_out.fill(uint64_t(round) + 1);
+    small_in.zero();
+    large_in.zero();
+    auto r_small = t0->recv(1, 4, small_in.buffer());
+    auto r_large = t0->recv(1, 5, large_in.buffer());
+    std::string sender_error;
+    std::thread sender([&] {
+      try {
+        auto s_small = t1->send(0, 4, small_out.buffer());
+        auto s_large = t1->send(0, 5, large_out.buffer());
+        s_small->wait(std::chrono::seconds(10));
+        s_large->wait(std::chrono::seconds(10));
+      } catch (const Error& e) {
+        sender_error = e.what();
+      }
+      t1.reset();
+    });
+    try {
+      r_small->wait(std::chrono::seconds(10));
+      r_large->wait(std::chrono::seconds(10));
+      if (!small_in.holds(uint64_t(round), 1) || !large_in.holds(uint64_t(round) + 1, kLarge))
+        throw Error(Errc::internal, "a received message holds other bytes than were sent");
+    } catch (const Error& e) {
+      if (!failures++) first = cat("round ", round, ": ", e.what());
+    }
+    sender.join();
+    if (!sender_error.empty() && !failures++) first = cat("round ", round, ": ", sender_error);
+  }
+  EXPECT_EQ(failures, 0) << first;
 }
 
 }  // namespace weightsync::transport_test

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -155,25 +156,37 @@ bool IpcTransport::read_in(int r) {
 void IpcTransport::read_peer(int r) {
   Peer& p = peers_[r];
   try {
-    // The connection this side made is looked at only once the peer's
-    // packets are all read: a peer that completed a message and exited must
-    // leave that message complete.
-    if (!read_in(r) || !p.broken.empty() || !p.out.open()) return;
-    InPacket packet;
-    try {
-      // The peer never writes on it: readable means closed.
-      if (p.out.receive(packet))
-        fail(Errc::protocol, "cuda_ipc: rank ", r, " wrote on the connection this process made");
-    } catch (const Error& e) {
-      if (e.code() != Errc::io || p.in.open()) throw;
-      // Closed while its own connection is not attached: it may have
-      // connected, sent and exited since the listener was polled.
+    // The connection this side made is looked at first (the peer never
+    // writes on it: readable means closed). Once it is closed, every packet
+    // the peer sent is waiting on its own connection, and all of them are
+    // read before the end counts: a peer that completed a message and exited
+    // leaves that message complete. Looked at after the packets, a last one
+    // could arrive in between and be lost.
+    std::optional<Error> closed;
+    if (p.out.open()) {
+      InPacket packet;
+      try {
+        if (p.out.receive(packet))
+          fail(Errc::protocol, "cuda_ipc: rank ", r, " wrote on the connection this process made");
+      } catch (const Error& e) {
+        if (e.code() != Errc::io) throw;
+        closed = e;
+      }
+    }
+    if (!closed) {
+      read_in(r);
+      return;
+    }
+    if (!p.in.open()) {
+      // Its own connection is not attached: it may have connected, sent and
+      // exited since the listener was polled.
       accept_pending();
       for (Pending& q : pending_)
         if (q.rank < 0 && q.conn.open()) read_pending(q);
-      read_in(r);
-      throw;
     }
+    while (!read_in(r)) {
+    }
+    throw *closed;
   } catch (const Error& e) {
     if (p.broken.empty()) p.broken = e.what();
   }
