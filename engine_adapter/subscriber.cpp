@@ -206,11 +206,13 @@ void Subscriber::Impl::follow_published_plan(const control::StepBegin& begin) {
       fail(Errc::unsupported, "the trainers are now ", now.trainer.mesh.world(), " ranks, were ",
            trainer->mesh.world(), " (a job keeps its trainer world)");
     const bool same_wire = now.wire.to_json() == wire.to_json();
-    const bool same = same_wire && now.options.mode == plan_options.mode &&
-                      now.options.bucket_bytes == plan_options.bucket_bytes &&
-                      now.options.fp8_site == plan_options.fp8_site &&
-                      now.options.replicas == plan_options.replicas &&
-                      now.trainer.to_json() == trainer->to_json();
+    const bool same =
+        same_wire && now.options.mode == plan_options.mode &&
+        now.options.bucket_bytes == plan_options.bucket_bytes &&
+        now.options.fp8_site == plan_options.fp8_site &&
+        now.options.same_buckets_per_replica == plan_options.same_buckets_per_replica &&
+        now.options.replicas == plan_options.replicas &&
+        now.trainer.to_json() == trainer->to_json();
     // Nothing changed (the usual first step): no plan is made again.
     if (same && (elastic || (plan && begin.plan_id == plan->plan_id_hex()))) return;
     std::optional<Plan> p;

@@ -71,6 +71,13 @@ struct PlanOptions {
   // replica) is part of the plan id: a plan for one membership is never
   // taken for another's.
   std::vector<int32_t> replicas = {};
+  // p2p: every replica of an engine template gets each item from the same
+  // trainer rank, in the same buckets (the first replica's choice, balanced
+  // over the holders), instead of spreading the replicas over the holders.
+  // A trainer rank then packs equal bytes for each of them, and delta sync
+  // encodes them once (docs/delta.md); the publisher sets it with delta on.
+  // Part of the plan id.
+  bool same_buckets_per_replica = false;
 };
 
 // Bytes of a box of an FP8 param on the wire when the sender quantizes: one

@@ -283,6 +283,8 @@ nlohmann::json Plan::summary_json() const {
                       {"lower_bound_s", stats_.lower_bound_s},
                       {"plan_s", stats_.plan_s}};
   if (!options_.replicas.empty()) j["replicas"] = options_.replicas;
+  if (options_.same_buckets_per_replica && mode() == PlanMode::p2p)
+    j["same_buckets_per_replica"] = true;
   if (stats_.fp8_params_sender + stats_.fp8_params_engine > 0)
     j["fp8"] = {{"site", fp8_site_name(options_.fp8_site)},
                 {"params_quantized_by_sender", stats_.fp8_params_sender},

@@ -369,9 +369,21 @@ void PlanBuilder::build_p2p() {
   // link are counted: pack_p2p_links builds the items once, in link order.
   c.holders.resize(items);
   c.link_first.assign(static_cast<size_t>(plan_.trainer_world_) * engines + 1, 0);
+  // Same buckets per replica: the later replicas take the first one's holders.
+  constexpr uint32_t kNone = 0xFFFFFFFFu;
+  std::vector<uint32_t> first_holder;
+  if (plan_.options_.same_buckets_per_replica) first_holder.assign(n, kNone);
   for_each_p2p_item(c, [&](size_t k, size_t o, int dst) {
     const Overlap& ov = c.overlaps[o];
-    const uint32_t pos = choose_holder(groups_[static_cast<size_t>(ov.group)], ov.bytes);
+    uint32_t pos = first_holder.empty() ? kNone : first_holder[o];
+    if (pos == kNone) {
+      pos = choose_holder(groups_[static_cast<size_t>(ov.group)], ov.bytes);
+      if (!first_holder.empty()) first_holder[o] = pos;
+    } else {
+      const auto rank = static_cast<size_t>(sorted_rank_[pos]);
+      rank_load_[rank] += ov.bytes;
+      nic_load_[static_cast<size_t>(rank_nic_[rank])] += ov.bytes;
+    }
     c.holders[k] = pos;
     ++c.link_first[static_cast<size_t>(sorted_rank_[pos]) * engines + static_cast<size_t>(dst) + 1];
   });
@@ -450,6 +462,9 @@ uint64_t PlanBuilder::hash_inputs() const {
   if (std::find(seg_quant_.begin(), seg_quant_.end(), true) != seg_quant_.end())
     mix(static_cast<uint64_t>(plan_.options_.fp8_site) + 0x8f8);
   mix(plan_.trainer_world_), mix(plan_.engine_world_), mix(plan_.engine_templates_);
+  // Other plans' ids stay as they were.
+  if (plan_.options_.same_buckets_per_replica && plan_.options_.mode == PlanMode::p2p)
+    mix(0x5a3eb0c4ull);
   // Elastic replicas: the membership served (plans of static jobs keep their ids).
   if (!plan_.options_.replicas.empty()) {
     mix(0xe1a57ull + plan_.options_.replicas.size());

@@ -41,6 +41,12 @@ PlanOptions plan_options_of(const nlohmann::json& po, const SetupSpec& spec) {
            "/plan_options' has a non-string \"fp8_site\": ", po.dump());
     options.fp8_site = parse_fp8_site(po["fp8_site"].get<std::string>());
   }
+  if (po.contains("same_buckets_per_replica")) {
+    if (!po["same_buckets_per_replica"].is_boolean())
+      fail(Errc::format, spec.who, ": the store's '", spec.job,
+           "/plan_options' has a non-boolean \"same_buckets_per_replica\": ", po.dump());
+    options.same_buckets_per_replica = po["same_buckets_per_replica"].get<bool>();
+  }
   return options;
 }
 

@@ -200,6 +200,87 @@ TEST(PlanBalance, ReplicasShareTheBytes) {
   }
 }
 
+// Delta sync's plans (PlanOptions::same_buckets_per_replica): each replica
+// gets every item from the trainer rank the first replica gets it from, in
+// buckets that pack the same bytes, so that a sender encodes each once; the
+// first replica's choices still spread the bytes over the senders.
+TEST(PlanBalance, SameBucketsPerReplicaPackAlikeAndStillShareTheBytes) {
+  const HfModelConfig config = HfModelConfig::load(model_config_path("tiny-llama"));
+  Mesh mesh;
+  mesh.axes = {"dp", "fsdp"};
+  mesh.shape = {4, 2};
+  const TrainerLayout trainer = make_trainer_layout(config, mesh);
+  EngineConfig ec;
+  ec.hf = config;
+  ec.dtype = config.dtype;
+  ec.tp = 2;
+  ec.replicas = 3;
+  const EngineLayout engine = make_engine_layout(ec);
+  PlanOptions options;
+  options.bucket_bytes = 4096;
+  const Plan spread = make_plan(trainer, engine, Topology{}, options);
+  options.same_buckets_per_replica = true;
+  const Plan plan = make_plan(trainer, engine, Topology{}, options);
+  EXPECT_NE(plan.plan_id_hex(), spread.plan_id_hex());
+  auto packing = [&](int32_t bucket) {
+    std::vector<std::string> out{std::to_string(plan.buckets()[static_cast<size_t>(bucket)].bytes)};
+    for (const PlanItem& it : plan.items(bucket)) {
+      const Copy c = plan.resolve(it);
+      out.push_back(cat(c.src_param, " ", box_str(c.src_box), " ", box_str(c.hf_box), " ",
+                        box_str(c.view_box), " at ", c.offset, " ", c.bytes));
+    }
+    return out;
+  };
+  int twins = 0;
+  for (int t = 0; t < plan.trainer_world(); ++t) {
+    // This rank's buckets to each engine rank, in sending order.
+    std::vector<std::vector<int32_t>> to(static_cast<size_t>(plan.engine_world()));
+    for (int32_t b : plan.buckets_sent_by(t))
+      to[static_cast<size_t>(plan.buckets()[static_cast<size_t>(b)].dst_rank)].push_back(b);
+    for (int rank = 0; rank < ec.tp; ++rank)
+      for (int replica = 1; replica < ec.replicas; ++replica) {
+        const auto& first = to[static_cast<size_t>(rank)];
+        const auto& other = to[static_cast<size_t>(replica * ec.tp + rank)];
+        ASSERT_EQ(other.size(), first.size())
+            << "trainer rank " << t << ", tp rank " << rank << ", replica " << replica;
+        for (size_t i = 0; i < first.size(); ++i, ++twins)
+          EXPECT_EQ(packing(other[i]), packing(first[i]))
+              << "trainer rank " << t << ", tp rank " << rank << ", replica " << replica
+              << ", bucket " << i;
+      }
+  }
+  EXPECT_GT(twins, 0);
+  // Without the option the replicas spread over the holders: their buckets
+  // differ somewhere.
+  bool differ = false;
+  for (int t = 0; t < spread.trainer_world(); ++t) {
+    std::vector<int64_t> per_replica(static_cast<size_t>(ec.replicas), 0);
+    for (int32_t b : spread.buckets_sent_by(t)) {
+      const Bucket& bucket = spread.buckets()[static_cast<size_t>(b)];
+      per_replica[static_cast<size_t>(bucket.dst_rank / ec.tp)] += bucket.bytes;
+    }
+    differ = differ || per_replica[0] != per_replica[1];
+  }
+  EXPECT_TRUE(differ) << "the spread plan sends each replica the same from every rank";
+  const auto& sent = plan.stats().bytes_per_trainer_rank;
+  const double mean =
+      static_cast<double>(std::accumulate(sent.begin(), sent.end(), int64_t{0})) / sent.size();
+  int64_t largest_item = 0;
+  for (const PlanItem& it : plan.items())
+    largest_item = std::max(largest_item, plan.resolve(it).bytes);
+  for (size_t t = 0; t < sent.size(); ++t) {
+    EXPECT_GT(sent[t], 0) << "trainer rank " << t << " sends nothing";
+    EXPECT_LE(static_cast<double>(sent[t]),
+              1.15 * mean + static_cast<double>(ec.replicas * largest_item))
+        << "trainer rank " << t;
+  }
+  // Broadcast plans send one bucket to all: the option changes nothing.
+  options.mode = PlanMode::broadcast;
+  const Plan broadcast = make_plan(trainer, engine, Topology{}, options);
+  options.same_buckets_per_replica = false;
+  EXPECT_EQ(broadcast.plan_id_hex(), make_plan(trainer, engine, Topology{}, options).plan_id_hex());
+}
+
 TEST(PlanErrors, EngineKeyMissingFromTrainerIsNamed) {
   const HfModelConfig config = HfModelConfig::load(model_config_path("tiny-llama"));
   Mesh mesh;
