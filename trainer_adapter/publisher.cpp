@@ -260,6 +260,7 @@ PushResult Publisher::Impl::push(int64_t step) {
     out.bytes_direct = pipeline->bytes_direct();
     out.delta_buckets = pipeline->delta_buckets();
     out.delta_bytes_whole = pipeline->delta_bytes_whole();
+    out.delta_base_bytes = pipeline->delta_base_bytes();
     control::RankStepStats stats;
     stats.phases = {{"begin", out.phases.begin},
                     {"pack", out.phases.pack},
@@ -322,6 +323,8 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
     fail(Errc::invalid_argument, "publisher: plan.replicas must be empty: a step serves the ",
          "job's replicas, or with elastic on, the replicas that are ready");
   m.opt.wire.delta = m.opt.delta != DeltaMode::off;
+  // Delta sync encodes a bucket once for all the replicas it goes to alike.
+  m.opt.plan.same_buckets_per_replica = m.opt.wire.delta;
   m.tensors.resize(m.opt.layout.params.size());
   m.registered.assign(m.opt.layout.params.size(), false);
   // Names are unique per rank, not per layout (pipeline stages name their
@@ -353,6 +356,7 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
     nlohmann::json po = {{"mode", plan_mode_name(m.opt.plan.mode)},
                          {"bucket_bytes", m.opt.plan.bucket_bytes},
                          {"fp8_site", fp8_site_name(m.opt.plan.fp8_site)},
+                         {"same_buckets_per_replica", m.opt.plan.same_buckets_per_replica},
                          {"wire", m.opt.wire.to_json()}};
     if (m.opt.elastic) po["elastic"] = {{"min_replicas", m.opt.min_replicas}};
     m.client->set(m.key("plan_options"), bytes_of(po.dump()));

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 namespace weightsync::trainer {
 namespace {
@@ -28,38 +29,58 @@ constexpr int kWholeStepsBeforeRetry = 3;
 // the base, and a bucket whose last delta came out nearly whole goes whole
 // for a few steps without trying (most of its elements change every step),
 // then tries again.
-bool try_delta(SendAction& a, bool receivers_hold_base) {
-  const bool attempt = receivers_hold_base && a.skip_deltas == 0;
-  if (a.skip_deltas > 0) --a.skip_deltas;
+bool try_delta(DeltaBase& d, bool receivers_hold_base) {
+  const bool attempt = receivers_hold_base && d.skip_deltas == 0;
+  if (d.skip_deltas > 0) --d.skip_deltas;
   return attempt;
 }
 
 // A look at 1/64 of the bytes first, unless the last delta was small: a
 // delta that would come out nearly whole is not worth its encoding (the
 // bytes themselves spare the engine its read-modify-write).
-bool looks_nearly_whole(const SendAction& a, const char* const* next) {
-  return !a.last_delta_small &&
-         4 * pipeline::estimate_frame(a.items, next, a.last_sent.get()) >= 3 * a.bytes;
+bool looks_nearly_whole(const DeltaBase& d, const SendAction& a, const char* const* next) {
+  return !d.last_delta_small &&
+         4 * pipeline::estimate_frame(a.items, next, d.last_sent.get()) >= 3 * a.bytes;
 }
 
 // After an encoding of `frame_bytes` (header included): whether it came out
 // nearly whole; remembers whether it was small (the next step then encodes
 // without a look first).
-bool encoded_nearly_whole(SendAction& a, int64_t frame_bytes) {
+bool encoded_nearly_whole(DeltaBase& d, const SendAction& a, int64_t frame_bytes) {
   const int64_t encoded = frame_bytes - pipeline::kFrameHeaderBytes;
-  a.last_delta_small = 4 * encoded < a.bytes;
+  d.last_delta_small = 4 * encoded < a.bytes;
   return 4 * encoded >= 3 * a.bytes;
 }
 
 // A whole step: its receivers hold its bytes once they commit it, so the
 // base must hold them too, unless the next step will not try a delta (then
 // the base is brought up to date on the step before a try). Sets
-// a.last_step; true when the base must take this step's bytes (that is,
+// d.last_step; true when the base must take this step's bytes (that is,
 // the encoder did not already bring it up to date).
-bool base_takes_whole(SendAction& a, int64_t step, bool base_is_next) {
-  const bool keep = base_is_next || a.skip_deltas == 0;
-  a.last_step = keep ? step : -1;
+bool base_takes_whole(DeltaBase& d, int64_t step, bool base_is_next) {
+  const bool keep = base_is_next || d.skip_deltas == 0;
+  d.last_step = keep ? step : -1;
   return keep && !base_is_next;
+}
+
+// What a p2p bucket packs, item by item: buckets with equal keys pack equal
+// bytes (delta sync's twins, DeltaBase).
+std::vector<int64_t> packing_key(const Plan& plan, int32_t bucket) {
+  std::vector<int64_t> key{plan.buckets()[static_cast<size_t>(bucket)].bytes};
+  auto add_box = [&](const Box& b) {
+    key.push_back(static_cast<int64_t>(b.rank()));
+    key.insert(key.end(), b.offsets.begin(), b.offsets.end());
+    key.insert(key.end(), b.lengths.begin(), b.lengths.end());
+  };
+  for (const PlanItem& item : plan.items(bucket)) {
+    const Copy c = plan.resolve(item);
+    key.insert(key.end(), {c.src_param, c.transpose, c.offset, static_cast<int64_t>(c.dtype),
+                           c.bytes, c.fp8, static_cast<int64_t>(c.fp8_format)});
+    add_box(c.src_box);
+    add_box(c.hf_box);
+    add_box(c.view_box);
+  }
+  return key;
 }
 
 using pipeline::add_pack;
@@ -128,6 +149,7 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
       caps_(caps),
       actions_(ordered_actions(plan, rank)) {
   const bool broadcast = plan.mode() == PlanMode::broadcast;
+  std::map<std::vector<int64_t>, size_t> twins;  // packing_key -> bases_ index
   for (SendAction& a : actions_) {
     const Bucket& bucket = plan.buckets()[static_cast<size_t>(a.bucket)];
     a.bytes = bucket.bytes;
@@ -159,6 +181,11 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
           add_pack(in_place ? a.pack_in_place : a.pack, c, tensor, -pipeline::kFrameHeaderBytes);
       }
       a.items = pipeline::frame_items(plan, a.bucket);
+      // Twins share a base: one per bucket that packs other bytes.
+      auto [twin, added] = twins.try_emplace(packing_key(plan, a.bucket), bases_.size());
+      if (added) bases_.emplace_back();
+      a.delta_base = static_cast<int>(twin->second);
+      bases_[twin->second].engines.push_back(a.dst_engine);
       compile_fragments(a, plan, tensors, a.whole_pack, a.whole_quant);
       slot_bytes_ = std::max(
           slot_bytes_,
@@ -185,6 +212,8 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
       // The delta of the whole bucket, which the root holds once gathered,
       // with a digest for each engine template's part.
       a.items = pipeline::frame_items(plan, a.bucket);
+      a.delta_base = static_cast<int>(bases_.size());
+      bases_.emplace_back();
       for (int t = 0; t < plan.engine_templates(); ++t)
         a.reads.push_back(pipeline::template_reads(plan, a.bucket, t));
       frame_bytes_ =
@@ -259,31 +288,56 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
   }
 }
 
+uint64_t SendPipeline::delta_base_bytes() const {
+  uint64_t bytes = 0;
+  for (const DeltaBase& d : bases_)
+    if (d.last_sent) bytes += static_cast<uint64_t>(d.bytes);
+  return bytes;
+}
+
 void SendPipeline::keep_base(SendAction& a, const char* packed) {
-  if (!a.last_sent) a.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+  DeltaBase& d = bases_[static_cast<size_t>(a.delta_base)];
+  if (!d.last_sent) {
+    d.last_sent.reset(new char[static_cast<size_t>(std::max<int64_t>(a.bytes, 1))]);
+    d.bytes = a.bytes;
+  }
   if (packed) {
-    std::memcpy(a.last_sent.get(), packed, static_cast<size_t>(a.bytes));
+    std::memcpy(d.last_sent.get(), packed, static_cast<size_t>(a.bytes));
     return;
   }
   // The frame's programs write at bucket offset + header from their base.
-  const std::uintptr_t base = addr(a.last_sent.get()) - pipeline::kFrameHeaderBytes;
+  const std::uintptr_t base = addr(d.last_sent.get()) - pipeline::kFrameHeaderBytes;
   if (!a.quant.empty()) fp8::execute_quant_host(a.quant, 0, base);
   execute_host(a.pack, 0, base);
   execute_host(a.pack_in_place, 0, base);
 }
 
-int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& phases) {
+int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::vector<bool>& dead,
+                                 PushPhases& phases) {
   SendAction& a = actions_[index];
+  DeltaBase& d = bases_[static_cast<size_t>(a.delta_base)];
   Slot& slot = slots_[k];
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
-  const auto held = static_cast<size_t>(a.dst_engine) < held_.size()
-                        ? held_[static_cast<size_t>(a.dst_engine)]
-                        : int64_t{-1};
-  pipeline::FrameHeader h;
-  h.step = step;
-  const bool attempt = try_delta(a, a.last_sent && a.last_step >= 0 && a.last_step == held);
-  bool packed = false;        // the frame's layout is in the slot
-  bool base_is_next = false;  // the encoder brought the base up to this step
+  auto holds = [&](int g, int64_t version) {
+    return static_cast<size_t>(g) < held_.size() && held_[static_cast<size_t>(g)] == version;
+  };
+  auto send_delta = [&](int64_t bytes) {
+    ++delta_buckets_;
+    delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
+    slot.bucket = a.bucket;
+    slot.bytes = bytes;
+    slot.posted_us = pack_us;
+    if (tracer_)
+      tracer_->complete(cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
+                        {{"bucket", a.bucket}, {"bytes", bytes}, {"delta", true}});
+    slot.posted.add(
+        loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
+                                slot.frame.buffer(0, static_cast<size_t>(bytes))),
+        a.dst_engine);
+    return bytes;
+  };
+  bool packed = false;  // the frame's layout is in the slot
+  bool take = false;    // the base takes this step's bytes (the encoder did not)
   char* body = slot.buffer.data + pipeline::kFrameHeaderBytes;
   auto pack_frame = [&] {
     const auto start = Clock::now();
@@ -296,52 +350,69 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, PushPhases& 
     phases.pack += seconds_since(start);
     packed = true;
   };
-  if (attempt) {
-    pack_frame();
-    const auto encode_start = Clock::now();  // counted as packing
-    // Each item's new bytes: in place, or packed in the slot.
-    std::vector<const char*>& next = next_;
-    next.resize(a.items.size());
-    for (size_t i = 0; i < a.items.size(); ++i)
-      next[i] = a.in_place[i] ? a.in_place[i] : body + a.items[i].offset;
-    // A delta that would come out nearly whole goes whole instead: straight
-    // from the tensors into the params, without a copy.
-    const bool nearly_whole = [&] {
-      if (looks_nearly_whole(a, next.data())) return true;
-      uint64_t digest = 0;
-      const int64_t n =
-          pipeline::encode_frame(a.items, next.data(), a.last_sent.get(), slot.frame.data, nullptr,
-                                 step, delta_verify_ ? &digest : nullptr);
-      base_is_next = true;
-      if (encoded_nearly_whole(a, n)) return true;
-      h.delta = true;
-      h.base = a.last_step;
-      h.has_digest = delta_verify_;
-      h.digest = digest;
-      pipeline::store_frame_header(slot.frame.data, h);
-      slot.bytes = with_trailer(slot.frame.data, n, step);
-      return false;
-    }();
-    phases.pack += seconds_since(encode_start);
-    if (!nearly_whole) {
-      ++delta_buckets_;
-      delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
-      a.last_step = step;
-      slot.bucket = a.bucket;
-      slot.posted_us = pack_us;
-      if (tracer_)
-        tracer_->complete(cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
-                          {{"bucket", a.bucket}, {"bytes", slot.bytes}, {"delta", true}});
-      slot.posted.add(
-          loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
-                                  slot.frame.buffer(0, static_cast<size_t>(slot.bytes))),
-          a.dst_engine);
-      return slot.bytes;
+  if (d.decided != runs_) {
+    // The first twin this step: a delta when one of the twins' engine ranks
+    // holds the base; those that do not get the whole bytes.
+    d.decided = runs_;
+    d.delta = false;
+    d.left = static_cast<int>(d.engines.size()) - 1;
+    std::vector<char>().swap(d.frame);  // a twin's engine died before it took the last one
+    const bool held = d.last_sent && d.last_step >= 0 &&
+                      std::any_of(d.engines.begin(), d.engines.end(), [&](int g) {
+                        return !dead[static_cast<size_t>(g)] && holds(g, d.last_step);
+                      });
+    bool base_is_next = false;  // the encoder brought the base up to this step
+    if (try_delta(d, held)) {
+      pack_frame();
+      const auto encode_start = Clock::now();  // counted as packing
+      // Each item's new bytes: in place, or packed in the slot.
+      std::vector<const char*>& next = next_;
+      next.resize(a.items.size());
+      for (size_t i = 0; i < a.items.size(); ++i)
+        next[i] = a.in_place[i] ? a.in_place[i] : body + a.items[i].offset;
+      // A delta that would come out nearly whole goes whole instead: straight
+      // from the tensors into the params, without a copy.
+      if (!looks_nearly_whole(d, a, next.data())) {
+        uint64_t digest = 0;
+        const int64_t n =
+            pipeline::encode_frame(a.items, next.data(), d.last_sent.get(), slot.frame.data,
+                                   nullptr, step, delta_verify_ ? &digest : nullptr);
+        base_is_next = true;
+        if (!encoded_nearly_whole(d, a, n)) {
+          pipeline::FrameHeader h;
+          h.step = step;
+          h.delta = true;
+          h.base = d.last_step;
+          h.has_digest = delta_verify_;
+          h.digest = digest;
+          pipeline::store_frame_header(slot.frame.data, h);
+          const int64_t bytes = with_trailer(slot.frame.data, n, step);
+          d.delta = true;
+          d.frame_base = d.last_step;
+          d.last_step = step;
+          if (d.left > 0) d.frame.assign(slot.frame.data, slot.frame.data + bytes);
+          phases.pack += seconds_since(encode_start);
+          if (holds(a.dst_engine, d.frame_base)) return send_delta(bytes);
+        }
+      }
+      phases.pack += seconds_since(encode_start);
+      if (!d.delta) d.skip_deltas = kWholeStepsBeforeRetry;
     }
-    a.skip_deltas = kWholeStepsBeforeRetry;
+    if (!d.delta) take = base_takes_whole(d, step, base_is_next);
+  } else {
+    --d.left;
+    if (d.delta && holds(a.dst_engine, d.frame_base)) {
+      // A twin encoded this step's delta: the same frame goes here.
+      std::memcpy(slot.frame.data, d.frame.data(), d.frame.size());
+      const auto bytes = static_cast<int64_t>(d.frame.size());
+      if (d.left <= 0) std::vector<char>().swap(d.frame);
+      return send_delta(bytes);
+    }
+    if (d.left <= 0) std::vector<char>().swap(d.frame);
   }
-  // The whole bytes.
-  const bool take = base_takes_whole(a, step, base_is_next);
+  // The whole bytes: to an engine rank without the base, or for every twin.
+  pipeline::FrameHeader h;
+  h.step = step;
   if (!copier_.on_gpu()) {
     if (take) {
       const auto start = Clock::now();
@@ -541,6 +612,7 @@ void SendPipeline::send_to_engines(Slot& slot, Tag tag, const Buffer& buffer,
 int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::vector<bool>& dead,
                                       PushPhases& phases) {
   SendAction& a = actions_[index];
+  DeltaBase& d = bases_[static_cast<size_t>(a.delta_base)];
   Slot& slot = slots_[k];
   const Tag tag = bucket_tag(step, a.bucket, 0);
   const char* packed = slot.buffer.data;
@@ -550,12 +622,12 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
   const auto start = Clock::now();
   // Every engine rank gets the one frame: a delta only when each of them
   // (the ranks this step serves) holds the version of the base.
-  bool base_held = a.last_sent && a.last_step >= 0;
+  bool base_held = d.last_sent && d.last_step >= 0;
   for (int g = 0; g < engine_world_ && base_held; ++g)
     if (!dead[static_cast<size_t>(g)] &&
-        (static_cast<size_t>(g) >= held_.size() || held_[static_cast<size_t>(g)] != a.last_step))
+        (static_cast<size_t>(g) >= held_.size() || held_[static_cast<size_t>(g)] != d.last_step))
       base_held = false;
-  const bool attempt = try_delta(a, base_held);
+  const bool attempt = try_delta(d, base_held);
   pipeline::FrameHeader h;
   h.step = step;
   bool base_is_next = false;
@@ -563,14 +635,14 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
     std::vector<const char*>& next = next_;
     next.resize(a.items.size());
     for (size_t i = 0; i < a.items.size(); ++i) next[i] = packed + a.items[i].offset;
-    if (!looks_nearly_whole(a, next.data())) {
+    if (!looks_nearly_whole(d, a, next.data())) {
       const int64_t digests = delta_verify_ ? 8 * static_cast<int64_t>(a.reads.size()) : 0;
-      const int64_t n = pipeline::encode_frame(a.items, next.data(), a.last_sent.get(),
+      const int64_t n = pipeline::encode_frame(a.items, next.data(), d.last_sent.get(),
                                                slot.frame.data + digests);
       base_is_next = true;
-      if (!encoded_nearly_whole(a, n)) {
+      if (!encoded_nearly_whole(d, a, n)) {
         h.delta = true;
-        h.base = a.last_step;
+        h.base = d.last_step;
         h.has_digest = delta_verify_;
         pipeline::store_frame_header(slot.frame.data, h);
         for (size_t r = 0; digests > 0 && r < a.reads.size(); ++r)
@@ -579,17 +651,17 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
         const int64_t bytes = with_trailer(slot.frame.data, digests + n, step);
         ++delta_buckets_;
         delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
-        a.last_step = step;
+        d.last_step = step;
         slot.bytes = bytes;
         phases.pack += seconds_since(start);
         send_all(slot.frame.buffer(0, static_cast<size_t>(bytes)));
         return bytes;
       }
     }
-    a.skip_deltas = kWholeStepsBeforeRetry;
+    d.skip_deltas = kWholeStepsBeforeRetry;
   }
   // The whole bytes.
-  if (base_takes_whole(a, step, base_is_next)) keep_base(a, packed);
+  if (base_takes_whole(d, step, base_is_next)) keep_base(a, packed);
   phases.pack += seconds_since(start);
   // The header alone, then the bucket as without delta.
   h.fragments = true;
@@ -633,6 +705,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
   uint64_t sent = 0;
   bytes_direct_ = 0;
   delta_buckets_ = delta_bytes_whole_ = 0;
+  ++runs_;
   size_t k = 0;
   for (size_t i = 0; i < actions_.size(); ++i) {
     const SendAction& a = actions_[i];
@@ -646,7 +719,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     if (p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
     try {
       if (p2p && wire_.delta) {
-        sent += static_cast<uint64_t>(post_frame(i, s, step, phases));
+        sent += static_cast<uint64_t>(post_frame(i, s, step, dead, phases));
         continue;
       }
       sent += static_cast<uint64_t>(post(i, s, step, dead, phases));

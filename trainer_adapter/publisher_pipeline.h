@@ -57,9 +57,9 @@ struct SendAction {
   int64_t packed_bytes = 0;       // p2p: slot bytes the packed fragments use
   std::vector<GatherPart> parts;  // root: the other holders' parts to receive
   // Delta sync (WireOptions::delta, p2p): the bucket's items as the codec
-  // sees them, and what its engine rank was last sent (the bucket packed at
-  // version last_step; -1: nothing yet).
+  // sees them, and its DeltaBase (SendPipeline::bases_).
   std::vector<pipeline::FrameItem> items;
+  int delta_base = -1;
   // Per item: its bytes in place in the tensor (diffed from there), or
   // nullptr (packed by `pack`/`quant` into the slot); and the pack of the
   // in-place ones, for a whole frame.
@@ -73,10 +73,28 @@ struct SendAction {
   // Broadcast roots: what each engine template reads of the bucket (the
   // delta frame's digests).
   std::vector<std::vector<pipeline::ReadBox>> reads;
-  std::unique_ptr<char[]> last_sent;
-  int64_t last_step = -1;
-  int skip_deltas = 0;            // whole steps left before a delta is tried again
-  bool last_delta_small = false;  // its last encoding was under 1/4 of the bytes
+};
+
+// Delta sync: what the engine ranks of a bucket were last sent. p2p buckets
+// that pack the same bytes (one per replica of an engine layout, from this
+// rank: "twins", PlanOptions::same_buckets_per_replica) share one: the first
+// twin a step posts encodes the delta once when one of the twins' engine
+// ranks holds the base, and keeps the frame, which the other twins whose
+// rank holds the base send as it is; a rank without it (new, restarted, a
+// step behind) gets the whole bytes. A broadcast root's bucket has its own.
+struct DeltaBase {
+  std::unique_ptr<char[]> last_sent;  // the bucket packed at version last_step
+  int64_t bytes = 0;                  // last_sent's
+  int64_t last_step = -1;             // -1: nothing yet
+  int skip_deltas = 0;                // whole steps left before a delta is tried again
+  bool last_delta_small = false;      // its last encoding was under 1/4 of the bytes
+  // p2p twins: the engine ranks they go to, and this step's decision.
+  std::vector<int> engines;
+  int64_t decided = -1;     // the run() (SendPipeline::runs_) whose first twin decided
+  bool delta = false;       // that step has the delta frame in `frame`
+  int64_t frame_base = -1;  // the version it applies to
+  std::vector<char> frame;  // with its trailer; kept while twins are left to send it
+  int left = 0;             // twins still to send it this step
 };
 
 // Waits for the user's producer work before a push reads the tensors
@@ -106,6 +124,8 @@ class SendPipeline {
   // The last run()'s buckets sent as deltas, and their bytes whole.
   uint64_t delta_buckets() const { return delta_buckets_; }
   uint64_t delta_bytes_whole() const { return delta_bytes_whole_; }
+  // The host memory the bases hold (PushResult::delta_base_bytes).
+  uint64_t delta_base_bytes() const;
   // Allocates and registers the two slots (`slots` memory, on `slot_device`)
   // and, for CUDA tensors, uploads the pack programs to their device (once).
   void prepare(Transport& transport, SlotMemory slots, int slot_device,
@@ -145,8 +165,11 @@ class SendPipeline {
   void post_p2p(size_t index, int slot, int64_t step, PushPhases& phases,
                 const pipeline::FrameHeader* header = nullptr);
   // Delta sync: the bucket's delta as one frame, or its bytes (a header,
-  // then its fragments); returns the bytes sent.
-  int64_t post_frame(size_t index, int slot, int64_t step, PushPhases& phases);
+  // then its fragments); returns the bytes sent. The first of its twins
+  // (DeltaBase) encodes for all of them, when one's engine rank not `dead`
+  // holds the base.
+  int64_t post_frame(size_t index, int slot, int64_t step, const std::vector<bool>& dead,
+                     PushPhases& phases);
   // Delta sync, broadcast root, the bucket packed and gathered in `slot`:
   // its delta as one frame to every engine rank when all of them hold its
   // base, else its bytes (a header, then the bucket); returns the bytes sent.
@@ -158,9 +181,9 @@ class SendPipeline {
   // Broadcast without a native broadcast: `buffer` to every engine rank not
   // `dead`; one whose send is refused at posting is marked dead.
   void send_to_engines(Slot& slot, Tag tag, const Buffer& buffer, std::vector<bool>& dead);
-  // Delta sync: the bucket's bytes into a.last_sent, as the frame lays them
-  // out: copied from `packed` (the bucket packed so already), else packed
-  // there from the tensors (host tensors).
+  // Delta sync: the bucket's bytes into its base's last_sent, as the frame
+  // lays them out: copied from `packed` (the bucket packed so already), else
+  // packed there from the tensors (host tensors).
   void keep_base(SendAction& a, const char* packed = nullptr);
   // Returns the bytes sent (a holder's part, a root's bucket or frame).
   int64_t post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
@@ -171,6 +194,8 @@ class SendPipeline {
   WireOptions wire_;
   Capabilities caps_;
   std::vector<SendAction> actions_;
+  std::vector<DeltaBase> bases_;  // delta sync
+  int64_t runs_ = 0;              // run() calls so far
   std::size_t slot_bytes_ = 0;
   std::size_t frame_bytes_ = 0;  // delta sync: the largest frame, with trailer
   uint64_t bytes_direct_ = 0;

@@ -125,6 +125,10 @@ struct PushResult {
   // whole (bytes_sent counts what went on the wire).
   uint64_t delta_buckets = 0;
   uint64_t delta_bytes_whole = 0;
+  // Delta sync: host memory this rank keeps as its buckets' bases (what
+  // their engine ranks hold); buckets that go alike to several replicas
+  // share one (docs/delta.md).
+  uint64_t delta_base_bytes = 0;
   double seconds = 0;  // push(), call to return
   PushPhases phases;
   std::string plan_id;        // the step's plan

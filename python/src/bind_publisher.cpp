@@ -127,6 +127,7 @@ void bind_publisher(nb::module_& m) {
       .def_ro("bytes_direct", &PushResult::bytes_direct)
       .def_ro("delta_buckets", &PushResult::delta_buckets)
       .def_ro("delta_bytes_whole", &PushResult::delta_bytes_whole)
+      .def_ro("delta_base_bytes", &PushResult::delta_base_bytes)
       .def_ro("seconds", &PushResult::seconds)
       .def_ro("plan_id", &PushResult::plan_id)
       .def_ro("replicas", &PushResult::replicas)

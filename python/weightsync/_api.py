@@ -74,6 +74,9 @@ class PushResult:
             (zero copy).
         delta_buckets: delta sync: buckets sent as the elements that changed.
         delta_bytes_whole: the bytes those buckets hold whole.
+        delta_base_bytes: delta sync: host memory this rank keeps as its
+            buckets' bases (what their engine ranks hold; buckets that go
+            alike to several replicas share one).
         seconds: the push, call to return.
         plan_id: the plan of the step.
         replicas: elastic publishers: the replicas the step served (else []).
@@ -87,6 +90,7 @@ class PushResult:
     bytes_direct: int
     delta_buckets: int
     delta_bytes_whole: int
+    delta_base_bytes: int
     seconds: float
     plan_id: str
     replicas: list[int]

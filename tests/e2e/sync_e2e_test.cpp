@@ -150,6 +150,22 @@ void expect_deltas_after_the_first(const Demo& d, size_t steps_run) {
   }
 }
 
+// Delta sync's bases, p2p: a trainer rank keeps one per bucket it sends
+// alike to every replica (PlanOptions::same_buckets_per_replica), so all of
+// them together hold one replica's bytes, whatever the replica count.
+void expect_one_base_for_every_replica(const Model& m, const Demo& d, int64_t bucket_bytes,
+                                       int replicas) {
+  if (!d.summary.is_object()) return;  // expect_all_good said why
+  PlanOptions o;
+  o.bucket_bytes = bucket_bytes;
+  o.same_buckets_per_replica = true;
+  const Plan plan = make_plan(TrainerLayout::load(m.trainer),
+                              make_engine_layout(EngineConfig::load(m.engine)), Topology{}, o);
+  for (const auto& step : d.summary["steps"])
+    EXPECT_EQ(step["delta_base_bytes"].get<int64_t>() * replicas, plan.stats().bytes_total)
+        << "step " << step["step"];
+}
+
 // Delta sync (docs/delta.md) on every p2p family and layout above: sparse
 // versions, version 1 whole, the later ones as deltas of a small part of the
 // bytes, every step verified bit for bit and the dumps equal materialize.
@@ -177,6 +193,8 @@ TEST(E2E, DeltaSyncIsBitExactOnEveryP2pFamilyAndLayout) {
     const auto d = run_demo(m, args, dump);
     expect_all_good(m, d, c.tp * c.replicas, dump);
     expect_deltas_after_the_first(d, 3);
+    if (c.extra.size() == 2 && c.extra[0] == "--bucket-bytes")
+      expect_one_base_for_every_replica(m, d, std::stoll(c.extra[1]), c.replicas);
   }
 }
 
@@ -300,6 +318,14 @@ TEST(E2E, DeltaRestartedEngineGetsTheWholeVersion) {
     EXPECT_EQ(ints(steps[5]["committed"]), (std::vector<int>{0, 1, 2, 3}));
     EXPECT_EQ(ints(steps[5]["verified"]), (std::vector<int>{0, 1, 2, 3}));
     EXPECT_GT(steps[5]["delta_buckets"].get<int>(), 0);
+    // Step 3: replica 1 (the restarted rank 3, and rank 2, a step behind)
+    // takes the whole version. p2p: replica 0 still takes deltas, the frames
+    // a trainer rank encoded once for both replicas (every bucket goes as a
+    // delta at step 4). Broadcast: one frame for all, whole.
+    if (std::string(mode) == "p2p")
+      EXPECT_EQ(2 * steps[2]["delta_buckets"].get<int>(), steps[3]["delta_buckets"].get<int>());
+    else
+      EXPECT_EQ(steps[2]["delta_buckets"].get<int>(), 0);
     for (int g = 0; g < 4; ++g) {
       EXPECT_EQ(d.summary["engine_versions"][g].get<int>(), 6) << "engine " << g;
       EXPECT_TRUE(d.summary["engine_ok"][g].get<bool>()) << "engine " << g;

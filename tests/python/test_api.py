@@ -153,6 +153,10 @@ def test_delta_sync_of_real_adamw_steps_lands_bit_exact(setup):
         assert res.bytes_sent * 2 < results[0].bytes_sent, (res.bytes_sent, results[0].bytes_sent)
         print(f"step {res.step}: {res.bytes_sent} bytes on the wire, whole {results[0].bytes_sent}")
     assert [o.delta_buckets > 0 for o in eng.outcomes] == [False, True, True]
+    # The bases: the buckets as the engine holds them, kept from version 1 on
+    # (the whole step's bytes are those and a frame header per bucket).
+    assert {r.delta_base_bytes for r in results} == {results[0].delta_base_bytes}
+    assert 0 < results[0].delta_base_bytes < results[0].bytes_sent
     with pytest.raises(ws.InvalidArgument, match="delta"):
         ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
                      delta="sometimes")

@@ -127,6 +127,7 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   po.mode = parse_plan_mode(job.mode);
   po.bucket_bytes = job.bucket_bytes;
   po.fp8_site = parse_fp8_site(job.fp8_site);
+  po.same_buckets_per_replica = job.delta;  // as the publisher plans
   const Plan plan = make_plan(TrainerLayout::load(job.trainer),
                               make_engine_layout(EngineSpec::load(job.engine)), Topology{}, po);
   WireOptions wire;

@@ -49,6 +49,7 @@ nlohmann::json push_json(const PushResult& r) {
           {"bytes_direct", r.bytes_direct},
           {"delta_buckets", r.delta_buckets},
           {"delta_bytes_whole", r.delta_bytes_whole},
+          {"delta_base_bytes", r.delta_base_bytes},
           {"committed", r.committed},
           {"plan_id", r.plan_id},
           {"replicas", r.replicas},
