@@ -321,18 +321,21 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
   auto holds = [&](int g, int64_t version) {
     return static_cast<size_t>(g) < held_.size() && held_[static_cast<size_t>(g)] == version;
   };
-  auto send_delta = [&](int64_t bytes) {
-    ++delta_buckets_;
-    delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
+  // One frame (`bytes` of `from`): a delta, or a whole bucket behind its header.
+  auto send_frame = [&](const StagingBuffer& from, int64_t bytes, bool delta) {
+    if (delta) {
+      ++delta_buckets_;
+      delta_bytes_whole_ += static_cast<uint64_t>(a.bytes);
+    }
     slot.bucket = a.bucket;
     slot.bytes = bytes;
     slot.posted_us = pack_us;
     if (tracer_)
       tracer_->complete(cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
-                        {{"bucket", a.bucket}, {"bytes", bytes}, {"delta", true}});
+                        {{"bucket", a.bucket}, {"bytes", bytes}, {"delta", delta}});
     slot.posted.add(
         loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
-                                slot.frame.buffer(0, static_cast<size_t>(bytes))),
+                                from.buffer(0, static_cast<size_t>(bytes))),
         a.dst_engine);
     return bytes;
   };
@@ -392,7 +395,7 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
           d.last_step = step;
           if (d.left > 0) d.frame.assign(slot.frame.data, slot.frame.data + bytes);
           phases.pack += seconds_since(encode_start);
-          if (holds(a.dst_engine, d.frame_base)) return send_delta(bytes);
+          if (holds(a.dst_engine, d.frame_base)) return send_frame(slot.frame, bytes, true);
         }
       }
       phases.pack += seconds_since(encode_start);
@@ -406,7 +409,7 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
       std::memcpy(slot.frame.data, d.frame.data(), d.frame.size());
       const auto bytes = static_cast<int64_t>(d.frame.size());
       if (d.left <= 0) std::vector<char>().swap(d.frame);
-      return send_delta(bytes);
+      return send_frame(slot.frame, bytes, true);
     }
     if (d.left <= 0) std::vector<char>().swap(d.frame);
   }
@@ -432,18 +435,9 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
   if (take) keep_base(a, body);
   phases.pack += seconds_since(start);
   pipeline::store_frame_header(slot.buffer.data, h);
-  const int64_t bytes = with_trailer(slot.buffer.data, pipeline::kFrameHeaderBytes + a.bytes, step);
-  slot.bucket = a.bucket;
-  slot.bytes = bytes;
-  slot.posted_us = pack_us;
-  if (tracer_)
-    tracer_->complete(cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
-                      {{"bucket", a.bucket}, {"bytes", bytes}, {"delta", false}});
-  slot.posted.add(
-      loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
-                              slot.buffer.buffer(0, static_cast<size_t>(bytes))),
-      a.dst_engine);
-  return bytes;
+  return send_frame(slot.buffer,
+                    with_trailer(slot.buffer.data, pipeline::kFrameHeaderBytes + a.bytes, step),
+                    false);
 }
 
 void SendPipeline::pack(size_t index, int slot, size_t first, size_t count) {
