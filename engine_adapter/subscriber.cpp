@@ -43,6 +43,8 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // load_weights mode (on_weights set): the rank's HF tensors live in an
   // arena (weights_delivery.h) and go to the engine as buckets complete them.
   Subscriber::WeightsHook on_weights;
+  bool weights_changed_only = false;  // on_weights(hook, changed_only)
+  uint64_t weights_handed = 0;        // this step's, to on_weights
   engine::DeliveryPlan delivery;
   std::unique_ptr<char[]> arena_host;
   gpu::Memory arena_device;
@@ -283,8 +285,10 @@ void Subscriber::Impl::deliver(size_t k) {
   if (!weights_error.empty()) return;
   std::vector<std::pair<std::string, TensorView>> batch;
   for (uint32_t p : delivery.complete_after.at(k))
-    batch.emplace_back(rank_layout().params[p].name, params[p]);
+    if (!weights_changed_only || !wire.delta || pipeline->changed(p))
+      batch.emplace_back(rank_layout().params[p].name, params[p]);
   if (batch.empty()) return;
+  weights_handed += batch.size();
   try {
     on_weights(current_step, batch);
   } catch (const std::exception& e) {
@@ -381,6 +385,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   StepOutcome out;
   out.step = begin.step;
   current_step = begin.step;
+  weights_handed = 0;
   abort_reason.clear();
   // A hook that throws fails this step on this rank, never the process: the
   // step's data is still received (the senders must not stall) and the ack
@@ -438,6 +443,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   out.bytes = report.bytes;
   out.bytes_direct = report.bytes_direct;
   out.delta_buckets = report.delta_buckets;
+  out.weights_handed = weights_handed;
   out.checksum = report.checksum;
   const auto commit_start = Clock::now();
   {
@@ -557,11 +563,12 @@ void Subscriber::on_end(std::function<void(int64_t)> hook) {
   impl_->on_end = std::move(hook);
 }
 
-void Subscriber::on_weights(WeightsHook hook) {
+void Subscriber::on_weights(WeightsHook hook, bool changed_only) {
   if (impl_->ready)
     fail(Errc::invalid_argument, "engine rank ", impl_->global,
          ": on_weights must be set before the first step");
   impl_->on_weights = std::move(hook);
+  impl_->weights_changed_only = changed_only;
 }
 
 void Subscriber::on_loaded(std::function<void(int64_t)> hook) {

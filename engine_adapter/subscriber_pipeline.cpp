@@ -54,12 +54,14 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
     a.src = buckets[static_cast<size_t>(b)].src_rank;
     a.bytes = buckets[static_cast<size_t>(b)].bytes;
     if (broadcast_) {
+      std::vector<std::pair<int64_t, uint32_t>> writes;
       for (const ApplyItem& ai : plan.apply_items(b, engine_template)) {
         const Copy c = plan.resolve(ai, global_rank);
         add_apply(a.apply, c, targets.at(static_cast<size_t>(c.dst_param)), 0);
+        writes.emplace_back(c.offset, static_cast<uint32_t>(c.dst_param));
       }
       a.slot_bytes = a.bytes;
-      if (wire_.delta) compile_broadcast_frame(a, plan);
+      if (wire_.delta) compile_broadcast_frame(a, plan, writes);
     } else if (wire_.delta) {
       compile_frame(a, plan, targets);
       compile_fragments(a, plan, targets);
@@ -68,8 +70,15 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
       compile_fragments(a, plan, targets);
     }
     slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.slot_bytes) + kBucketTrailerBytes);
+    std::sort(a.params.begin(), a.params.end());
+    a.params.erase(std::unique(a.params.begin(), a.params.end()), a.params.end());
     actions_.push_back(std::move(a));
   }
+  changed_.assign(params.size(), false);
+}
+
+void ReceivePipeline::mark_changed(const RecvAction& a) {
+  for (uint32_t p : a.params) changed_[p] = true;
 }
 
 // Private copies of the params in their memory, and the program that
@@ -138,6 +147,9 @@ void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
     char* in_place =
         !c.fp8 && pipeline::packed_as_dst_box(c) ? pipeline::host_run(target, c.dst_box) : nullptr;
     a.in_place.push_back(in_place);
+    a.item_params.push_back({static_cast<uint32_t>(c.dst_param)});
+    if (c.fp8) a.item_params.back().push_back(static_cast<uint32_t>(c.scale_param));
+    a.params.insert(a.params.end(), a.item_params.back().begin(), a.item_params.back().end());
     if (in_place) continue;
     if (c.fp8)
       add_apply_fp8(a.frame_apply, c, target, targets.at(static_cast<size_t>(c.scale_param)), 0);
@@ -149,10 +161,26 @@ void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
   a.frame_bytes = pipeline::frame_capacity(a.items, a.bytes);
 }
 
-void ReceivePipeline::compile_broadcast_frame(RecvAction& a, const Plan& plan) {
+void ReceivePipeline::compile_broadcast_frame(
+    RecvAction& a, const Plan& plan, const std::vector<std::pair<int64_t, uint32_t>>& writes) {
   if (memory_.memory == MemoryKind::cuda) refuse_cuda_delta();
   a.items = pipeline::frame_items(plan, a.bucket);
   a.in_place.assign(a.items.size(), nullptr);
+  // An apply item reads a part of the bucket item it lies in.
+  a.item_params.assign(a.items.size(), {});
+  std::vector<std::pair<int64_t, size_t>> starts;  // (offset, item), by offset
+  for (size_t i = 0; i < a.items.size(); ++i) starts.emplace_back(a.items[i].offset, i);
+  std::sort(starts.begin(), starts.end());
+  for (const auto& [offset, param] : writes) {
+    const auto it = std::upper_bound(starts.begin(), starts.end(),
+                                     std::pair<int64_t, size_t>{offset, a.items.size()});
+    const size_t i = it == starts.begin() ? a.items.size() : std::prev(it)->second;
+    if (i == a.items.size() || offset >= a.items[i].offset + a.items[i].bytes)
+      fail(Errc::internal, "engine rank ", global_rank_, ": an apply item of bucket ", a.bucket,
+           " at offset ", offset, " lies in none of its items");
+    a.item_params[i].push_back(param);
+    a.params.push_back(param);
+  }
   for (const CopyRun& r : a.apply.runs()) a.gather.add_run(reversed(r));
   a.reads = pipeline::template_reads(plan, a.bucket, engine_template_);
   a.frame_bytes = pipeline::frame_capacity(a.items, a.bytes) + 8 * int64_t{engine_templates_};
@@ -347,6 +375,7 @@ void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop
   // The slot is posted again only once the apply that reads it is done.
   copier_.wait(s, loop, "applying bucket");
   phases.apply += seconds_since(t);
+  mark_changed(a);
   if (tracer) tracer->complete(cat("apply ", a.bucket), "apply", apply_us, trace_now_us());
   if (on_bucket_ && report.error.empty()) on_bucket_(k);
 }
@@ -384,6 +413,7 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
         if (a.in_place[i])
           std::memcpy(a.in_place[i], packed + a.items[i].offset,
                       static_cast<size_t>(a.items[i].bytes));
+      mark_changed(a);
     } else {
       if (h.base != version_)
         fail(Errc::mismatch, what, ": a delta against version ", h.base,
@@ -405,11 +435,12 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
                " bytes cannot hold the digests of its ", engine_templates_, " engine templates");
         if (h.has_digest)
           sent = read_le64(frame + pipeline::kFrameHeaderBytes + 8 * engine_template_);
-        pipeline::apply_frame(a.items, frame + digests, bytes - digests, targets_.data(), what);
+        pipeline::apply_frame(a.items, frame + digests, bytes - digests, targets_.data(), what, 0,
+                              nullptr, &items_changed_);
         if (h.has_digest) digest = pipeline::reads_digest(a.reads, scratch_.get(), step);
       } else {
         pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what, step,
-                              h.has_digest ? &digest : nullptr);
+                              h.has_digest ? &digest : nullptr, &items_changed_);
       }
       if (h.has_digest && digest != sent)
         fail(Errc::mismatch, what, ": after its delta the bucket hashes to ", std::hex, digest,
@@ -418,6 +449,9 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
              "was damaged)");
       packed = scratch_.get();
       ++report.delta_buckets;
+      for (size_t i = 0; i < a.items.size(); ++i)
+        if (items_changed_[i])
+          for (uint32_t p : a.item_params[i]) changed_[p] = true;
     }
     phases.verify += seconds_since(t);
     report.bytes += static_cast<uint64_t>(slot.received);
@@ -446,6 +480,7 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
   pipeline::use_device(memory_);  // this thread may be new
   pipeline::Loop loop(cat("engine rank ", global_rank_), transport, poll, deadline);
   ReceiveReport report;
+  changed_.assign(changed_.size(), false);
   post(0, 0, step, transport);
   post(1, 1, step, transport);
   for (size_t k = 0; k < actions_.size(); ++k) {

@@ -66,6 +66,11 @@ struct RecvAction {
   // `gather` is its reverse; a delta's digest covers `reads`, the parts of
   // the bucket this rank's template reads.
   std::vector<pipeline::ReadBox> reads;
+  // Delta sync: the params (indices of the rank layout) the bucket writes,
+  // and those each item writes (broadcast: none for an item this rank does
+  // not read), for ReceivePipeline::changed().
+  std::vector<uint32_t> params;
+  std::vector<std::vector<uint32_t>> item_params;
 };
 
 struct ReceiveReport {
@@ -107,6 +112,10 @@ class ReceivePipeline {
   // slot is posted again (load_weights mode hands the tensors it completed
   // to the engine). Exceptions from it fail run(), as from `poll`.
   void on_bucket(std::function<void(size_t k)> fn) { on_bucket_ = std::move(fn); }
+  // Delta sync: whether param `p` may have changed in this run() so far: a
+  // bucket that wrote it came whole, or its delta changed an element of it
+  // (false: it holds what it held before the step).
+  bool changed(uint32_t p) const { return p < changed_.size() && changed_[p]; }
   void cancel_all();
 
  private:
@@ -125,8 +134,13 @@ class ReceivePipeline {
   std::vector<TensorView> make_staging(const std::vector<TensorView>& params);
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   void compile_frame(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
-  // Delta sync, broadcast plans: a.items, a.gather and a.reads for `apply`.
-  void compile_broadcast_frame(RecvAction& a, const Plan& plan);
+  // Delta sync, broadcast plans: a.items, a.gather and a.reads for `apply`,
+  // and a.params / a.item_params from `writes` (bucket offset, param of
+  // each item of `apply`).
+  void compile_broadcast_frame(RecvAction& a, const Plan& plan,
+                               const std::vector<std::pair<int64_t, uint32_t>>& writes);
+  // Marks the params `a` writes as changed.
+  void mark_changed(const RecvAction& a);
   [[noreturn]] void refuse_cuda_delta() const;
   FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, int slot, int64_t step, Transport& t);
@@ -162,6 +176,8 @@ class ReceivePipeline {
   CopyProgram publish_;              // staging -> params
   std::unique_ptr<char[]> scratch_;  // delta sync: the bucket being rebuilt
   std::vector<char*> targets_;       // settle_frame's, kept to spare an allocation
+  std::vector<bool> changed_;        // by param: changed(), this run()
+  std::vector<bool> items_changed_;  // settle_frame's, by item
   int64_t version_ = -1;
   pipeline::Copier copier_;
   std::function<void(size_t)> on_bucket_;

@@ -84,8 +84,9 @@ struct StepOutcome {
   uint64_t bytes = 0;         // payload bytes received
   uint64_t bytes_direct = 0;  // of those, landed straight in the params (or staging), zero copy
   uint64_t checksum = 0;
-  uint64_t delta_buckets = 0;  // delta sync: buckets that came as deltas (docs/delta.md)
-  double seconds = 0;          // StepBegin to decision
+  uint64_t delta_buckets = 0;   // delta sync: buckets that came as deltas (docs/delta.md)
+  uint64_t weights_handed = 0;  // load_weights mode: HF tensors handed to on_weights
+  double seconds = 0;           // StepBegin to decision
   StepPhases phases;
 };
 
@@ -114,9 +115,16 @@ class Subscriber {
   // copies them, as load_weights does). Then `loaded` runs (e.g.
   // process_weights_after_loading), before the ack: if either throws, the
   // step fails on this rank. Set before the first step.
+  // With `changed_only`, a delta sync step (PublisherOptions::delta) hands
+  // only the tensors that may have changed since the version the rank holds
+  // (a bucket brought them whole, or its delta changed one of their
+  // elements); the engine keeps the others as it took them before. For
+  // engines that take a subset (SGLang's weight-update session, a plain
+  // load_weights); vLLM's layerwise reload rebuilds a layer from what it is
+  // handed, so it takes every tensor (the default).
   using WeightsHook = std::function<void(
       int64_t step, const std::vector<std::pair<std::string, TensorView>>& tensors)>;
-  void on_weights(WeightsHook hook);
+  void on_weights(WeightsHook hook, bool changed_only = false);
   void on_loaded(std::function<void(int64_t step)> hook);
 
   // Connects the transport, computes the plan and allocates staging now (the

@@ -145,6 +145,7 @@ void bind_outcome(nb::module_& m) {
       .def_ro("bytes", &StepOutcome::bytes)
       .def_ro("bytes_direct", &StepOutcome::bytes_direct)
       .def_ro("delta_buckets", &StepOutcome::delta_buckets)
+      .def_ro("weights_handed", &StepOutcome::weights_handed)
       .def_ro("checksum", &StepOutcome::checksum)
       .def_ro("seconds", &StepOutcome::seconds)
       .def_prop_ro("phases", [](const StepOutcome& o) { return step_phases(o.phases); })
@@ -178,10 +179,10 @@ void bind_subscriber(nb::module_& m) {
           nb::arg("fn").none())
       .def(
           "on_weights",
-          [](PySubscriber& s, nb::object fn) {
-            s.get("subscriber").on_weights(weights_callback(std::move(fn)));
+          [](PySubscriber& s, nb::object fn, bool changed_only) {
+            s.get("subscriber").on_weights(weights_callback(std::move(fn)), changed_only);
           },
-          nb::arg("fn").none())
+          nb::arg("fn").none(), nb::arg("changed_only") = false)
       .def(
           "on_loaded",
           [](PySubscriber& s, nb::object fn) {

@@ -114,6 +114,7 @@ class StepOutcome:
         bytes: payload bytes received.
         bytes_direct: of those, landed straight in the params (or staging).
         delta_buckets: delta sync: buckets that came as deltas.
+        weights_handed: load_weights mode: HF tensors handed to on_weights.
         checksum: the checksum this rank acked.
         seconds: from the step's begin to its decision.
         phases: seconds per phase: "receive", "verify", "apply", "commit".
@@ -125,6 +126,7 @@ class StepOutcome:
     bytes: int
     bytes_direct: int
     delta_buckets: int
+    weights_handed: int
     checksum: int
     seconds: float
     phases: dict[str, float]
@@ -745,14 +747,21 @@ class Subscriber:
         self._core.on_end(fn)
         return fn
 
-    def on_weights(self, fn: _WeightsHook) -> _WeightsHook:
+    def on_weights(self, fn: _WeightsHook, changed_only: bool = False) -> _WeightsHook:
         """load_weights mode, for a rank of an engine group of framework "hf"
         (every HF tensor whole): nothing is registered; fn(batch) gets the HF
         tensors as buckets complete them, batch = [(hf_key, tensor)], exactly
         what vLLM's and SGLang's `model.load_weights(batch)` take. The tensors
         (on the CPU, or on `weights_device`) are valid during the call only.
-        If fn raises, the step fails on this rank. Usable as a decorator."""
-        self._core.on_weights(fn)
+        If fn raises, the step fails on this rank. Usable as a decorator.
+
+        `changed_only`: a delta sync step (docs/delta.md) hands only the
+        tensors that may have changed since the version this rank holds; the
+        engine keeps the others as it took them. For engines that take a
+        subset (SGLang's weight-update session, a plain load_weights), not
+        vLLM's layerwise reload (it rebuilds a layer from what it is
+        handed)."""
+        self._core.on_weights(fn, changed_only)
         return fn
 
     def on_loaded(self, fn: _StepHook) -> _StepHook:

@@ -44,7 +44,8 @@ def outcome_dict(out: Any) -> Optional[dict]:
     if out is None:
         return None
     return {"step": out.step, "committed": out.committed, "reason": out.reason,
-            "bytes": out.bytes, "delta_buckets": out.delta_buckets, "seconds": out.seconds}
+            "bytes": out.bytes, "delta_buckets": out.delta_buckets,
+            "weights_handed": out.weights_handed, "seconds": out.seconds}
 
 
 class UpdateProtocol:

@@ -93,7 +93,10 @@ class WorkerSync(EngineSync):
     committed step is held until the next step begins: `revert(step)` puts
     it back when the other tensor-parallel ranks did not commit that step
     (weightsync.sglang.update does), so that no replica serves two versions.
-    `version` is the version the model holds.
+    `version` is the version the model holds. With `changed_only` (the
+    default) a delta sync step (docs/delta.md) loads only the tensors that
+    may have changed since that version; SGLang's update session keeps the
+    others as they are.
 
     mode "direct" (framework "sglang"): SGLang's own parameters are
     registered and written in place; pass staging=True so that a failed step
@@ -102,7 +105,7 @@ class WorkerSync(EngineSync):
 
     def __init__(self, model_runner: Any, coordinator: Any, engine: Any, replica: int,
                  mode: str = "direct", rank: Optional[int] = None, restore: bool = True,
-                 snapshot_device: Any = None, **options: Any):
+                 snapshot_device: Any = None, changed_only: bool = True, **options: Any):
         model = model_runner.model
         rank = tp_rank(model_runner) if rank is None else rank
         super().__init__(model, coordinator, engine, replica, rank, mode=mode, **options)
@@ -124,7 +127,7 @@ class WorkerSync(EngineSync):
         self.mixed: Optional[str] = None
         if mode == "load_weights":
             self.sub.on_begin(self._on_begin)
-            self.sub.on_weights(self._on_weights)
+            self.sub.on_weights(self._on_weights, changed_only=changed_only)
             self.sub.on_end(self._on_end)
 
     @property
@@ -231,7 +234,7 @@ class WorkerSync(EngineSync):
             if e.code != "timeout":
                 raise
             out = {"step": self._began, "committed": False, "reason": str(e), "bytes": 0,
-                   "delta_buckets": 0, "seconds": 0.0}
+                   "delta_buckets": 0, "weights_handed": 0, "seconds": 0.0}
         if out is not None and self.mode == "load_weights":
             if out["committed"] and self._served != out["step"]:
                 out.update(committed=False, reason=out["reason"] or "the model did not take it")
@@ -341,9 +344,9 @@ def connect(engine: Any, coordinator: Any, engine_config: Any, replica: int = 0,
     """Connects every tensor-parallel rank of `engine` (an sglang.Engine
     started with engine_args()) to the weightsync job as replica `replica`
     of `engine_config` (a dict, JSON text, or a path readable by the engine's
-    processes). `options`: WorkerSync's (restore, snapshot_device) and
-    Subscriber options (transport, token, job, connect_timeout, step_timeout,
-    staging). Returns each rank's {"rank", "global_rank", "version", "mode"}."""
+    processes). `options`: WorkerSync's (restore, snapshot_device,
+    changed_only) and Subscriber options (transport, token, job,
+    connect_timeout, step_timeout, staging). Returns each rank's {"rank", "global_rank", "version", "mode"}."""
     address = getattr(coordinator, "address", coordinator)
     if not isinstance(engine_config, (dict, list)):
         text = os.fspath(engine_config)

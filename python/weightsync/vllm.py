@@ -105,8 +105,8 @@ class WorkerExtension:
 
     def weightsync_update(self, timeout: float = 120.0) -> Optional[dict]:
         """Runs the next weight update (waits up to `timeout` s for it to
-        begin): {"step", "committed", "reason", "bytes", "delta_buckets", "seconds", "version"
-        (and "restored" / "poisoned" after a failed step)}, or None."""
+        begin): {"step", "committed", "reason", "bytes", "delta_buckets", "weights_handed",
+        "seconds", "version" (and "restored" / "poisoned" after a failed step)}, or None."""
         return self._weightsync_sync().update(timeout)
 
     def weightsync_start(self) -> None:

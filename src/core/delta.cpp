@@ -343,7 +343,11 @@ void check_element_bytes(int element_bytes) {
 }  // namespace
 
 int64_t max_encoded_bytes(int64_t elements, int element_bytes) noexcept {
-  return elements * element_bytes + 2 * ((elements + kChunkElements - 1) / kChunkElements);
+  return elements * element_bytes + unchanged_bytes(elements);
+}
+
+int64_t unchanged_bytes(int64_t elements) noexcept {
+  return 2 * ((elements + kChunkElements - 1) / kChunkElements);
 }
 
 int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,

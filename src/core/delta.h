@@ -41,6 +41,9 @@ enum class ChunkKind : uint8_t { unchanged = 0, list = 1, runs = 2, dense = 3 };
 // The largest encoding of `elements` elements of `element_bytes` bytes: the
 // dense bytes and a record head per chunk.
 int64_t max_encoded_bytes(int64_t elements, int element_bytes) noexcept;
+// The encoding of `elements` elements none of which changed: a record head
+// per chunk. A sound encoding of another size changes at least one element.
+int64_t unchanged_bytes(int64_t elements) noexcept;
 
 struct EncodeStats {
   int64_t elements = 0;

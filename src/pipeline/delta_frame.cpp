@@ -108,7 +108,8 @@ int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* n
 }
 
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
-                 char* const* targets, const std::string& what, int64_t step, uint64_t* digest) {
+                 char* const* targets, const std::string& what, int64_t step, uint64_t* digest,
+                 std::vector<bool>* changed) {
   const auto table_bytes = 8 * static_cast<int64_t>(items.size());
   if (bytes < kFrameHeaderBytes + table_bytes)
     fail(Errc::format, what, ": a delta frame of ", bytes, " bytes cannot hold the table of its ",
@@ -130,9 +131,11 @@ void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t
     fail(Errc::format, what, ": ", bytes - at, " bytes left over after the last item's encoding");
   at = kFrameHeaderBytes + table_bytes;
   if (digest) *digest = 0;
+  if (changed) changed->assign(items.size(), false);
   for (size_t i = 0; i < items.size(); ++i) {
     const auto n = static_cast<int64_t>(read_le64(table + 8 * i));
     const FrameItem& f = items[i];
+    if (changed) (*changed)[i] = n != delta::unchanged_bytes(f.elements());
     Checksum64Stream hash(fragment_seed(step, static_cast<uint32_t>(i)),
                           static_cast<size_t>(f.bytes));
     delta::apply(frame + at, n, targets[i], f.elements(), f.element_bytes, item_what(i),

@@ -97,10 +97,11 @@ int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* n
 // every encoding before it writes anything: Errc::format naming `what` and
 // the item when one is malformed. With `digest`, the frame_digest for
 // `step` of the targets after the patch goes there (hashed as they are
-// patched, while in cache).
+// patched, while in cache). With `changed`, item i's entry says whether its
+// encoding changed any element (delta::unchanged_bytes).
 void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
                  char* const* targets, const std::string& what, int64_t step = 0,
-                 uint64_t* digest = nullptr);
+                 uint64_t* digest = nullptr, std::vector<bool>* changed = nullptr);
 
 // Broadcast plans: one apply item of an engine template as the digest sees
 // it: the part `hf_box` of the row-major view `view_box` packed at

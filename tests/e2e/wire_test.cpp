@@ -117,6 +117,47 @@ TEST(Wire, OptionsJson) {
   }
 }
 
+// apply_frame says which items' encodings changed an element: exactly the
+// items whose bytes differ (load_weights mode hands only those tensors).
+TEST(Wire, DeltaFramesSayWhichItemsChanged) {
+  const Model m = make_model("tiny-qwen3-moe", "ep=2,fsdp=2", 2, 2);
+  const Plan plan = plan_of(m, "p2p", 8192);
+  const Bucket& b = plan.buckets().at(1);
+  const auto items = pipeline::frame_items(plan, b.id);
+  ASSERT_GE(items.size(), 3u);
+  std::vector<char> old(static_cast<size_t>(b.bytes));
+  for (size_t i = 0; i < old.size(); ++i) old[i] = static_cast<char>(i * 131 + 7);
+  for (size_t pick = 0; pick < 3; ++pick) {
+    // Every third item changes, from item `pick` on; in one of them a
+    // single byte only (its last).
+    std::vector<char> next = old, base = old;
+    std::vector<bool> expected(items.size(), false);
+    for (size_t i = pick; i < items.size(); i += 3) {
+      const auto& f = items[i];
+      if (f.bytes == 0) continue;
+      expected[i] = true;
+      if (i == pick) {
+        next[static_cast<size_t>(f.offset + f.bytes - 1)] ^= 0x01;
+        continue;
+      }
+      for (int64_t at = f.offset; at < f.offset + f.bytes; at += 61)
+        next[static_cast<size_t>(at)] ^= 0x10;
+    }
+    std::vector<char> frame(static_cast<size_t>(pipeline::frame_capacity(items, b.bytes)));
+    std::vector<const char*> sources;
+    for (const auto& f : items) sources.push_back(next.data() + f.offset);
+    const int64_t n =
+        pipeline::encode_frame(items, sources.data(), base.data(), frame.data(), nullptr, 3);
+    std::vector<char> target = old;
+    std::vector<char*> targets;
+    for (const auto& f : items) targets.push_back(target.data() + f.offset);
+    std::vector<bool> changed;
+    pipeline::apply_frame(items, frame.data(), n, targets.data(), "bucket 1", 3, nullptr, &changed);
+    EXPECT_EQ(target, next);
+    EXPECT_EQ(changed, expected) << "from item " << pick;
+  }
+}
+
 // Delta sync's frames (pipeline/delta_frame.h): a bucket of a real plan
 // encoded against its previous version and applied to that version gives
 // the new bytes; a frame that is not one, or whose table or encodings are

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_versions import nearby_checkpoint  # noqa: E402
+from engine_versions import differing_keys, nearby_checkpoint  # noqa: E402
 from sglang_procs import run_in_thread, start_engine, start_trainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -388,7 +388,10 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path, mode):
     the bytes, each onto what the last delta made; after every step each
     rank's parameters and the greedy tokens equal a fresh engine's of that
     version. In both plan modes (the new trainer's: the engines follow it;
-    broadcast: one delta for both ranks, each checking what it reads)."""
+    broadcast: one delta for both ranks, each checking what it reads). Each
+    rank loads only the tensors that changed (WorkerSync's changed_only):
+    every one at the whole step, the ones that differ after it, and at a last
+    version that moves only layer 1 (a partly frozen model), only those."""
     if (live.kind, live.tp) != ("moe", 2):
         pytest.skip("run for moe-tp2 only (engine starts are slow)")
     if live.version < 0:
@@ -397,26 +400,32 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path, mode):
     live._trainer = None
     held = live.ckpts[live.checkpoint]
     nearby = nearby_checkpoint(held, str(tmp_path / "nearby"), seed=live.version)
-    trainer = start_trainer(live.coord.address, live.config, [held, nearby, held],
+    partial = nearby_checkpoint(held, str(tmp_path / "partial"), seed=live.version + 7,
+                                fraction=0.05, prefix="model.layers.1.")
+    moved, moved_partly = differing_keys(held, nearby), differing_keys(held, partial)
+    assert 0 < len(moved_partly) < len(moved), (moved, moved_partly)
+    trainer = start_trainer(live.coord.address, live.config, [held, nearby, held, partial],
                             delta="auto", bucket_bytes=BUCKET_BYTES, step_timeout=60.0,
                             mode=mode)
     try:
-        steps = []
+        steps, loaded = [], []
         # held -> nearby (whole: nothing to diff against yet), then deltas:
-        # -> held -> nearby -> held
-        for index, version_dir in ((1, nearby), (2, held), (1, nearby), (2, held)):
+        # -> held -> nearby -> held -> partial
+        for index, version_dir in ((1, nearby), (2, held), (1, nearby), (2, held), (3, partial)):
             step = live.version + 1
             out, pushed = live.sync(step, checkpoint=index, trainer=trainer)
             assert pushed["committed"] == list(range(live.tp)) and not pushed["failed"], pushed
             assert out["committed"] and out["version"] == step, out
             live.version = step
-            reference = (references(live.kind, live.tp, version_dir) if version_dir == nearby
+            reference = (references(live.kind, live.tp, version_dir) if version_dir != held
                          else references(live.kind, live.tp, live.checkpoint))
             live.check(reference, tmp_path, step)
             steps.append((pushed, [r["outcome"]["delta_buckets"] for r in out["ranks"]]))
+            loaded.append([r["outcome"]["weights_handed"] for r in out["ranks"]])
             log(f"{live.kind} tp={live.tp} {mode} delta step {step}: "
                 f"{pushed['bytes_sent']} bytes sent, "
-                f"{pushed['delta_buckets']} delta buckets; per engine rank {steps[-1][1]}")
+                f"{pushed['delta_buckets']} delta buckets; per engine rank {steps[-1][1]}, "
+                f"tensors loaded {loaded[-1]}")
     finally:
         trainer.close()
     (whole, whole_ranks), *deltas = steps
@@ -428,3 +437,8 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path, mode):
         else:  # every bucket for both ranks
             assert ranks == [pushed["delta_buckets"]] * live.tp, steps
         assert pushed["bytes_sent"] * 4 < whole["bytes_sent"], steps
+    # Every rank receives every HF tensor whole (framework "hf") and loads
+    # the ones that changed.
+    assert loaded[0][0] >= len(moved) and loaded[0] == [loaded[0][0]] * live.tp, loaded
+    assert loaded[1:4] == [[len(moved)] * live.tp] * 3, (loaded, moved)
+    assert loaded[4] == [len(moved_partly)] * live.tp, (loaded, moved_partly)

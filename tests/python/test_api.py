@@ -396,6 +396,55 @@ def test_load_weights_takes_deltas_and_hands_whole_tensors(setup, mode):
     loader.close()
 
 
+@pytest.mark.parametrize("mode", ["p2p", "broadcast"])
+def test_load_weights_changed_only_hands_the_tensors_that_changed(setup, mode):
+    """on_weights(fn, changed_only=True) with delta="auto": version 1 hands
+    every tensor; later steps hand exactly the tensors that differ from the
+    version the rank holds (none, some, one element of one), and the engine's
+    view (the last tensor it took of each key) equals the trainer's."""
+    coord, layout, engine, _ = setup
+    hf = {**engine, "framework": "hf"}
+    loader = ws.Subscriber(coordinator=coord.address, engine=hf)
+    held, handed = {}, []
+
+    def load_weights(batch):
+        handed.extend(key for key, _ in batch)
+        for key, t in batch:
+            held[key] = t.clone()
+
+    loader.on_weights(load_weights, changed_only=True)
+    outcomes = []
+    t = threading.Thread(target=lambda: outcomes.extend(
+        loader.run_step(timeout=30.0) for _ in range(4)))
+    t.start()
+    tensors = trainer_tensors(layout, 5)
+    keys = sorted(tensors)
+    some = set(keys[::3])
+    changes = {1: set(keys), 2: some, 3: set(), 4: {keys[-1]}}
+    with ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=hf,
+                      bucket_bytes=16 << 10, delta="auto", mode=mode) as pub:
+        pub.register_module(module_of(tensors))
+        for step in (1, 2, 3, 4):
+            handed.clear()
+            if step == 2:
+                for key in some:
+                    tensors[key].view(-1)[::101].add_(1.0)  # about 1 % of the elements
+            if step == 4:
+                tensors[keys[-1]].view(-1)[-1].add_(1.0)  # one element
+            res = pub.push(step)
+            assert res.committed == [0], res.failed
+            while len(outcomes) < step:
+                time.sleep(0.01)
+            assert sorted(handed) == sorted(changes[step]), (step, sorted(handed))
+            assert outcomes[-1].weights_handed == len(changes[step])
+            assert (outcomes[-1].delta_buckets > 0) == (step > 1), (step, outcomes[-1])
+            for key, x in tensors.items():
+                assert torch.equal(held[key], x), (step, key)
+    t.join()
+    assert [o.committed for o in outcomes] == [True] * 4
+    loader.close()
+
+
 def test_a_failing_load_weights_fails_only_that_rank(setup):
     coord, layout, engine, _ = setup
     groups = [engine, {**engine, "framework": "hf"}]
