@@ -223,6 +223,12 @@ def test_asyncio_subscriber_serves_real_steps(setup):
     pub = ws.Publisher(coord, 0, layout, engine, bucket_bytes=64 << 10)
     pub.register_module(trainer_module(layout, 3))
     began = threading.Event()
+    release = threading.Event()  # cleared: a step waits in its on_begin hook
+    release.set()
+
+    def on_begin(step: int) -> None:
+        began.set()
+        release.wait(30.0)
 
     async def main() -> tuple:
         ticks = 0
@@ -236,7 +242,7 @@ def test_asyncio_subscriber_serves_real_steps(setup):
 
         tick_task = asyncio.create_task(ticker())
         async with subscriber(coord, engine) as sub:
-            sub.on_begin(lambda step: began.set())
+            sub.on_begin(on_begin)
             # Two steps through `async for`, pushed from another thread.
             pushes = [asyncio.wrap_future(pub.push_async(s)) for s in (1, 2)]
             served = [out async for out in sub.steps(limit=2, poll=0.2)]
@@ -245,10 +251,14 @@ def test_asyncio_subscriber_serves_real_steps(setup):
             idle = [out async for out in sub.steps(idle_timeout=0.5, poll=0.2)]
             # A cancelled run_step_async: the step runs to its decision anyway.
             began.clear()
+            release.clear()
             task = asyncio.create_task(sub.run_step_async(timeout=30.0))
             push3 = asyncio.wrap_future(pub.push_async(3))
             assert await asyncio.to_thread(began.wait, 30.0)
+            # Cancelled while the step waits in its hook: it cannot have
+            # finished before the cancel (on a busy machine it could).
             task.cancel()
+            release.set()
             with pytest.raises(asyncio.CancelledError):
                 await task
             third = await push3
