@@ -139,13 +139,13 @@ static CopyRun reversed(const CopyRun& r) {
 
 void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
                                     const std::vector<TensorView>& targets) {
-  if (memory_.memory == MemoryKind::cuda) refuse_cuda_delta();
   for (const PlanItem& item : plan.items(a.bucket)) {
     const Copy c = plan.resolve(item);
     const TensorView& target = targets.at(static_cast<size_t>(c.dst_param));
     (void)direct_target(c, target);  // checks the rank
+    // Host params are patched by the CPU, CUDA ones by the patch kernel.
     char* in_place =
-        !c.fp8 && pipeline::packed_as_dst_box(c) ? pipeline::host_run(target, c.dst_box) : nullptr;
+        !c.fp8 && pipeline::packed_as_dst_box(c) ? pipeline::dense_run(target, c.dst_box) : nullptr;
     a.in_place.push_back(in_place);
     a.item_params.push_back({static_cast<uint32_t>(c.dst_param)});
     if (c.fp8) a.item_params.back().push_back(static_cast<uint32_t>(c.scale_param));
@@ -163,7 +163,7 @@ void ReceivePipeline::compile_frame(RecvAction& a, const Plan& plan,
 
 void ReceivePipeline::compile_broadcast_frame(
     RecvAction& a, const Plan& plan, const std::vector<std::pair<int64_t, uint32_t>>& writes) {
-  if (memory_.memory == MemoryKind::cuda) refuse_cuda_delta();
+  if (memory_.memory == MemoryKind::cuda) refuse_cuda_broadcast_delta();
   a.items = pipeline::frame_items(plan, a.bucket);
   a.in_place.assign(a.items.size(), nullptr);
   // An apply item reads a part of the bucket item it lies in.
@@ -187,11 +187,11 @@ void ReceivePipeline::compile_broadcast_frame(
   slot_bytes_ = std::max(slot_bytes_, static_cast<size_t>(a.frame_bytes) + kBucketTrailerBytes);
 }
 
-void ReceivePipeline::refuse_cuda_delta() const {
+void ReceivePipeline::refuse_cuda_broadcast_delta() const {
   fail(Errc::unsupported, "engine rank ", global_rank_, ": delta sync (the trainers' ",
-       "delta=auto) applies on the host so far, and this rank's params are on ",
+       "delta=auto) in broadcast mode applies on the host so far, and this rank's params are on ",
        pipeline::memory_str(memory_.memory, memory_.device),
-       "; run the trainers without delta (docs/delta.md)");
+       "; use plan mode p2p, or run the trainers without delta (docs/delta.md)");
 }
 
 void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_device) {
@@ -201,16 +201,33 @@ void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_d
          "takes frames whose size changes from step to step, which this transport's native ",
          "broadcast cannot carry; use plan mode p2p, a transport without a native broadcast ",
          "(ucx, tcp), or no delta (docs/delta.md)");
+  const bool device_delta = wire_.delta && memory_.memory == MemoryKind::cuda;
+  // The CPU reads a frame's header and checks its encodings where it lands.
+  if (device_delta && slots == SlotMemory::device)
+    fail(Errc::unsupported, "engine rank ", global_rank_, ": delta sync needs its frames in host ",
+         "memory, but this rank's slots are in device memory (its params are on ",
+         pipeline::memory_str(memory_.memory, memory_.device), " and the transport reaches ",
+         "device memory); run without delta, or over a transport to host memory (ucx)");
   std::vector<const CopyProgram*> programs;
   for (const RecvAction& a : actions_) programs.push_back(&a.apply);
   programs.push_back(&publish_);
+  if (device_delta) {  // gather_index(k), then frame_apply_index(k)
+    for (const RecvAction& a : actions_) programs.push_back(&a.gather);
+    for (const RecvAction& a : actions_) programs.push_back(&a.frame_apply);
+  }
   copier_.prepare(programs, memory_, 3);
   if (slot_bytes_ == 0) return;
   for (Slot& s : slots_) s.buffer = allocate_staging(transport, slot_bytes_, slots, slot_device);
   if (wire_.delta) {
     int64_t most = 1;
     for (const RecvAction& a : actions_) most = std::max(most, a.bytes);
-    scratch_.reset(new char[static_cast<size_t>(most)]);
+    if (device_delta) {
+      device_scratch_ =
+          gpu::Memory(static_cast<size_t>(most), gpu::MemoryPlace::device, memory_.device);
+      patcher_ = gpu::DeltaPatcher(memory_.device);
+    } else {
+      scratch_.reset(new char[static_cast<size_t>(most)]);
+    }
   }
 }
 
@@ -409,10 +426,14 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
       if (bytes != pipeline::kFrameHeaderBytes + a.bytes)
         fail(Errc::format, what, ": a whole bucket of ", bytes - pipeline::kFrameHeaderBytes,
              " bytes, expected ", a.bytes, " (does the sender use the same plan?)");
-      for (size_t i = 0; i < a.items.size(); ++i)
-        if (a.in_place[i])
-          std::memcpy(a.in_place[i], packed + a.items[i].offset,
-                      static_cast<size_t>(a.items[i].bytes));
+      for (size_t i = 0; i < a.items.size(); ++i) {
+        if (!a.in_place[i]) continue;
+        const auto n = static_cast<size_t>(a.items[i].bytes);
+        if (copier_.on_gpu())  // before the apply's event on the same stream
+          gpu::copy_async(a.in_place[i], packed + a.items[i].offset, n, copier_.stream());
+        else
+          std::memcpy(a.in_place[i], packed + a.items[i].offset, n);
+      }
       mark_changed(a);
     } else {
       if (h.base != version_)
@@ -421,33 +442,39 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
       // The items in place are patched there; the others are gathered as
       // the targets hold them, patched, and applied once the digest of the
       // result (every item) checked out.
-      targets_.resize(a.items.size());
-      for (size_t i = 0; i < a.items.size(); ++i)
-        targets_[i] = a.in_place[i] ? a.in_place[i] : scratch_.get() + a.items[i].offset;
-      execute_host(a.gather, 0, addr(scratch_.get()));
       uint64_t digest = 0, sent = h.digest;
-      if (broadcast_) {
-        // Every rank gets the whole bucket's delta but holds, and checks,
-        // only what its template reads: the rest of scratch is left over.
-        const int64_t digests = h.has_digest ? 8 * int64_t{engine_templates_} : 0;
-        if (bytes < pipeline::kFrameHeaderBytes + digests)
-          fail(Errc::format, what, ": a delta frame of ", bytes,
-               " bytes cannot hold the digests of its ", engine_templates_, " engine templates");
-        if (h.has_digest)
-          sent = read_le64(frame + pipeline::kFrameHeaderBytes + 8 * engine_template_);
-        pipeline::apply_frame(a.items, frame + digests, bytes - digests, targets_.data(), what, 0,
-                              nullptr, &items_changed_);
-        if (h.has_digest) digest = pipeline::reads_digest(a.reads, scratch_.get(), step);
+      if (copier_.on_gpu()) {
+        // Patched and hashed on the device (p2p: broadcast is refused at setup).
+        digest = patch_on_device(k, s, frame, bytes, step, h.has_digest, what);
+        packed = device_scratch_.data();
       } else {
-        pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what, step,
-                              h.has_digest ? &digest : nullptr, &items_changed_);
+        targets_.resize(a.items.size());
+        for (size_t i = 0; i < a.items.size(); ++i)
+          targets_[i] = a.in_place[i] ? a.in_place[i] : scratch_.get() + a.items[i].offset;
+        execute_host(a.gather, 0, addr(scratch_.get()));
+        if (broadcast_) {
+          // Every rank gets the whole bucket's delta but holds, and checks,
+          // only what its template reads: the rest of scratch is left over.
+          const int64_t digests = h.has_digest ? 8 * int64_t{engine_templates_} : 0;
+          if (bytes < pipeline::kFrameHeaderBytes + digests)
+            fail(Errc::format, what, ": a delta frame of ", bytes,
+                 " bytes cannot hold the digests of its ", engine_templates_, " engine templates");
+          if (h.has_digest)
+            sent = read_le64(frame + pipeline::kFrameHeaderBytes + 8 * engine_template_);
+          pipeline::apply_frame(a.items, frame + digests, bytes - digests, targets_.data(), what, 0,
+                                nullptr, &items_changed_);
+          if (h.has_digest) digest = pipeline::reads_digest(a.reads, scratch_.get(), step);
+        } else {
+          pipeline::apply_frame(a.items, frame, bytes, targets_.data(), what, step,
+                                h.has_digest ? &digest : nullptr, &items_changed_);
+        }
+        packed = scratch_.get();
       }
       if (h.has_digest && digest != sent)
         fail(Errc::mismatch, what, ": after its delta the bucket hashes to ", std::hex, digest,
              ", the trainer's bytes to ", sent, std::dec,
              " (this rank's params are not the version the delta applies to, or the delta ",
              "was damaged)");
-      packed = scratch_.get();
       ++report.delta_buckets;
       for (size_t i = 0; i < a.items.size(); ++i)
         if (items_changed_[i])
@@ -457,7 +484,9 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
     report.bytes += static_cast<uint64_t>(slot.received);
     t = Clock::now();
     const CopyProgram& apply = broadcast_ ? a.apply : a.frame_apply;
-    if (!apply.empty()) copier_.run(k, apply, addr(packed), 0, s);
+    // GPU: run even when empty, for the slot's event after the copies queued above.
+    if (!apply.empty() || copier_.on_gpu())
+      copier_.run(broadcast_ ? k : frame_apply_index(k), apply, addr(packed), 0, s);
     copier_.wait(s, loop, "applying bucket");
     phases.apply += seconds_since(t);
   } catch (const Error& e) {
@@ -472,6 +501,23 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
     return;
   }
   if (on_bucket_ && report.error.empty()) on_bucket_(k);
+}
+
+uint64_t ReceivePipeline::patch_on_device(size_t k, int s, const char* frame, int64_t bytes,
+                                          int64_t step, bool digest, const std::string& what) {
+  const RecvAction& a = actions_[k];
+  // Checked before anything is queued: a malformed frame changes nothing.
+  target_addrs_.resize(a.items.size());
+  for (size_t i = 0; i < a.items.size(); ++i)
+    target_addrs_[i] = static_cast<int64_t>(
+        addr(a.in_place[i] ? a.in_place[i] : device_scratch_.data() + a.items[i].offset));
+  pipeline::frame_tables(a.items, frame, bytes, target_addrs_.data(), what, step, digest, tables_,
+                         &items_changed_);
+  // The packed bucket as the targets hold it, then the patch and the
+  // digest, in order on the copier's stream.
+  copier_.run(gather_index(k), a.gather, 0, addr(device_scratch_.data()), s);
+  patcher_.run(copier_.stream(), frame, static_cast<size_t>(bytes), tables_.patch, tables_.hash, 0);
+  return digest ? patcher_.digest(copier_.stream()) : 0;
 }
 
 ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,

@@ -141,7 +141,7 @@ class ReceivePipeline {
                                const std::vector<std::pair<int64_t, uint32_t>>& writes);
   // Marks the params `a` writes as changed.
   void mark_changed(const RecvAction& a);
-  [[noreturn]] void refuse_cuda_delta() const;
+  [[noreturn]] void refuse_cuda_broadcast_delta() const;
   FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, int slot, int64_t step, Transport& t);
   void post_fragments(const RecvAction& a, Slot& slot, int64_t step, Transport& t);
@@ -159,6 +159,15 @@ class ReceivePipeline {
   // onto the packed bucket gathered from the targets, in scratch_).
   void settle_frame(size_t k, int slot, int64_t step, pipeline::Loop& loop, ReceiveReport& report,
                     StepPhases& phases);
+  // settle_frame's delta for CUDA targets: the tables built and checked
+  // here, the patch and the digest run on the device; returns the digest
+  // (0 without one).
+  uint64_t patch_on_device(size_t k, int slot, const char* frame, int64_t bytes, int64_t step,
+                           bool digest, const std::string& what);
+  // The copier's indices of bucket k's gather and frame_apply programs
+  // (CUDA targets; its apply is k, publish_ actions_.size()).
+  std::size_t gather_index(size_t k) const { return actions_.size() + 1 + k; }
+  std::size_t frame_apply_index(size_t k) const { return 2 * actions_.size() + 1 + k; }
 
   int global_rank_ = 0;
   int trainer_world_ = 1, engine_world_ = 1;
@@ -175,6 +184,12 @@ class ReceivePipeline {
   Slot slots_[2];
   CopyProgram publish_;              // staging -> params
   std::unique_ptr<char[]> scratch_;  // delta sync: the bucket being rebuilt
+  // Delta sync with CUDA targets: scratch on the device, the tables and
+  // the kernels that apply a frame there.
+  gpu::Memory device_scratch_;
+  gpu::DeltaPatcher patcher_;
+  pipeline::FrameTables tables_;
+  std::vector<int64_t> target_addrs_;
   std::vector<char*> targets_;       // settle_frame's, kept to spare an allocation
   std::vector<bool> changed_;        // by param: changed(), this run()
   std::vector<bool> items_changed_;  // settle_frame's, by item

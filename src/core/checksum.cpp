@@ -4,6 +4,7 @@
 // GB/s per core, well above what one transport stream moves.
 #include <weightsync/checksum.h>
 
+#include "core/checksum_core.h"
 #include "core/checksum_stream.h"
 
 #include <algorithm>
@@ -13,14 +14,7 @@
 namespace weightsync {
 namespace {
 
-constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ULL;
-constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4FULL;
-constexpr uint64_t kPrime3 = 0x165667B19E3779F9ULL;
-constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ULL;
-
-inline uint64_t rotl(uint64_t x, int r) noexcept {
-  return (x << r) | (x >> (64 - r));
-}
+using namespace checksum_core;
 
 inline uint64_t load64(const unsigned char* p) noexcept {
   uint64_t v = 0;
@@ -30,29 +24,6 @@ inline uint64_t load64(const unsigned char* p) noexcept {
     for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];  // the same value on any host
   }
   return v;
-}
-
-inline uint64_t mix_lane(uint64_t lane, uint64_t input) noexcept {
-  lane += input * kPrime2;
-  return rotl(lane, 31) * kPrime1;
-}
-
-inline uint64_t avalanche(uint64_t h) noexcept {
-  h ^= h >> 33;
-  h *= kPrime2;
-  h ^= h >> 29;
-  h *= kPrime3;
-  h ^= h >> 32;
-  return h;
-}
-
-// The lanes' starting values, and 32-byte rounds of `p` into them while
-// `end` leaves room for one; returns where the rounds stopped.
-inline void start_lanes(uint64_t* lane, uint64_t seed) noexcept {
-  lane[0] = seed + kPrime1 + kPrime2;
-  lane[1] = seed + kPrime2;
-  lane[2] = seed;
-  lane[3] = seed - kPrime1;
 }
 
 inline const unsigned char* rounds(uint64_t* lane, const unsigned char* p,
@@ -70,17 +41,10 @@ inline const unsigned char* rounds(uint64_t* lane, const unsigned char* p,
 // The end: the lanes (when there were rounds) and the bytes after them.
 inline uint64_t finish_hash(uint64_t h, const uint64_t* lane, bool had_rounds,
                             const unsigned char* p, const unsigned char* end) noexcept {
-  if (had_rounds) {
-    h ^= rotl(lane[0], 1) + rotl(lane[1], 7) + rotl(lane[2], 12) + rotl(lane[3], 18);
-    for (int i = 0; i < 4; ++i) h = (h ^ mix_lane(0, lane[i])) * kPrime1 + kPrime4;
-  }
-  for (; end - p >= 8; p += 8) h = rotl(h ^ mix_lane(0, load64(p)), 27) * kPrime1 + kPrime4;
-  for (; p < end; ++p) h = rotl(h ^ (uint64_t{*p} * kPrime4), 11) * kPrime1;
+  if (had_rounds) h = merge_lanes(h, lane);
+  for (; end - p >= 8; p += 8) h = tail_word(h, load64(p));
+  for (; p < end; ++p) h = tail_byte(h, *p);
   return avalanche(h);
-}
-
-inline uint64_t first_hash(uint64_t seed, std::size_t bytes) noexcept {
-  return seed + kPrime4 + static_cast<uint64_t>(bytes) * kPrime3;
 }
 
 }  // namespace

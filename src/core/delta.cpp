@@ -1,6 +1,6 @@
 #include "core/delta.h"
 
-#include "core/checksum_stream.h"
+#include <weightsync/checksum.h>
 
 #include <weightsync/error.h>
 
@@ -220,13 +220,15 @@ int64_t estimate_all(const uint8_t* next, const uint8_t* base, int64_t elements)
 
 template <int E>
 int64_t encode_all(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t* out,
-                   EncodeStats* stats, Checksum64Stream* hash) {
+                   EncodeStats* stats, Digest* hash) {
   int64_t at = 0;
-  for (int64_t first = 0; first < elements; first += kChunkElements) {
+  for (int64_t first = 0, chunk = 0; first < elements; first += kChunkElements, ++chunk) {
     const int64_t n = std::min(kChunkElements, elements - first);
     at += encode_chunk<E>(next + first * E, base + first * E, n, out + at, stats);
     // While the chunk is in cache.
-    if (hash) hash->update(next + first * E, static_cast<size_t>(n * E));
+    if (hash)
+      hash->sum +=
+          checksum64(next + first * E, static_cast<size_t>(n * E), chunk_seed(hash->seed, chunk));
   }
   return at;
 }
@@ -239,10 +241,11 @@ struct Record {
   int64_t values = 0;  // the new elements
 };
 
+// Checks a whole encoding of `elements` elements and returns its records,
+// one per chunk: Errc::format naming `what`, the chunk and the fault.
 template <int E>
-void apply_all(const uint8_t* enc, int64_t bytes, uint8_t* target, int64_t elements,
-               const std::string& what, Checksum64Stream* hash) {
-  // Check everything first: nothing is written unless the whole encoding is sound.
+std::vector<Record> parse_records(const uint8_t* enc, int64_t bytes, int64_t elements,
+                                  const std::string& what) {
   std::vector<Record> records;
   records.reserve(static_cast<size_t>((elements + kChunkElements - 1) / kChunkElements));
   int64_t at = 0;
@@ -304,33 +307,51 @@ void apply_all(const uint8_t* enc, int64_t bytes, uint8_t* target, int64_t eleme
   if (at != bytes)
     fail(Errc::format, what, ": delta encoding of ", elements, " elements takes ", at,
          " bytes, but ", bytes, " arrived");
+  return records;
+}
+
+// Writes one checked record's new elements into its chunk at `dst` (`n`
+// elements of E bytes).
+template <int E>
+void patch_chunk(ChunkKind kind, int64_t count, const uint8_t* table, const uint8_t* v,
+                 uint8_t* dst, int64_t n) {
+  constexpr int64_t e = E;
+  switch (kind) {
+    case ChunkKind::unchanged:
+      break;
+    case ChunkKind::dense:
+      std::memcpy(dst, v, static_cast<size_t>(n * e));
+      break;
+    case ChunkKind::list:
+      for (int64_t j = 0; j < count; ++j, v += e)
+        std::memcpy(dst + get_u16(table + j * 2) * e, v, static_cast<size_t>(e));
+      break;
+    case ChunkKind::runs:
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t start = get_u16(table + j * 4);
+        const int64_t len = get_u16(table + j * 4 + 2);
+        std::memcpy(dst + start * e, v, static_cast<size_t>(len * e));
+        v += len * e;
+      }
+      break;
+  }
+}
+
+template <int E>
+void apply_all(const uint8_t* enc, int64_t bytes, uint8_t* target, int64_t elements,
+               const std::string& what, Digest* hash) {
+  // Check everything first: nothing is written unless the whole encoding is sound.
+  const std::vector<Record> records = parse_records<E>(enc, bytes, elements, what);
   if (!target) return;  // check only
-  int64_t first = 0;
+  int64_t first = 0, chunk = 0;
   for (const Record& r : records) {
     const int64_t n = std::min(kChunkElements, elements - first);
     uint8_t* dst = target + first * E;
-    const uint8_t* v = enc + r.values;
-    switch (r.kind) {
-      case ChunkKind::unchanged:
-        break;
-      case ChunkKind::dense:
-        std::memcpy(dst, v, static_cast<size_t>(n * E));
-        break;
-      case ChunkKind::list:
-        for (int64_t j = 0; j < r.count; ++j, v += E)
-          std::memcpy(dst + get_u16(enc + r.table + j * 2) * E, v, E);
-        break;
-      case ChunkKind::runs:
-        for (int64_t j = 0; j < r.count; ++j) {
-          const int64_t start = get_u16(enc + r.table + j * 4);
-          const int64_t len = get_u16(enc + r.table + j * 4 + 2);
-          std::memcpy(dst + start * E, v, static_cast<size_t>(len * E));
-          v += len * E;
-        }
-        break;
-    }
-    if (hash) hash->update(dst, static_cast<size_t>(n * E));
+    patch_chunk<E>(r.kind, r.count, enc + r.table, enc + r.values, dst, n);
+    if (hash)
+      hash->sum += checksum64(dst, static_cast<size_t>(n * E), chunk_seed(hash->seed, chunk));
     first += kChunkElements;
+    ++chunk;
   }
 }
 
@@ -350,8 +371,23 @@ int64_t unchanged_bytes(int64_t elements) noexcept {
   return 2 * ((elements + kChunkElements - 1) / kChunkElements);
 }
 
+uint64_t chunk_seed(uint64_t seed, int64_t chunk) noexcept {
+  return seed ^ (static_cast<uint64_t>(chunk) * 0x9E3779B97F4A7C15ULL);
+}
+
+uint64_t digest(const void* data, int64_t elements, int element_bytes, uint64_t seed) noexcept {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t sum = 0;
+  for (int64_t first = 0, chunk = 0; first < elements; first += kChunkElements, ++chunk) {
+    const int64_t n = std::min(kChunkElements, elements - first);
+    sum += checksum64(p + first * element_bytes, static_cast<size_t>(n * element_bytes),
+                      chunk_seed(seed, chunk));
+  }
+  return sum;
+}
+
 int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
-               EncodeStats* stats, Checksum64Stream* hash) {
+               EncodeStats* stats, Digest* hash) {
   check_element_bytes(element_bytes);
   if (elements < 0) fail(Errc::invalid_argument, "delta: ", elements, " elements");
   const auto* n = static_cast<const uint8_t*>(next);
@@ -398,7 +434,7 @@ int64_t estimate_encoded_bytes(const void* next, const void* base, int64_t eleme
 }
 
 void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,
-           const std::string& what, Checksum64Stream* hash) {
+           const std::string& what, Digest* hash) {
   check_element_bytes(element_bytes);
   if (elements < 0 || bytes < 0)
     fail(Errc::invalid_argument, what, ": delta of ", elements, " elements in ", bytes, " bytes");
@@ -419,6 +455,86 @@ void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, 
 void check(const void* encoding, int64_t bytes, int64_t elements, int element_bytes,
            const std::string& what) {
   apply(encoding, bytes, nullptr, elements, element_bytes, what);
+}
+
+bool patch_table(const void* encoding, int64_t bytes, int64_t elements, int element_bytes,
+                 const std::string& what, int64_t encoding_offset, int64_t target_offset,
+                 std::vector<PatchChunk>& out) {
+  check_element_bytes(element_bytes);
+  if (elements < 0 || bytes < 0)
+    fail(Errc::invalid_argument, what, ": delta of ", elements, " elements in ", bytes, " bytes");
+  const auto* e = static_cast<const uint8_t*>(encoding);
+  std::vector<Record> records;
+  switch (element_bytes) {
+    case 1:
+      records = parse_records<1>(e, bytes, elements, what);
+      break;
+    case 2:
+      records = parse_records<2>(e, bytes, elements, what);
+      break;
+    case 4:
+      records = parse_records<4>(e, bytes, elements, what);
+      break;
+    default:
+      records = parse_records<8>(e, bytes, elements, what);
+      break;
+  }
+  bool any = false;
+  int64_t first = 0;
+  for (const Record& r : records) {
+    if (r.kind != ChunkKind::unchanged) {
+      PatchChunk c;
+      c.table = encoding_offset + r.table;
+      c.values = encoding_offset + r.values;
+      c.dst = target_offset + first * element_bytes;
+      c.kind = static_cast<uint32_t>(r.kind);
+      c.count = static_cast<uint32_t>(r.count);
+      c.elements = static_cast<uint32_t>(std::min(kChunkElements, elements - first));
+      c.element_bytes = static_cast<uint32_t>(element_bytes);
+      out.push_back(c);
+      any = true;
+    }
+    first += kChunkElements;
+  }
+  return any;
+}
+
+void hash_table(int64_t elements, int element_bytes, uint64_t seed, int64_t target_offset,
+                std::vector<HashChunk>& out) {
+  for (int64_t first = 0, chunk = 0; first < elements; first += kChunkElements, ++chunk) {
+    const int64_t n = std::min(kChunkElements, elements - first);
+    out.push_back(
+        {target_offset + first * element_bytes, n * element_bytes, chunk_seed(seed, chunk)});
+  }
+}
+
+void execute_patch_host(const std::vector<PatchChunk>& patch, const char* frame, char* target) {
+  const auto* f = reinterpret_cast<const uint8_t*>(frame);
+  auto* t = reinterpret_cast<uint8_t*>(target);
+  for (const PatchChunk& c : patch) {
+    const auto kind = static_cast<ChunkKind>(c.kind);
+    switch (c.element_bytes) {
+      case 1:
+        patch_chunk<1>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
+        break;
+      case 2:
+        patch_chunk<2>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
+        break;
+      case 4:
+        patch_chunk<4>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
+        break;
+      default:
+        patch_chunk<8>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
+        break;
+    }
+  }
+}
+
+uint64_t execute_hash_host(const std::vector<HashChunk>& hash, const char* target) {
+  uint64_t sum = 0;
+  for (const HashChunk& c : hash)
+    sum += checksum64(target + c.dst, static_cast<size_t>(c.bytes), c.seed);
+  return sum;
 }
 
 }  // namespace weightsync::delta

@@ -49,7 +49,11 @@ FrameHeader read_frame_header(const char* at, int64_t bytes, const std::string& 
 }
 
 char* host_run(const TensorView& tensor, const Box& box) {
-  if (tensor.memory != MemoryKind::host || !tensor.data) return nullptr;
+  return tensor.memory == MemoryKind::host ? dense_run(tensor, box) : nullptr;
+}
+
+char* dense_run(const TensorView& tensor, const Box& box) {
+  if (!tensor.data) return nullptr;
   const auto first = dense_run_offset(tensor.effective_strides(), box);
   if (!first) return nullptr;
   return static_cast<char*>(tensor.data) + *first * static_cast<int64_t>(itemsize(tensor.dtype));
@@ -85,11 +89,10 @@ int64_t encode_frame(const std::vector<FrameItem>& items, const char* const* nex
   if (digest) *digest = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const FrameItem& f = items[i];
-    Checksum64Stream hash(fragment_seed(step, static_cast<uint32_t>(i)),
-                          static_cast<size_t>(f.bytes));
+    delta::Digest hash{fragment_seed(step, static_cast<uint32_t>(i))};
     const int64_t n = delta::encode(next[i], base + f.offset, f.elements(), f.element_bytes, at,
                                     stats, digest ? &hash : nullptr);
-    if (digest) *digest = checksum_fold(*digest, hash.finish());
+    if (digest) *digest = checksum_fold(*digest, hash.sum);
     store_le64(table, static_cast<uint64_t>(n));
     table += 8;
     at += n;
@@ -107,41 +110,77 @@ int64_t estimate_frame(const std::vector<FrameItem>& items, const char* const* n
   return bytes;
 }
 
-void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
-                 char* const* targets, const std::string& what, int64_t step, uint64_t* digest,
-                 std::vector<bool>* changed) {
+namespace {
+
+// Checks a delta frame's table against `items` and returns where each
+// item's encoding lies: (offset into the frame, bytes).
+std::vector<std::pair<int64_t, int64_t>> frame_encodings(const std::vector<FrameItem>& items,
+                                                         const char* frame, int64_t bytes,
+                                                         const std::string& what) {
   const auto table_bytes = 8 * static_cast<int64_t>(items.size());
   if (bytes < kFrameHeaderBytes + table_bytes)
     fail(Errc::format, what, ": a delta frame of ", bytes, " bytes cannot hold the table of its ",
          items.size(), " items");
   const char* table = frame + kFrameHeaderBytes;
-  auto item_what = [&](size_t i) { return what + ", item " + std::to_string(i); };
-  // The table must cut the frame exactly, and every encoding be sound,
-  // before a byte is written.
+  std::vector<std::pair<int64_t, int64_t>> out;
   int64_t at = kFrameHeaderBytes + table_bytes;
   for (size_t i = 0; i < items.size(); ++i) {
     const auto n = static_cast<int64_t>(read_le64(table + 8 * i));
     if (n < 0 || n > bytes - at)
       fail(Errc::format, what, ": item ", i, " claims ", n, " bytes of encoding, but ", bytes - at,
            " bytes of the frame are left");
-    delta::check(frame + at, n, items[i].elements(), items[i].element_bytes, item_what(i));
+    out.emplace_back(at, n);
     at += n;
   }
   if (at != bytes)
     fail(Errc::format, what, ": ", bytes - at, " bytes left over after the last item's encoding");
-  at = kFrameHeaderBytes + table_bytes;
+  return out;
+}
+
+std::string item_what(const std::string& what, size_t i) {
+  return what + ", item " + std::to_string(i);
+}
+
+}  // namespace
+
+void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
+                 char* const* targets, const std::string& what, int64_t step, uint64_t* digest,
+                 std::vector<bool>* changed) {
+  // The table must cut the frame exactly, and every encoding be sound,
+  // before a byte is written.
+  const auto encodings = frame_encodings(items, frame, bytes, what);
+  for (size_t i = 0; i < items.size(); ++i)
+    delta::check(frame + encodings[i].first, encodings[i].second, items[i].elements(),
+                 items[i].element_bytes, item_what(what, i));
   if (digest) *digest = 0;
   if (changed) changed->assign(items.size(), false);
   for (size_t i = 0; i < items.size(); ++i) {
-    const auto n = static_cast<int64_t>(read_le64(table + 8 * i));
+    const auto [at, n] = encodings[i];
     const FrameItem& f = items[i];
     if (changed) (*changed)[i] = n != delta::unchanged_bytes(f.elements());
-    Checksum64Stream hash(fragment_seed(step, static_cast<uint32_t>(i)),
-                          static_cast<size_t>(f.bytes));
-    delta::apply(frame + at, n, targets[i], f.elements(), f.element_bytes, item_what(i),
+    delta::Digest hash{fragment_seed(step, static_cast<uint32_t>(i))};
+    delta::apply(frame + at, n, targets[i], f.elements(), f.element_bytes, item_what(what, i),
                  digest ? &hash : nullptr);
-    if (digest) *digest = checksum_fold(*digest, hash.finish());
-    at += n;
+    if (digest) *digest = checksum_fold(*digest, hash.sum);
+  }
+}
+
+void frame_tables(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
+                  const int64_t* targets, const std::string& what, int64_t step, bool digest,
+                  FrameTables& out, std::vector<bool>* changed) {
+  out.patch.clear();
+  out.hash.clear();
+  const auto encodings = frame_encodings(items, frame, bytes, what);
+  if (changed) changed->assign(items.size(), false);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto [at, n] = encodings[i];
+    const FrameItem& f = items[i];
+    const bool any = delta::patch_table(frame + at, n, f.elements(), f.element_bytes,
+                                        item_what(what, i), at, targets[i], out.patch);
+    if (changed) (*changed)[i] = any;
+    if (digest)
+      delta::hash_table(f.elements(), f.element_bytes,
+                        fragment_seed(step, static_cast<uint32_t>(i)), targets[i], out.hash);
   }
 }
 
@@ -188,8 +227,8 @@ uint64_t reads_digest(const std::vector<ReadBox>& reads, const char* packed, int
 uint64_t frame_digest(const std::vector<FrameItem>& items, const char* const* data, int64_t step) {
   uint64_t sum = 0;
   for (size_t i = 0; i < items.size(); ++i)
-    sum = checksum_fold(sum, checksum64(data[i], static_cast<size_t>(items[i].bytes),
-                                        fragment_seed(step, static_cast<uint32_t>(i))));
+    sum = checksum_fold(sum, delta::digest(data[i], items[i].elements(), items[i].element_bytes,
+                                           fragment_seed(step, static_cast<uint32_t>(i))));
   return sum;
 }
 

@@ -7,7 +7,7 @@
 //     u32 magic "WSDF"   u32 flags (bit 0: delta, bit 1: digest present,
 //                        bit 2: the bucket follows as fragments)
 //     i64 step           i64 base (delta: the version it applies to; else -1)
-//     u64 digest         checksum64(the bucket's new bytes, seed step)
+//     u64 digest         frame_digest(the bucket's new bytes, step)
 //   full frame:  the packed bucket (Bucket::bytes), as without delta
 //   header only (bit 2): nothing more; the bucket's bytes follow as the
 //                fragments it travels as without delta (wire.h), same tag,
@@ -65,8 +65,10 @@ struct FrameItem {
   int64_t elements() const noexcept { return bytes / element_bytes; }
 };
 
-// Where `box` of `tensor` lies as one dense run of host memory (so that an
-// item is diffed or patched in place); nullptr when it does not.
+// Where `box` of `tensor` lies as one dense run of its memory (so that an
+// item is patched in place); nullptr when it does not. host_run: only in
+// host memory (so that the CPU diffs or patches it).
+char* dense_run(const TensorView& tensor, const Box& box);
 char* host_run(const TensorView& tensor, const Box& box);
 
 // The items of p2p bucket `bucket`, in plan order.
@@ -103,6 +105,21 @@ void apply_frame(const std::vector<FrameItem>& items, const char* frame, int64_t
                  char* const* targets, const std::string& what, int64_t step = 0,
                  uint64_t* digest = nullptr, std::vector<bool>* changed = nullptr);
 
+// The tables that apply a delta frame where the CPU does not reach the
+// targets (a GPU's params; cuda/delta_kernel.cu runs them): the frame is
+// checked as apply_frame checks it (the same errors), item i's target lies
+// at address targets[i] of the target memory, the patch reads the frame at
+// its offsets, and with `digest` the hash table gives frame_digest's value
+// for `step`. `changed` as apply_frame. After an error the tables are to be
+// discarded (nothing was run).
+struct FrameTables {
+  std::vector<delta::PatchChunk> patch;
+  std::vector<delta::HashChunk> hash;
+};
+void frame_tables(const std::vector<FrameItem>& items, const char* frame, int64_t bytes,
+                  const int64_t* targets, const std::string& what, int64_t step, bool digest,
+                  FrameTables& out, std::vector<bool>* changed = nullptr);
+
 // Broadcast plans: one apply item of an engine template as the digest sees
 // it: the part `hf_box` of the row-major view `view_box` packed at
 // `offset` of the bucket.
@@ -125,7 +142,8 @@ std::vector<ReadBox> template_reads(const Plan& plan, int32_t bucket, int engine
 uint64_t reads_digest(const std::vector<ReadBox>& reads, const char* packed, int64_t step);
 
 // The digest of a bucket of `step` whose item i holds the bytes at
-// `data[i]`: the fold of each item's checksum64 (seed fragment_seed(step, i)).
+// `data[i]`: the fold of each item's delta::digest (seed fragment_seed(step,
+// i)), the sum of its chunks' checksum64.
 uint64_t frame_digest(const std::vector<FrameItem>& items, const char* const* data, int64_t step);
 
 }  // namespace weightsync::pipeline

@@ -1,9 +1,9 @@
 // The delta codec (core/delta.h): every element size, sparse and clustered
 // and total changes, chunk edges, the kinds it picks, its size bound, and
-// malformed encodings refused without a byte of the target changed.
+// malformed encodings refused without a byte of the target changed; the
+// tables a GPU applies encodings with, run on the host as the kernel runs
+// them, against apply().
 #include "core/delta.h"
-
-#include "core/checksum_stream.h"
 
 #include <weightsync/checksum.h>
 
@@ -53,16 +53,38 @@ RoundTrip round_trip(const Bytes& old, const Bytes& next, int e) {
   Bytes out(static_cast<size_t>(max_encoded_bytes(elements, e)));
   RoundTrip r;
   // Both sides hash as they go: the new bytes, chunk by chunk.
-  Checksum64Stream sent(5, next.size()), applied(5, next.size());
+  Digest sent{5}, applied{5};
   r.bytes = encode(next.data(), base.data(), elements, e, out.data(), &r.stats, &sent);
-  EXPECT_EQ(sent.finish(), checksum64(next.data(), next.size(), 5));
+  const uint64_t want = digest(next.data(), elements, e, 5);
+  EXPECT_EQ(sent.sum, want);
   EXPECT_LE(r.bytes, static_cast<int64_t>(out.size()));
   EXPECT_EQ(r.bytes, r.stats.bytes);
   EXPECT_EQ(base, next) << "the sender's base must equal what it sent";
   Bytes target = old;
   apply(out.data(), r.bytes, target.data(), elements, e, "test item", &applied);
   EXPECT_EQ(target, next);
-  EXPECT_EQ(applied.finish(), checksum64(next.data(), next.size(), 5));
+  EXPECT_EQ(applied.sum, want);
+
+  // The GPU's way: tables from the encoding at byte 13 of a frame, for a
+  // target at byte 8 * e of its memory, run as the kernel runs them.
+  Bytes frame(static_cast<size_t>(13 + r.bytes));
+  std::copy(out.begin(), out.begin() + r.bytes, frame.begin() + 13);
+  Bytes memory(static_cast<size_t>(8 * e), 0xee);
+  memory.insert(memory.end(), old.begin(), old.end());
+  std::vector<PatchChunk> patch;
+  std::vector<HashChunk> hash;
+  const bool any =
+      patch_table(frame.data() + 13, r.bytes, elements, e, "test item", 13, 8 * e, patch);
+  EXPECT_EQ(any, old != next);
+  EXPECT_EQ(any, r.bytes != unchanged_bytes(elements));
+  hash_table(elements, e, 5, 8 * e, hash);
+  EXPECT_EQ(hash.size(), static_cast<size_t>((elements + kChunkElements - 1) / kChunkElements));
+  execute_patch_host(patch, reinterpret_cast<const char*>(frame.data()),
+                     reinterpret_cast<char*>(memory.data()));
+  EXPECT_EQ(Bytes(memory.begin() + 8 * e, memory.end()), next);
+  EXPECT_EQ(Bytes(memory.begin(), memory.begin() + 8 * e), Bytes(static_cast<size_t>(8 * e), 0xee))
+      << "the patch wrote before its target";
+  EXPECT_EQ(execute_hash_host(hash, reinterpret_cast<const char*>(memory.data())), want);
   return r;
 }
 
@@ -196,6 +218,17 @@ TEST(Delta, MalformedEncodingsAreRefusedAndChangeNothing) {
       EXPECT_NE(msg.find(needle), std::string::npos) << what << ": " << msg;
     }
     EXPECT_EQ(target, old) << what << ": the target changed";
+    // The GPU's tables are refused alike, and none is made.
+    std::vector<PatchChunk> patch;
+    try {
+      patch_table(enc.data(), static_cast<int64_t>(enc.size()), elements, e,
+                  "engine rank 3: param 'w'", 0, 0, patch);
+      ADD_FAILURE() << what << ": tables made";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), Errc::format) << what;
+      EXPECT_NE(std::string(err.what()).find(needle), std::string::npos) << what;
+    }
+    EXPECT_TRUE(patch.empty()) << what;
   };
   // The first chunk's record: a list of k indices.
   ASSERT_EQ(good[1] >> 6, static_cast<int>(ChunkKind::list));
@@ -219,6 +252,32 @@ TEST(Delta, MalformedEncodingsAreRefusedAndChangeNothing) {
   counted[1] = static_cast<uint8_t>(3 << 6);
   expect_refused(counted, "count 1", "a dense record with a count");
   expect_refused(Bytes{}, "before its record", "nothing at all");
+}
+
+// The digest sums its chunks' checksums, each with a seed of its own: a
+// changed byte in any chunk, chunks swapped, or another seed changes it.
+TEST(Delta, DigestSumsItsChunksEachWithItsOwnSeed) {
+  const int e = 2;
+  const int64_t elements = 3 * kChunkElements + 100;
+  const Bytes data = random_bytes(static_cast<size_t>(elements * e), 31);
+  const uint64_t d = digest(data.data(), elements, e, 77);
+  uint64_t sum = 0;
+  for (int64_t c = 0; c * kChunkElements < elements; ++c) {
+    const int64_t n = std::min(kChunkElements, elements - c * kChunkElements);
+    sum += checksum64(data.data() + c * kChunkElements * e, static_cast<size_t>(n * e),
+                      chunk_seed(77, c));
+  }
+  EXPECT_EQ(d, sum);
+  EXPECT_NE(digest(data.data(), elements, e, 78), d);
+  for (int64_t c = 0; c < 4; ++c) {
+    Bytes one = data;
+    one[static_cast<size_t>(std::min(c * kChunkElements * e + 5, elements * e - 1))] ^= 1;
+    EXPECT_NE(digest(one.data(), elements, e, 77), d) << "chunk " << c;
+  }
+  Bytes swapped = data;
+  std::swap_ranges(swapped.begin(), swapped.begin() + kChunkElements * e,
+                   swapped.begin() + kChunkElements * e);
+  EXPECT_NE(digest(swapped.data(), elements, e, 77), d);
 }
 
 TEST(Delta, RefusesElementSizesItDoesNotKnow) {

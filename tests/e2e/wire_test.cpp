@@ -155,6 +155,14 @@ TEST(Wire, DeltaFramesSayWhichItemsChanged) {
     pipeline::apply_frame(items, frame.data(), n, targets.data(), "bucket 1", 3, nullptr, &changed);
     EXPECT_EQ(target, next);
     EXPECT_EQ(changed, expected) << "from item " << pick;
+    // The GPU's tables say the same.
+    std::vector<int64_t> offsets;
+    for (const auto& f : items) offsets.push_back(f.offset);
+    pipeline::FrameTables tables;
+    std::vector<bool> table_changed;
+    pipeline::frame_tables(items, frame.data(), n, offsets.data(), "bucket 1", 3, false, tables,
+                           &table_changed);
+    EXPECT_EQ(table_changed, expected) << "from item " << pick;
   }
 }
 
@@ -207,6 +215,19 @@ TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
   EXPECT_EQ(target, next);
   EXPECT_EQ(applied_digest, sent_digest) << "the patched bytes hash as the sender's";
 
+  // The GPU's way (tables built and checked here, run as the kernels run
+  // them): the same bytes and the same digest. Targets are offsets into
+  // the bucket, as the subscriber gives device addresses.
+  std::vector<int64_t> offsets;
+  for (const auto& f : items) offsets.push_back(f.offset);
+  pipeline::FrameTables tables;
+  pipeline::frame_tables(items, frame.data(), n, offsets.data(), "bucket 1", 9, true, tables);
+  EXPECT_FALSE(tables.patch.empty());
+  std::vector<char> on_device = old;
+  delta::execute_patch_host(tables.patch, frame.data(), on_device.data());
+  EXPECT_EQ(on_device, next);
+  EXPECT_EQ(delta::execute_hash_host(tables.hash, on_device.data()), sent_digest);
+
   auto refused = [&](const std::vector<char>& f, int64_t bytes, const std::string& says) {
     std::vector<char> t = old;
     try {
@@ -219,6 +240,17 @@ TEST(Wire, DeltaFramesRoundTripAndRefuseDamage) {
       EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
     }
     EXPECT_EQ(t, old) << says << ": the frame is checked before anything is written";
+    std::vector<int64_t> offsets;
+    for (const auto& it : items) offsets.push_back(it.offset);
+    pipeline::FrameTables tables;
+    try {
+      pipeline::frame_tables(items, f.data(), bytes, offsets.data(), "bucket 1 from trainer rank 0",
+                             0, true, tables);
+      ADD_FAILURE() << "tables for a frame that should say: " << says;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::format);
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
   };
   refused(frame, pipeline::kFrameHeaderBytes + 4, "cannot hold the table");
   std::vector<char> lying = frame;

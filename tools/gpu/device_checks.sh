@@ -11,8 +11,9 @@
 # (bench fp8 --device cuda), ctest (every test labelled gpu), pytest (the
 # Python suites' CUDA cases, from the package assembled out of this build;
 # pydiag, on request: the extension imported alone and after PyTorch), copy
-# (bench copy --device cuda), sync (bench --device cuda, with FP8 engines and
-# plain). Each section's output goes to $OUT/<section>.log (OUT: the device
+# (bench copy --device cuda), delta (bench delta --device cuda: the delta
+# patch and hash kernels against a D2D copy; a delta sync into CUDA params),
+# sync (bench --device cuda, with FP8 engines and plain). Each section's output goes to $OUT/<section>.log (OUT: the device
 # tool's folder; else ./gpu-out) and its tail to stdout. GPU_DEADLINE (epoch
 # seconds) bounds the whole: a section that cannot start 30 s before it is
 # skipped, and each one is cut at it.
@@ -91,6 +92,15 @@ copy_section() {
   tail -n 8 "$out/copy.log"
 }
 
+delta_section() {
+  section delta 60 ./bin/weightsync bench delta --device cuda --mib 1024
+  section delta 60 ./bin/weightsync bench delta --device cuda --mib 1024 --update random:1.0
+  section delta 60 ./bin/weightsync bench delta --device cuda --mib 1024 --dtype fp8
+  section delta 150 ./bin/weightsync bench --device cuda --transport ucx --delta \
+    --update random:0.02 --size-gb 2 --steps 3 --no-peer
+  grep -vE "^\s*$" "$out/delta.log" | tail -n 30
+}
+
 sync_section() {
   section sync 120 ./bin/weightsync bench --device cuda --fp8 --size-gb 2 --steps 3 --no-peer
   section sync 200 ./bin/weightsync bench --device cuda --size-gb 8 --steps 3
@@ -99,10 +109,10 @@ sync_section() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(fp8 ctest pytest copy sync)
+[ ${#sections[@]} -gt 0 ] || sections=(fp8 ctest pytest copy delta sync)
 for s in "${sections[@]}"; do
   case "$s" in
-    ctest | fp8 | pydiag | pytest | copy | sync) "${s}_section" ;;
+    ctest | fp8 | pydiag | pytest | copy | delta | sync) "${s}_section" ;;
     *) echo "unknown section '$s'" >&2 ;;
   esac
 done

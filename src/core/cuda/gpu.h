@@ -7,6 +7,7 @@
 #pragma once
 
 #include "core/copy_program.h"
+#include "core/delta_tables.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -167,6 +168,36 @@ class DeviceQuant {
   Memory table_;
   std::size_t parts_offset_ = 0, blocks_offset_ = 0;  // bytes into table_
   unsigned num_blocks_ = 0;
+};
+
+// Applies delta frames to device memory: the frame and its tables (built
+// and checked on the CPU: pipeline::frame_tables, core/delta.h) uploaded,
+// one kernel patching the targets, one hashing them (cuda/delta_kernel.cu).
+// Its device buffers grow to the largest frame and tables it was given.
+class DeltaPatcher {
+ public:
+  DeltaPatcher() = default;
+  explicit DeltaPatcher(int device);
+  DeltaPatcher(DeltaPatcher&&) noexcept = default;
+  DeltaPatcher& operator=(DeltaPatcher&&) noexcept = default;
+
+  // Queues on `stream`: the upload of `frame_bytes` bytes at `frame` (host
+  // memory, read before this returns or by the stream's copy) and of the
+  // tables, the patch of the memory at target_base + chunk.dst, and the
+  // hash of the `hash` chunks. Call between a stream's runs only: a run
+  // reuses the buffers of the one before.
+  void run(const Stream& stream, const char* frame, std::size_t frame_bytes,
+           const std::vector<delta::PatchChunk>& patch, const std::vector<delta::HashChunk>& hash,
+           std::uintptr_t target_base);
+  // The digest sum of the last run's hash chunks: waits for `stream`.
+  uint64_t digest(const Stream& stream) const;
+
+ private:
+  int device_ = -1;
+  unsigned blocks_ = 0;
+  Memory frame_, patch_, hash_;
+  Memory sum_;       // the device's sum
+  Memory sum_host_;  // pinned, where it lands
 };
 
 // Runs `program` once, after the work queued so far on `after_stream` (a

@@ -4,6 +4,7 @@
 #include <weightsync/error.h>
 
 #include "core/cuda/copy_kernel.h"
+#include "core/cuda/delta_kernel.h"
 #include "core/cuda/quant_kernel.h"
 #include "core/fp8.h"
 
@@ -440,6 +441,67 @@ void DeviceQuant::launch(const Stream& stream, std::uintptr_t src_base,
             reinterpret_cast<const kernel::QuantBlock*>(table_.data() + blocks_offset_),
             num_blocks_, src_base, dst_base, stream_of(stream)),
         "launching the FP8 quantize kernel");
+}
+
+DeltaPatcher::DeltaPatcher(int device)
+    : device_(device),
+      sum_(sizeof(uint64_t), MemoryPlace::device, device),
+      sum_host_(sizeof(uint64_t), MemoryPlace::pinned, device) {
+  DeviceScope scope(device);
+  check(kernel::max_resident_blocks(device, &blocks_), "sizing the delta patch grid");
+}
+
+namespace {
+
+// `m` holds at least `bytes` (its contents are not kept).
+void reserve(Memory& m, std::size_t bytes, int device) {
+  if (m.bytes() < bytes) m = Memory(std::max(bytes, m.bytes() * 2), MemoryPlace::device, device);
+}
+
+}  // namespace
+
+void DeltaPatcher::run(const Stream& stream, const char* frame, std::size_t frame_bytes,
+                       const std::vector<delta::PatchChunk>& patch,
+                       const std::vector<delta::HashChunk>& hash, std::uintptr_t target_base) {
+  if (device_ < 0) fail(Errc::internal, "DeltaPatcher: run before it was made for a device");
+  DeviceScope scope(device_);
+  // A buffer the stream's last run may still read is replaced only once it is done.
+  const std::size_t patch_bytes = patch.size() * sizeof(delta::PatchChunk);
+  const std::size_t hash_bytes = hash.size() * sizeof(delta::HashChunk);
+  if (frame_.bytes() < frame_bytes || patch_.bytes() < patch_bytes || hash_.bytes() < hash_bytes)
+    stream.synchronize();
+  reserve(frame_, frame_bytes, device_);
+  reserve(patch_, patch_bytes, device_);
+  reserve(hash_, hash_bytes, device_);
+  const cudaStream_t s = stream_of(stream);
+  if (frame_bytes > 0)
+    check(cudaMemcpyAsync(frame_.data(), frame, frame_bytes, cudaMemcpyHostToDevice, s),
+          "uploading a delta frame");
+  if (patch_bytes > 0)
+    check(cudaMemcpyAsync(patch_.data(), patch.data(), patch_bytes, cudaMemcpyHostToDevice, s),
+          "uploading a delta patch table");
+  if (hash_bytes > 0)
+    check(cudaMemcpyAsync(hash_.data(), hash.data(), hash_bytes, cudaMemcpyHostToDevice, s),
+          "uploading a delta hash table");
+  check(cudaMemsetAsync(sum_.data(), 0, sizeof(uint64_t), s), "clearing the delta digest");
+  check(kernel::launch_delta_patch(reinterpret_cast<const delta::PatchChunk*>(patch_.data()),
+                                   static_cast<unsigned>(patch.size()),
+                                   reinterpret_cast<std::uintptr_t>(frame_.data()), target_base,
+                                   blocks_, s),
+        "launching the delta patch kernel");
+  check(kernel::launch_delta_hash(reinterpret_cast<const delta::HashChunk*>(hash_.data()),
+                                  static_cast<unsigned>(hash.size()), target_base,
+                                  reinterpret_cast<unsigned long long*>(sum_.data()), s),
+        "launching the delta hash kernel");
+  check(cudaMemcpyAsync(sum_host_.data(), sum_.data(), sizeof(uint64_t), cudaMemcpyDeviceToHost, s),
+        "reading the delta digest");
+}
+
+uint64_t DeltaPatcher::digest(const Stream& stream) const {
+  stream.synchronize();
+  uint64_t v = 0;
+  std::memcpy(&v, sum_host_.data(), sizeof v);
+  return v;
 }
 
 }  // namespace weightsync::gpu

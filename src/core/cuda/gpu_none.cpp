@@ -111,4 +111,16 @@ void DeviceQuant::launch(const Stream&, std::uintptr_t, std::uintptr_t) const {
   no_cuda("DeviceQuant::launch");
 }
 
+DeltaPatcher::DeltaPatcher(int) {
+  no_cuda("delta frames applied on the GPU");
+}
+void DeltaPatcher::run(const Stream&, const char*, std::size_t,
+                       const std::vector<delta::PatchChunk>&, const std::vector<delta::HashChunk>&,
+                       std::uintptr_t) {
+  no_cuda("delta frames applied on the GPU");
+}
+uint64_t DeltaPatcher::digest(const Stream&) const {
+  no_cuda("delta frames applied on the GPU");
+}
+
 }  // namespace weightsync::gpu
