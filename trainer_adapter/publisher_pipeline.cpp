@@ -63,24 +63,20 @@ bool base_takes_whole(DeltaBase& d, int64_t step, bool base_is_next) {
   return keep && !base_is_next;
 }
 
-// What a p2p bucket packs, item by item: buckets with equal keys pack equal
-// bytes (delta sync's twins, DeltaBase).
-std::vector<int64_t> packing_key(const Plan& plan, int32_t bucket) {
-  std::vector<int64_t> key{plan.buckets()[static_cast<size_t>(bucket)].bytes};
+// What a p2p bucket packs, item by item (the bucket's bytes, then each
+// item's Copy appended): buckets with equal keys pack equal bytes (delta
+// sync's twins, DeltaBase).
+void add_to_packing_key(std::vector<int64_t>& key, const Copy& c) {
   auto add_box = [&](const Box& b) {
     key.push_back(static_cast<int64_t>(b.rank()));
     key.insert(key.end(), b.offsets.begin(), b.offsets.end());
     key.insert(key.end(), b.lengths.begin(), b.lengths.end());
   };
-  for (const PlanItem& item : plan.items(bucket)) {
-    const Copy c = plan.resolve(item);
-    key.insert(key.end(), {c.src_param, c.transpose, c.offset, static_cast<int64_t>(c.dtype),
-                           c.bytes, c.fp8, static_cast<int64_t>(c.fp8_format)});
-    add_box(c.src_box);
-    add_box(c.hf_box);
-    add_box(c.view_box);
-  }
-  return key;
+  key.insert(key.end(), {c.src_param, c.transpose, c.offset, static_cast<int64_t>(c.dtype), c.bytes,
+                         c.fp8, static_cast<int64_t>(c.fp8_format)});
+  add_box(c.src_box);
+  add_box(c.hf_box);
+  add_box(c.view_box);
 }
 
 using pipeline::add_pack;
@@ -167,8 +163,10 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
     if (a.kind == SendAction::Kind::p2p && wire_.delta) {
       // One frame a bucket, its items packed behind the frame's header;
       // those that lie in place are diffed from there.
+      std::vector<int64_t> key{a.bytes};
       for (const PlanItem& item : plan.items(a.bucket)) {
         const Copy c = plan.resolve(item);
+        add_to_packing_key(key, c);
         const TensorView& tensor = tensors.at(static_cast<size_t>(c.src_param));
         const char* in_place =
             !c.fp8 && same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths)
@@ -182,7 +180,7 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
       }
       a.items = pipeline::frame_items(plan, a.bucket);
       // Twins share a base: one per bucket that packs other bytes.
-      auto [twin, added] = twins.try_emplace(packing_key(plan, a.bucket), bases_.size());
+      auto [twin, added] = twins.try_emplace(std::move(key), bases_.size());
       if (added) bases_.emplace_back();
       a.delta_base = static_cast<int>(twin->second);
       bases_[twin->second].engines.push_back(a.dst_engine);
@@ -404,14 +402,12 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
     if (!d.delta) take = base_takes_whole(d, step, base_is_next);
   } else {
     --d.left;
-    if (d.delta && holds(a.dst_engine, d.frame_base)) {
-      // A twin encoded this step's delta: the same frame goes here.
-      std::memcpy(slot.frame.data, d.frame.data(), d.frame.size());
-      const auto bytes = static_cast<int64_t>(d.frame.size());
-      if (d.left <= 0) std::vector<char>().swap(d.frame);
-      return send_frame(slot.frame, bytes, true);
-    }
-    if (d.left <= 0) std::vector<char>().swap(d.frame);
+    // A twin encoded this step's delta: the same frame goes here.
+    const bool same_frame = d.delta && holds(a.dst_engine, d.frame_base);
+    const auto bytes = static_cast<int64_t>(d.frame.size());
+    if (same_frame) std::memcpy(slot.frame.data, d.frame.data(), d.frame.size());
+    if (d.left <= 0) std::vector<char>().swap(d.frame);  // the last twin took it
+    if (same_frame) return send_frame(slot.frame, bytes, true);
   }
   // The whole bytes: to an engine rank without the base, or for every twin.
   pipeline::FrameHeader h;
