@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace weightsync {
 namespace {
@@ -150,6 +151,17 @@ int64_t task_chunk_bytes(int64_t bytes, unsigned blocks) {
   return std::clamp((per_task + 15) / 16 * 16, kMin, kMax);
 }
 
+uint32_t transpose_tile_kind(const CopyRun& run) {
+  // Tiles pay where a row is one element and both dims are long enough to
+  // fill a warp's reads and writes.
+  if (run.bytes != static_cast<int64_t>(run_vector_bytes(run)) || run.count[0] < 4 ||
+      run.count[1] < 4)
+    return 0;
+  if (run.src_stride[0] == run.bytes && run.dst_stride[1] == run.bytes) return 1;
+  if (run.src_stride[1] == run.bytes && run.dst_stride[0] == run.bytes) return 2;
+  return 0;
+}
+
 std::vector<CopyTask> copy_tasks(const CopyProgram& program, int64_t chunk_bytes) {
   if (chunk_bytes < 16 || chunk_bytes % 16 != 0 || chunk_bytes > (int64_t{1} << 30))
     fail(Errc::invalid_argument, "copy tasks: chunk of ", chunk_bytes,
@@ -162,6 +174,20 @@ std::vector<CopyTask> copy_tasks(const CopyProgram& program, int64_t chunk_bytes
     t.run = static_cast<uint32_t>(i);
     t.vec = run_vector_bytes(r);
     const int64_t rows = r.rows();
+    if (const uint32_t tile = transpose_tile_kind(r)) {
+      t.tile = tile;
+      t.offset = 0;
+      t.vecs_per_row = 1;
+      for (int64_t i2 = 0; i2 < r.count[2]; ++i2)
+        for (int64_t i1 = 0; i1 < r.count[1]; i1 += kTileElements)
+          for (int64_t i0 = 0; i0 < r.count[0]; i0 += kTileElements) {
+            t.row = i0 + r.count[0] * (i1 + r.count[1] * i2);
+            t.rows = static_cast<uint32_t>(std::min(kTileElements, r.count[0] - i0) *
+                                           std::min(kTileElements, r.count[1] - i1));
+            tasks.push_back(t);
+          }
+      continue;
+    }
     if (r.bytes >= chunk_bytes) {
       // Each row in pieces of chunk_bytes (a multiple of every vec).
       for (int64_t row = 0; row < rows; ++row)
@@ -186,11 +212,58 @@ std::vector<CopyTask> copy_tasks(const CopyProgram& program, int64_t chunk_bytes
   return tasks;
 }
 
+namespace {
+
+// A tile task as copy_device.cuh runs it: its 256 threads as 32 lanes x 8
+// rows, the tile through a buffer of kTileElements rows of
+// kTileElements + 1 elements; each lane's load, then each lane's store.
+void execute_tile_host(const CopyRun& r, const CopyTask& t, std::uintptr_t src_base,
+                       std::uintptr_t dst_base) {
+  constexpr int64_t T = kTileElements, kLanes = 32, kRows = 8;
+  const int64_t i0s = t.row % r.count[0], rest = t.row / r.count[0];
+  const int64_t i1s = rest % r.count[1], i2 = rest / r.count[1];
+  const int64_t n0 = std::min(T, r.count[0] - i0s), n1 = std::min(T, r.count[1] - i1s);
+  const auto e = static_cast<size_t>(t.vec);
+  std::vector<unsigned char> tile(static_cast<size_t>(T * (T + 1)) * e);
+  auto src = [&](int64_t i0, int64_t i1) {
+    return reinterpret_cast<const char*>(
+        src_base + static_cast<std::uintptr_t>(r.src + i0 * r.src_stride[0] + i1 * r.src_stride[1] +
+                                               i2 * r.src_stride[2]));
+  };
+  auto dst = [&](int64_t i0, int64_t i1) {
+    return reinterpret_cast<char*>(
+        dst_base + static_cast<std::uintptr_t>(r.dst + i0 * r.dst_stride[0] + i1 * r.dst_stride[1] +
+                                               i2 * r.dst_stride[2]));
+  };
+  auto cell = [&](int64_t a, int64_t b) { return tile.data() + (a * (T + 1) + b) * e; };
+  // Loads: lanes along the source's contiguous dim.
+  const int64_t load_rows = t.tile == 1 ? n1 : n0, load_lanes = t.tile == 1 ? n0 : n1;
+  for (int64_t ty = 0; ty < kRows; ++ty)
+    for (int64_t tx = 0; tx < kLanes; ++tx)
+      for (int64_t y = ty; y < load_rows; y += kRows)
+        if (tx < load_lanes)
+          std::memcpy(cell(y, tx), t.tile == 1 ? src(i0s + tx, i1s + y) : src(i0s + y, i1s + tx),
+                      e);
+  // Stores: lanes along the destination's contiguous dim.
+  for (int64_t ty = 0; ty < kRows; ++ty)
+    for (int64_t tx = 0; tx < kLanes; ++tx)
+      for (int64_t y = ty; y < load_lanes; y += kRows)
+        if (tx < load_rows)
+          std::memcpy(t.tile == 1 ? dst(i0s + y, i1s + tx) : dst(i0s + tx, i1s + y), cell(tx, y),
+                      e);
+}
+
+}  // namespace
+
 void execute_tasks_host(const CopyProgram& program, const std::vector<CopyTask>& tasks,
                         std::uintptr_t src_base, std::uintptr_t dst_base) {
   // The kernel's arithmetic (cuda/copy_kernel.cu), one "thread" at a time.
   for (const CopyTask& t : tasks) {
     const CopyRun& r = program.runs().at(t.run);
+    if (t.tile != 0) {
+      execute_tile_host(r, t, src_base, dst_base);
+      continue;
+    }
     const uint32_t n = t.rows * t.vecs_per_row;
     for (uint32_t j = 0; j < n; ++j) {
       const uint32_t row_in_task = j / t.vecs_per_row;

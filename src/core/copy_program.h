@@ -75,14 +75,28 @@ void execute_host(const CopyProgram& program, std::uintptr_t src_base, std::uint
 // are cut into several single-row tasks, small ones grouped, so that every
 // task moves about `chunk_bytes`: many small pieces and a few huge ones keep
 // the whole grid busy in one launch.
+//
+// A transpose (rows of one vector each, adjacent along dim 0 on one side and
+// along dim 1 on the other) is cut into tiles instead: a tile task (`tile`
+// 1: the source is contiguous along dim 0, the destination along dim 1; 2:
+// the other way) moves the kTileElements x kTileElements rows (fewer at the
+// edges) from i0, i1 on, at i2 (`row` = i0 + count0 * (i1 + count1 * i2)),
+// through shared memory so that both its reads and its writes are
+// coalesced; `rows` is its element count, vecs_per_row 1, vec the element.
 struct CopyTask {
   uint32_t run = 0;
   uint32_t vec = 1;   // 16, 8, 4, 2 or 1: the widest access every address allows
   uint32_t rows = 1;  // rows * (bytes / vec) < 2^32
   uint32_t vecs_per_row = 0;
+  uint32_t tile = 0;  // 0: rows; 1 or 2: a transpose tile (above)
   int64_t row = 0;
   int64_t offset = 0;
 };
+
+inline constexpr int64_t kTileElements = 32;
+
+// 1 or 2 when `run` is a transpose cut into tiles (CopyTask::tile), else 0.
+uint32_t transpose_tile_kind(const CopyRun& run);
 
 inline constexpr int64_t kDefaultChunkBytes = int64_t{64} << 10;
 

@@ -59,6 +59,11 @@ TEST(CopyProgram, TasksRunTheSameBytesAsTheProgram) {
       moved += int64_t{t.rows} * t.vecs_per_row * t.vec;
       const CopyRun& r = p.runs()[t.run];
       ASSERT_EQ(r.bytes % t.vec, 0);
+      if (t.tile != 0) {  // a transpose tile: one element a row
+        ASSERT_EQ(r.bytes, t.vec);
+        ASSERT_LE(int64_t{t.rows}, kTileElements * kTileElements);
+        continue;
+      }
       ASSERT_LE(int64_t{t.rows} * t.vecs_per_row * t.vec, std::max<int64_t>(chunk, r.bytes));
     }
     EXPECT_EQ(moved, p.bytes()) << "every byte in exactly one task";
@@ -89,6 +94,59 @@ TEST(CopyProgram, DenseBlockIsOneRunAndTransposeIsElementRuns) {
   ASSERT_EQ(t.size(), 1u);
   EXPECT_EQ(t.runs()[0].bytes, 2);
   EXPECT_EQ(t.runs()[0].rows(), 15);
+}
+
+// A transpose is cut into tiles (the kernel moves each through shared
+// memory, reading and writing along each side's contiguous dim): either
+// side contiguous along dim 0, ragged edges, a third dim, every element
+// size; the tiles move every byte once, as the program does.
+TEST(CopyProgram, TransposesAreCutIntoTilesThatMoveEveryByteOnce) {
+  struct Case {
+    Shape lengths, src_strides, dst_strides;
+    bool tiles;
+  };
+  const Case cases[] = {
+      {{70, 45}, {1, 70}, {45, 1}, true},                   // ragged edges
+      {{45, 70}, {70, 1}, {1, 45}, true},                   // the dims the other way
+      {{3, 33, 100}, {3300, 1, 33}, {3300, 100, 1}, true},  // a batch of transposes
+      {{64, 64}, {1, 64}, {64, 1}, true},                   // whole tiles only
+      {{5, 3}, {1, 5}, {3, 1}, false},                      // too small for tiles: rows
+  };
+  for (const Case& c : cases) {
+    for (size_t e : {1, 2, 4, 8, 16}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "lengths " << c.lengths[0] << "x" << c.lengths[1] << ", element " << e);
+      CopyProgram p;
+      p.add(0, c.src_strides, 0, c.dst_strides, c.lengths, e);
+      int64_t n = 1;
+      for (int64_t l : c.lengths) n *= l;
+      std::vector<unsigned char> src(static_cast<size_t>(n) * e), want(src.size()),
+          got(src.size(), 0);
+      for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+      execute_host(p, addr(src.data()), addr(want.data()));
+      const auto tasks = copy_tasks(p, 4096);
+      int64_t tiles = 0, moved = 0;
+      for (const CopyTask& t : tasks) {
+        tiles += t.tile != 0;
+        moved += int64_t{t.rows} * t.vecs_per_row * t.vec;
+      }
+      EXPECT_EQ(moved, p.bytes());
+      execute_tasks_host(p, tasks, addr(src.data()), addr(got.data()));
+      EXPECT_EQ(got, want);
+      ASSERT_EQ(p.size(), 1u);
+      const CopyRun& r = p.runs()[0];
+      const int64_t batch = c.lengths.size() == 3 ? c.lengths[0] : 1;
+      const int64_t rows = c.lengths[c.lengths.size() - 2], cols = c.lengths.back();
+      if (c.tiles) {
+        EXPECT_NE(transpose_tile_kind(r), 0u);
+        EXPECT_EQ(tiles, batch * ((rows + 31) / 32) * ((cols + 31) / 32));
+        EXPECT_EQ(tiles, static_cast<int64_t>(tasks.size()));
+      } else {
+        EXPECT_EQ(transpose_tile_kind(r), 0u);
+        EXPECT_EQ(tiles, 0);
+      }
+    }
+  }
 }
 
 TEST(CopyProgram, MoreOuterDimsThanARunHoldsBecomeSeveralRuns) {

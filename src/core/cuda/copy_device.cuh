@@ -48,9 +48,47 @@ __device__ __forceinline__ void copy_row(const char* src, char* dst, unsigned n)
   for (; j < n; j += kThreads) d[j] = s[j];
 }
 
+constexpr unsigned kTile = 32;  // kTileElements (copy_program.h)
+constexpr unsigned kTileRows = kThreads / kTile;
+
+// A transpose tile (CopyTask::tile): the threads as kTile lanes x kTileRows
+// rows load it with lanes along the source's contiguous dim into `tile`
+// (kTile rows of kTile + 1 elements: no bank conflicts on the way out),
+// then store it with lanes along the destination's, so that a warp reads
+// and writes consecutive elements. execute_tasks_host runs the same loops.
+template <class T>
+__device__ void run_tile(const Run& r, const Task& t, std::uintptr_t src_base,
+                         std::uintptr_t dst_base, T* tile) {
+  const long long i0s = t.row % r.count0, rest = t.row / r.count0;
+  const long long i1s = rest % r.count1, i2 = rest / r.count1;
+  const long long n0 = min(static_cast<long long>(kTile), r.count0 - i0s);
+  const long long n1 = min(static_cast<long long>(kTile), r.count1 - i1s);
+  const long long src0 =
+      r.src + i0s * r.src_stride[0] + i1s * r.src_stride[1] + i2 * r.src_stride[2];
+  const long long dst0 =
+      r.dst + i0s * r.dst_stride[0] + i1s * r.dst_stride[1] + i2 * r.dst_stride[2];
+  const unsigned tx = threadIdx.x % kTile, ty = threadIdx.x / kTile;
+  const bool src_along_0 = t.tile == 1;
+  const long long load_rows = src_along_0 ? n1 : n0, load_lanes = src_along_0 ? n0 : n1;
+  if (tx < load_lanes)
+    for (long long y = ty; y < load_rows; y += kTileRows) {
+      const long long i0 = src_along_0 ? tx : y, i1 = src_along_0 ? y : tx;
+      tile[y * (kTile + 1) + tx] = *reinterpret_cast<const T*>(
+          src_base + src0 + i0 * r.src_stride[0] + i1 * r.src_stride[1]);
+    }
+  __syncthreads();
+  if (tx < load_rows)
+    for (long long y = ty; y < load_lanes; y += kTileRows) {
+      const long long i0 = src_along_0 ? y : tx, i1 = src_along_0 ? tx : y;
+      *reinterpret_cast<T*>(dst_base + dst0 + i0 * r.dst_stride[0] + i1 * r.dst_stride[1]) =
+          tile[tx * (kTile + 1) + y];
+    }
+}
+
 template <class T>
 __device__ void run_task(const Run& r, const Task& t, std::uintptr_t src_base,
-                         std::uintptr_t dst_base) {
+                         std::uintptr_t dst_base, void* tile) {
+  if (t.tile != 0) return run_tile<T>(r, t, src_base, dst_base, static_cast<T*>(tile));
   if (t.rows == 1) {
     const RowStart at = row_start(r, t.row);
     copy_row<T>(reinterpret_cast<const char*>(src_base + at.src + t.offset),
@@ -77,6 +115,7 @@ __device__ __forceinline__ void run_tasks(const Run* __restrict__ runs,
                                           std::uintptr_t dst_base) {
   __shared__ Task task;
   __shared__ Run run;
+  __shared__ V16 tile[kTile * (kTile + 1)];  // a transpose tile's elements (run_tile)
   for (unsigned i = first; i < num_tasks; i += stride) {
     if (threadIdx.x == 0) {
       task = tasks[i];
@@ -85,19 +124,19 @@ __device__ __forceinline__ void run_tasks(const Run* __restrict__ runs,
     __syncthreads();
     switch (task.vec) {  // uniform across the block: no divergence
       case 16:
-        run_task<V16>(run, task, src_base, dst_base);
+        run_task<V16>(run, task, src_base, dst_base, tile);
         break;
       case 8:
-        run_task<unsigned long long>(run, task, src_base, dst_base);
+        run_task<unsigned long long>(run, task, src_base, dst_base, tile);
         break;
       case 4:
-        run_task<unsigned>(run, task, src_base, dst_base);
+        run_task<unsigned>(run, task, src_base, dst_base, tile);
         break;
       case 2:
-        run_task<unsigned short>(run, task, src_base, dst_base);
+        run_task<unsigned short>(run, task, src_base, dst_base, tile);
         break;
       default:
-        run_task<unsigned char>(run, task, src_base, dst_base);
+        run_task<unsigned char>(run, task, src_base, dst_base, tile);
     }
     __syncthreads();  // the next task overwrites the shared copies
   }

@@ -16,7 +16,7 @@ struct Run {
 };
 
 struct Task {
-  unsigned run, vec, rows, vecs_per_row;
+  unsigned run, vec, rows, vecs_per_row, tile;  // tile: CopyTask::tile
   long long row, offset;
 };
 

@@ -83,7 +83,7 @@ kernel::Run device_run(const CopyRun& r) {
 }
 
 kernel::Task device_task(const CopyTask& t) {
-  return {t.run, t.vec, t.rows, t.vecs_per_row, t.row, t.offset};
+  return {t.run, t.vec, t.rows, t.vecs_per_row, t.tile, t.row, t.offset};
 }
 
 unsigned grid_bound(int device) {
