@@ -47,6 +47,14 @@ inline constexpr int kProtocolVersion = 1;
 // right at the deadline (an engine that timed out, acked, and was failed)
 // still reaches every rank, instead of each giving up just before it.
 inline constexpr Millis kDecisionGrace{2000};
+// The coordinator fails a rank that has not reported (an engine's ack, a
+// trainer's "sent") at its step timeout plus this grace: a rank counts its
+// own deadline from when it heard of the step, a moment after the
+// coordinator opened it, so the failure it reports at that deadline, which
+// names what it waited for, must still reach the decision. Below
+// kDecisionGrace, so that every rank still hears the decision.
+inline constexpr Millis kReportGrace{1000};
+static_assert(kReportGrace < kDecisionGrace);
 inline constexpr size_t kDefaultMaxFrameBytes = size_t{16} << 20;
 
 enum class Role { trainer, engine, observer };

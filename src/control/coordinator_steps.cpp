@@ -121,7 +121,7 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
   s.plan_id = plan_id;
   s.replicas = replicas;
   s.began = now;
-  s.deadline = now + options_.step_timeout;
+  s.deadline = now + options_.step_timeout + kReportGrace;  // control.h
   for (const auto& [cid, other] : conns_) {
     if (!other.registered) continue;
     if (other.member.role == Role::trainer)

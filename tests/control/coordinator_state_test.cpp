@@ -145,9 +145,15 @@ TEST_F(StateTest, DeadlinesExpireOnlyWhenTheirTimeHasCome) {
   now_ += 500ms;
   state_.on_tick(now_);
   EXPECT_EQ(out_.take(2), std::vector<std::string>{"error"}) << "kv_get timed out";
-  // The step timeout fails the engine that never acked and the trainer that
-  // never reported: everyone aborts.
-  now_ += 9s;
+  // The step timeout (10 s) and the grace a rank has to report its own
+  // failure (control::kReportGrace, 1 s) fail the engine that never acked
+  // and the trainer that never reported: everyone aborts, not before.
+  now_ += 9s;  // 10.6 s after the step began
+  message(1, {{"kind", "heartbeat"}});
+  message(2, {{"kind", "heartbeat"}});
+  state_.on_tick(now_);
+  EXPECT_TRUE(out_.take(2).empty()) << "a rank may still report within the grace";
+  now_ += 500ms;  // 11.1 s
   message(1, {{"kind", "heartbeat"}});
   message(2, {{"kind", "heartbeat"}});
   state_.on_tick(now_);
