@@ -48,10 +48,23 @@ ensure_venv() {
   fi
 }
 
+# PyPI's UCX built with CUDA (1.22), for the tests that run weightsync with a
+# UCX other than the system's (UcxWheel.*, tests/python/test_ucx_library.py).
+# It goes beside site-packages, not into it: with it importable, `import
+# weightsync` would pick it for every suite (WEIGHTSYNC_UCX=auto).
+ensure_libucx() {
+  local target="$venv/opt/libucx-cu13"
+  [ -e "$target/libucx/lib/libucp.so.0" ] && return
+  echo "run.sh: installing libucx-cu13 into .venv/opt" >&2
+  rm -rf "$target"
+  "$venv/bin/python" -m pip install -q --no-deps --target "$target" "libucx-cu13>=1.22,<1.23"
+}
+
 build_dir="${BUILD_DIR:-build}"
 cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
 command -v ccache >/dev/null && cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 case "$job" in test | bench | python | test-engines) ensure_venv ;; esac
+[ "$job" = test ] && ensure_libucx
 # Whenever .venv exists the build uses its Python (the pycheck tests need
 # numpy and torch), so that switching jobs never reconfigures the build.
 [ -x "$venv/bin/python" ] && cmake_args+=("-DPython_EXECUTABLE=$venv/bin/python")

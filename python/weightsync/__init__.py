@@ -22,6 +22,8 @@ typed (PEP 561); docs/python.md is its reference.
 lazily: `import weightsync` needs neither, nor torch).
 """
 
+# Before anything loads the extension: it picks the UCX library (_ucx.py).
+from . import _ucx  # noqa: F401
 from ._errors import (
     Cancelled,
     Error,
@@ -57,6 +59,7 @@ from ._api import (
     engine_params,
 )
 from ._cli import cli_path
+from ._ucx import ucx_library
 
 __version__ = "0.1.0"
 
@@ -90,4 +93,5 @@ __all__ = [
     "cli_path",
     "engine_params",
     "error_class",
+    "ucx_library",
 ]

@@ -13,7 +13,12 @@
 # pydiag, on request: the extension imported alone and after PyTorch), copy
 # (bench copy --device cuda), delta (bench delta --device cuda: the delta
 # patch and hash kernels against a D2D copy; a delta sync into CUDA params),
-# sync (bench --device cuda, with FP8 engines and plain). Each section's output goes to $OUT/<section>.log (OUT: the device
+# sync (bench --device cuda, with FP8 engines and plain), ucxcuda (UCX built
+# with CUDA: PyPI's libucx-cu13 wheel, carried as .gpu-carry/libucx_cu13-*.whl
+# (`pip download --no-deps -d .gpu-carry libucx-cu13`, 43 MB), found first in
+# LD_LIBRARY_PATH: the UCX suites, the GPU syncs over ucx, and a 2 GB sync
+# over ucx with CUDA memory, over ucx through pinned host slots, and over
+# cuda_ipc). Each section's output goes to $OUT/<section>.log (OUT: the device
 # tool's folder; else ./gpu-out) and its tail to stdout. GPU_DEADLINE (epoch
 # seconds) bounds the whole: a section that cannot start 30 s before it is
 # skipped, and each one is cut at it.
@@ -107,12 +112,34 @@ sync_section() {
   grep -vE "^\s*$" "$out/sync.log" | tail -n 40
 }
 
+ucxcuda_section() {
+  local wheel lib=/tmp/ws-libucx/libucx/lib
+  wheel=$(ls "$root"/.gpu-carry/libucx_cu13-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    echo "== ucxcuda: skipped, no .gpu-carry/libucx_cu13-*.whl (pip download --no-deps -d .gpu-carry libucx-cu13)"
+    return
+  fi
+  rm -rf /tmp/ws-libucx && python3 -m zipfile -e "$wheel" /tmp/ws-libucx &&
+    chmod +x /tmp/ws-libucx/libucx/bin/*  # zipfile keeps no modes
+  section ucxcuda 60 env LD_LIBRARY_PATH="$lib" "$lib/../bin/ucx_info" -v
+  section ucxcuda 120 env LD_LIBRARY_PATH="$lib" WEIGHTSYNC_TEST_UCX_DIR="$lib" \
+    ./tests/ws_transport_tests --gtest_filter='*ucx*:*Ucx*'
+  section ucxcuda 200 env LD_LIBRARY_PATH="$lib" ctest -L gpu -R ucx --output-on-failure
+  local t
+  for t in 'ucx?cuda=require' 'ucx?cuda=off' cuda_ipc; do
+    section ucxcuda 150 env LD_LIBRARY_PATH="$lib" ./bin/weightsync bench --device cuda \
+      --transport "$t" --size-gb 2 --steps 3 --no-peer
+  done
+  grep -E "Library version|PASSED|FAILED|SKIPPED|tests passed|bench sync|^sync:|transport |ratio_to|error" \
+    "$out/ucxcuda.log" | head -n 60
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(fp8 ctest pytest copy delta sync)
+[ ${#sections[@]} -gt 0 ] || sections=(fp8 ctest pytest copy delta sync ucxcuda)
 for s in "${sections[@]}"; do
   case "$s" in
-    ctest | fp8 | pydiag | pytest | copy | delta | sync) "${s}_section" ;;
+    ctest | fp8 | pydiag | pytest | copy | delta | sync | ucxcuda) "${s}_section" ;;
     *) echo "unknown section '$s'" >&2 ;;
   esac
 done

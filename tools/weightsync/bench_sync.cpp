@@ -195,12 +195,16 @@ nlohmann::json raw_result(const demo::JobRun& run) {
     for (size_t i = 0; i < s.size(); ++i) rounds[i] = std::max(rounds[i], s[i].get<double>());
   }
   const double p50 = percentile(rounds, 0.5);
-  std::string memory = "host";
+  std::string memory = "host", library;
   for (const auto& e : run.engines)
-    if (e.is_object() && e.contains("raw")) memory = e["raw"].value("memory", memory);
+    if (e.is_object() && e.contains("raw")) {
+      memory = e["raw"].value("memory", memory);
+      library = e["raw"].value("library", library);
+    }
   return {{"seconds_p50", p50},
           {"engine_rank_bytes", busiest},
           {"memory", memory},
+          {"library", library},
           {"gbps", p50 > 0 ? static_cast<double>(busiest) / p50 / 1e9 : 0.0}};
 }
 
@@ -276,7 +280,8 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"publisher_staging_bytes", staging},
           {"publisher_extra_x_bucket", staging / static_cast<double>(job.bucket_bytes)},
           {"device", job.device},
-          {"slot_memory", raw["memory"]}};
+          {"slot_memory", raw["memory"]},
+          {"transport_library", raw.value("library", std::string())}};
 }
 
 // CUDA jobs: GB/s against a device-to-device copy of the same bytes, and
@@ -298,6 +303,12 @@ void print_human(const nlohmann::json& r) {
               r["sync_s_p50"].get<double>(), r["sync_s_p99"].get<double>(),
               r["steps"].get<size_t>(), r["engine_rank_gbps"].get<double>(),
               r["engine_rank_bytes"].get<double>() / 1e6);
+  if (!r["transport_library"].get<std::string>().empty() || r["device"] == "cuda")
+    std::printf("transport %s%s%s, receive slots in %s memory\n",
+                r["transport"].get<std::string>().c_str(),
+                r["transport_library"].get<std::string>().empty() ? "" : " over ",
+                r["transport_library"].get<std::string>().c_str(),
+                r["slot_memory"].get<std::string>().c_str());
   std::printf("raw transport ceiling: %.3f GB/s per engine rank -> ratio_to_raw %.2f\n",
               r["raw_gbps"].get<double>(), r["ratio_to_raw"].get<double>());
   if (r.contains("d2d_gbps"))

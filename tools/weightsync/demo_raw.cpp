@@ -104,7 +104,8 @@ nlohmann::json run_raw_rounds(const JobSpec& job, const Plan& plan, control::Cli
   return {{"bytes", total},
           {"seconds", seconds},
           {"memory", slot_memory_name(memory)},
-          {"cuda_memory", caps.cuda_memory}};
+          {"cuda_memory", caps.cuda_memory},
+          {"library", caps.library}};
 }
 
 }  // namespace weightsync::demo

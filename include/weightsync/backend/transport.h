@@ -69,6 +69,9 @@ struct Capabilities {
   bool native_broadcast = false;  // broadcast() is a collective of the library, not p2p fan-out
   std::size_t max_message_bytes = 0;
   int tag_bits = 64;  // tags must be < 2^tag_bits (UCX reserves high bits for the sender rank)
+  // The library that moves the bytes, as this process loaded it, e.g.
+  // "UCX 1.22.0 (/path/libucp.so.0)"; empty where there is none to name.
+  std::string library;
 };
 
 class MemoryRegion;
@@ -216,6 +219,13 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //   ask and a dead peer shows as Errc::timeout. params["peer_errors"] = "on" |
 //   "off" | "auto" (default) overrides. Note: with UCX_TLS unset (all), peer
 //   error reporting makes UCX use tcp even between processes of one host.
+//   CUDA memory: buffers in GPU memory are registered and sent as CUDA
+//   memory, with no host copy, when the UCX loaded was built with CUDA and
+//   finds a GPU (Debian's 1.13 was not; PyPI's libucx-cu13 was: see
+//   docs/transports.md for how it is picked). params["cuda"] = "auto"
+//   (default: when UCX can) | "require" (creation fails with
+//   Errc::unsupported, naming the UCX library and why, when it cannot) |
+//   "off" (never; GPU tensors then go through pinned host slots).
 // nccl: CUDA memory only; tags are not matched by NCCL, so both sides must post
 //   operations with a peer in the same order. On a wait timeout the
 //   communicator is aborted (ncclCommAbort) and the transport is unusable.

@@ -98,6 +98,19 @@ std::map<std::string, std::string> ucx_settings(const TransportOptions& options)
   return s;
 }
 
+// params["cuda"]: "auto" (default), "require" or "off".
+std::string cuda_mode(const TransportOptions& options) {
+  const auto it = options.params.find("cuda");
+  const std::string mode = it == options.params.end() ? "auto" : it->second;
+  if (mode != "auto" && mode != "require" && mode != "off")
+    fail(Errc::invalid_argument, "ucx transport: cuda=", mode, " (expected auto, require or off)");
+  return mode;
+}
+
+ucs_memory_type_t memory_type(MemoryKind kind) {
+  return kind == MemoryKind::cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+}
+
 void send_callback(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<UcxOp*>(user_data);
   op->transport->on_complete(op, request, status);
@@ -127,7 +140,7 @@ class UcxRegion final : public MemoryRegion {
                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
     p.address = b.data;
     p.length = b.bytes;
-    p.memory_type = b.memory == MemoryKind::cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    p.memory_type = memory_type(b.memory);
     check(ucp_mem_map(context, &p, &memh_), cat("UCX: ucp_mem_map of ", b.bytes, " bytes"));
   }
   ~UcxRegion() override { ucp_mem_unmap(context_, memh_); }
@@ -179,7 +192,15 @@ UcxTransport::UcxTransport(const TransportOptions& options)
     fail(Errc::invalid_argument, "ucx transport: world of ", world_, " ranks exceeds ",
          1 << kRankBits);
   peer_errors_ = want_peer_errors(options, peer_errors_forced_);
+  const std::string cuda = cuda_mode(options);
   worker_ = std::make_unique<UcxWorker>(ucx_settings(options));
+  cuda_memory_ = worker_->cuda_memory() && cuda != "off";
+  if (cuda == "off")
+    no_cuda_ = "CUDA memory is switched off (cuda=off)";
+  else if (!cuda_memory_)
+    no_cuda_ = ucx_library().why_no_cuda();
+  if (cuda == "require" && !cuda_memory_)
+    fail(Errc::unsupported, "ucx transport (cuda=require): ", no_cuda_);
   peers_.resize(static_cast<std::size_t>(world_));
   for (int r = 0; r < world_; ++r) {
     peers_[r].transport = this;
@@ -239,7 +260,8 @@ void UcxTransport::close_endpoints() {
 Capabilities UcxTransport::capabilities() const {
   Capabilities c;
   c.host_memory = true;
-  c.cuda_memory = worker_->cuda_memory();
+  c.cuda_memory = cuda_memory_;
+  c.library = ucx_library().describe();
   c.native_broadcast = false;
   c.max_message_bytes = std::numeric_limits<std::size_t>::max();
   c.tag_bits = kTagBits;
@@ -247,9 +269,9 @@ Capabilities UcxTransport::capabilities() const {
 }
 
 std::unique_ptr<MemoryRegion> UcxTransport::register_memory(const Buffer& buffer) {
-  if (buffer.memory == MemoryKind::cuda && !worker_->cuda_memory())
-    fail(Errc::unsupported, "ucx transport: this UCX has no CUDA support; cannot register ",
-         buffer.bytes, " bytes of CUDA memory");
+  if (buffer.memory == MemoryKind::cuda && !cuda_memory_)
+    fail(Errc::unsupported, "ucx transport: cannot register ", buffer.bytes,
+         " bytes of CUDA memory: ", no_cuda_);
   if (!buffer.data || buffer.bytes == 0)
     fail(Errc::invalid_argument, "ucx transport: cannot register an empty buffer");
   return std::make_unique<UcxRegion>(worker_->context(), buffer);
@@ -265,9 +287,9 @@ void UcxTransport::check_post(int peer, Tag tag, const Buffer& buffer, const cha
   if (!buffer.data && buffer.bytes > 0)
     fail(Errc::invalid_argument, "ucx transport: ", what, " rank ", peer, ": null buffer of ",
          buffer.bytes, " bytes");
-  if (buffer.memory == MemoryKind::cuda && !worker_->cuda_memory())
-    fail(Errc::unsupported, "ucx transport: ", what, " rank ", peer,
-         ": CUDA memory needs a UCX built with CUDA (this one has none)");
+  if (buffer.memory == MemoryKind::cuda && !cuda_memory_)
+    fail(Errc::unsupported, "ucx transport: ", what, " rank ", peer, ": a buffer of ", buffer.bytes,
+         " bytes in CUDA memory: ", no_cuda_);
   if (buffer.region && !buffer.region->contains(buffer))
     fail(Errc::invalid_argument, "ucx transport: ", what, " rank ", peer,
          ": buffer lies outside its registered region");
@@ -381,6 +403,10 @@ std::unique_ptr<Request> UcxTransport::send(int peer, Tag tag, const Buffer& buf
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = send_callback;
   param.user_data = op;
+  if (cuda_memory_) {  // saves UCX looking the buffer up in its memory-type cache
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memory_type = memory_type(buffer.memory);
+  }
   if (buffer.region) {
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();
@@ -402,6 +428,10 @@ std::unique_ptr<Request> UcxTransport::recv(int peer, Tag tag, const Buffer& buf
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   param.cb.recv = recv_callback;
   param.user_data = op;
+  if (cuda_memory_) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memory_type = memory_type(buffer.memory);
+  }
   if (buffer.region) {
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();

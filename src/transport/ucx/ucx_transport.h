@@ -108,6 +108,8 @@ class UcxTransport final : public Transport {
   bool failures_pending_ = false;
   bool peer_errors_ = true;          // endpoints in UCP_ERR_HANDLING_MODE_PEER
   bool peer_errors_forced_ = false;  // set by params["peer_errors"], no fallback
+  bool cuda_memory_ = false;         // UCX moves CUDA memory and params["cuda"] allows it
+  std::string no_cuda_;              // why not, for messages
 };
 
 }  // namespace weightsync::transport::ucx

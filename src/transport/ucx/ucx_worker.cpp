@@ -2,7 +2,11 @@
 
 #include <weightsync/error.h>
 
+#include <filesystem>
 #include <memory>
+#include <system_error>
+
+#include <dlfcn.h>
 
 namespace weightsync::transport::ucx {
 
@@ -11,6 +15,12 @@ void check(ucs_status_t status, const std::string& what) {
 }
 
 namespace {
+
+bool is_tcp_tuning(const std::string& name) {
+  for (const auto& entry : tcp_tuning())
+    if (entry.first == name) return true;
+  return false;
+}
 
 struct ConfigDeleter {
   void operator()(ucp_config_t* c) const { ucp_config_release(c); }
@@ -21,9 +31,14 @@ std::unique_ptr<ucp_config_t, ConfigDeleter> read_config(
   ucp_config_t* raw = nullptr;
   check(ucp_config_read(nullptr, nullptr, &raw), "UCX: reading the configuration");
   std::unique_ptr<ucp_config_t, ConfigDeleter> config(raw);
-  for (const auto& [name, value] : settings)
-    check(ucp_config_modify(config.get(), name.c_str(), value.c_str()),
-          cat("UCX: setting UCX_", name, "=", value));
+  for (const auto& [name, value] : settings) {
+    ucs_status_t status = ucp_config_modify(config.get(), name.c_str(), value.c_str());
+    // Newer UCX (1.22 checked) knows tcp's fields by their full names only
+    // and refuses the bare ones that 1.13 needs (see tcp_tuning).
+    if (status == UCS_ERR_INVALID_PARAM && is_tcp_tuning(name))
+      status = ucp_config_modify(config.get(), ("TCP_" + name).c_str(), value.c_str());
+    check(status, cat("UCX: setting UCX_", name, "=", value));
+  }
   return config;
 }
 
@@ -46,7 +61,10 @@ std::unique_ptr<ucp_config_t, ConfigDeleter> read_config(
 // UCX_TCP_* environment variables). The prefixed names (TCP_RX_SEG_SIZE) are
 // not recognised by 1.13 and come back as "invalid configurations". UCX warns
 // about a cached key that no opened transport used, so they are given only
-// when tcp can be in use (selects_tcp).
+// when tcp can be in use (selects_tcp). UCX 1.22 (PyPI's libucx-cu13) is the
+// other way round: it refuses the bare names as invalid parameters and takes
+// TCP_RX_SEG_SIZE and the like as tcp's own fields, so a refused bare name is
+// given again with the prefix (read_config), and one binary runs with both.
 const std::vector<std::pair<std::string, std::string>>& tcp_tuning() {
   static const std::vector<std::pair<std::string, std::string>> tuning = {
       {"PUT_ENABLE", "n"}, {"RX_SEG_SIZE", "256K"}, {"MAX_POLL", "64"}};
@@ -67,6 +85,45 @@ bool selects_tcp(const std::string& tls) {
     start = end + 1;
   }
   return exclude ? !listed : listed;
+}
+
+const UcxLibrary& ucx_library() {
+  static const UcxLibrary library = [] {
+    UcxLibrary l;
+    unsigned major = 0, minor = 0, release = 0;
+    ucp_get_version(&major, &minor, &release);
+    l.version = cat(major, ".", minor, ".", release);
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&ucp_get_version), &info) && info.dli_fname)
+      l.path = info.dli_fname;
+    // UCX loads its transport modules from "ucx/" beside libucp.
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!l.path.empty())
+      for (const char* name : {"libuct_cuda.so.0", "libuct_cuda.so"}) {
+        const fs::path module = fs::path(l.path).parent_path() / "ucx" / name;
+        if (fs::exists(module, ec)) {
+          l.cuda_module = module.string();
+          break;
+        }
+      }
+    return l;
+  }();
+  return library;
+}
+
+std::string UcxLibrary::describe() const {
+  return cat("UCX ", version, " (", path.empty() ? std::string("location unknown") : path, ")");
+}
+
+std::string UcxLibrary::why_no_cuda() const {
+  if (!cuda_module.empty())
+    return cat(describe(), " has a CUDA module (", cuda_module,
+               ") but reports no CUDA memory: no CUDA driver or GPU was found");
+  return cat(describe(),
+             " was built without CUDA. Use a UCX built with CUDA, such as PyPI's libucx-cu13: "
+             "put its lib directory first in LD_LIBRARY_PATH, or in Python set "
+             "WEIGHTSYNC_UCX=libucx before importing weightsync (docs/transports.md)");
 }
 
 UcxWorker::UcxWorker(const std::map<std::string, std::string>& settings) {

@@ -23,6 +23,22 @@ const std::vector<std::pair<std::string, std::string>>& tcp_tuning();
 // Whether a UCX_TLS value (UCX syntax; "" means all) lets UCX open tcp.
 bool selects_tcp(const std::string& tls);
 
+// The UCX library this process runs with: the first libucp.so.0 the dynamic
+// loader found (weightsync links UCX by its soname, so LD_LIBRARY_PATH or a
+// libucp.so.0 loaded earlier picks it; docs/transports.md).
+struct UcxLibrary {
+  std::string version;      // "1.22.0", from ucp_get_version
+  std::string path;         // the file libucp was loaded from
+  std::string cuda_module;  // its libuct_cuda.so, "" when it has none
+  // "UCX 1.22.0 (/path/libucp.so.0)"
+  std::string describe() const;
+  // Why CUDA memory cannot be moved by this library (for an error message):
+  // built without CUDA, or its CUDA module found no driver or device; and
+  // how to get one that can.
+  std::string why_no_cuda() const;
+};
+const UcxLibrary& ucx_library();
+
 class UcxWorker {
  public:
   // `settings`: UCX configuration entries without the UCX_ prefix (e.g.
