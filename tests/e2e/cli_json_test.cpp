@@ -155,6 +155,26 @@ TEST_F(CliJson, BenchSyncDeltaReportsItsRatiosToAFullSync) {
   EXPECT_GT(j["full"]["wire_bytes"].get<int64_t>(), j["wire_bytes"].get<int64_t>());
 }
 
+// The colocated shapes of the hybrid engine: 2 trainer ranks -> 1 engine rank
+// (tp=1) gets the whole model; --mesh is refused with a given checkpoint.
+TEST_F(CliJson, BenchSyncTakesTheJobsShape) {
+  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX";
+  const auto r = run_elsewhere({"bench", "sync", "--mesh", "fsdp=2", "--tp", "1", "--replicas", "1",
+                                "--size-gb", "0.02", "--steps", "1", "--no-peer", "--json"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = one_object(r, "bench sync --mesh fsdp=2 --tp 1 --replicas 1");
+  if (!j.is_object()) return;
+  EXPECT_EQ(j["trainer_ranks"], 2);
+  EXPECT_EQ(j["engine_ranks"], 1);
+  EXPECT_EQ(j["engine_rank_bytes"], j["model_bytes"]) << "tp=1: one engine rank holds it all";
+  EXPECT_NE(j["transport_library"].get<std::string>().find("UCX "), std::string::npos) << j.dump();
+  EXPECT_EQ(j["slot_memory"], "host");
+  const auto refused = run_elsewhere(
+      {"bench", "sync", "--tp", "1", "--checkpoint", "c", "--trainer", "t", "--engine", "e"});
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("--tp is for the generated model"), std::string::npos) << refused.err;
+}
+
 TEST_F(CliJson, BenchPlanFindsItsConfigs) {
   const auto r = run_elsewhere({"bench", "plan", "--json"});
   EXPECT_EQ(r.exit_code, 0) << r.err;

@@ -44,7 +44,8 @@ constexpr const char* kUsage =
     "                        [--checksums] [--device cpu|cuda] [--fp8]\n"
     "                        [--fp8-site sender|engine] [--metrics-overhead]\n"
     "                        [--delta [--no-delta-verify]]\n"
-    "                        [--update random:F|adamw[:lr=X]]\n\n"
+    "                        [--update random:F|adamw[:lr=X]]\n"
+    "                        [--mesh M] [--tp N] [--replicas R]\n\n"
     "Syncs a Qwen3-MoE-shaped model of about G GB (default 1.0) from 4 trainer\n"
     "processes (ep=2 x fsdp=2) into 2 vLLM-layout replicas of tp=2 over UCX, K timed\n"
     "steps (default 5, after one warm-up step). Reports p50/p99 sync time, GB/s per\n"
@@ -59,6 +60,11 @@ constexpr const char* kUsage =
     "--transport applies to the sync and the raw ceiling alike, e.g.\n"
     "'ucx?tls=posix,sysv,cma,self' for UCX's shared-memory transports only (the\n"
     "default lets UCX choose, which on some hosts is TCP over loopback).\n"
+    "--mesh M --tp N --replicas R: the generated job's shape instead: trainer mesh M\n"
+    "(default ep=2,fsdp=2), R vLLM-layout replicas of tp=N (defaults 2 and 2). The\n"
+    "colocated hybrid engine, one trainer rank and one engine rank per GPU:\n"
+    "--mesh fsdp=1 --tp 1 --replicas 1 (1 -> 1); --mesh fsdp=2 --tp 1 --replicas 1\n"
+    "(2 -> 1).\n"
     "--checksums turns on per-bucket checksums (off by default, as in the library).\n"
     "--bucket-bytes defaults to 64 MiB; --steps to 5; --timeout (s per step) to 600.\n"
     "--checkpoint C --trainer T.json --engine E.json: the job of these files instead\n"
@@ -397,7 +403,8 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   Args args(argv,
             {"json", "no-peer", "checksums", "fp8", "metrics-overhead", "delta", "no-delta-verify"},
             {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
-             "transport", "device", "checkpoint", "trainer", "engine", "fp8-site", "update"});
+             "transport", "device", "checkpoint", "trainer", "engine", "fp8-site", "update", "mesh",
+             "tp", "replicas"});
   const int steps = static_cast<int>(args.get_int("steps", 5));
   if (steps < 1) fail(Errc::invalid_argument, "--steps must be at least 1");
   const double gb = args.get_double("size-gb", 1.0);
@@ -414,8 +421,12 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.checksums = args.flag("checksums");
   const bool delta = args.flag("delta");
   job.delta_verify = !args.flag("no-delta-verify");
-  if (auto u = args.get("update"); u && u->rfind("adamw", 0) == 0)
+  if (auto u = args.get("update"); u && u->rfind("adamw", 0) == 0) {
+    for (const char* shape : {"mesh", "tp", "replicas"})
+      if (args.has(shape))
+        fail(Errc::invalid_argument, "--", shape, " does not apply to --update adamw");
     return run_adamw_bench(args, *u, steps, gb, delta);
+  }
   if (auto u = args.get("update"))
     job.update_fraction = demo::parse_update_fraction(*u, "--update");
   else if (delta)
@@ -429,8 +440,10 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   fs::create_directories(job.work_dir);
   demo::ModelFiles model;
   if (args.has("checkpoint") || args.has("trainer") || args.has("engine")) {
-    if (args.has("size-gb"))
-      fail(Errc::invalid_argument, "--size-gb is for the generated model, not with --checkpoint");
+    for (const char* generated : {"size-gb", "mesh", "tp", "replicas"})
+      if (args.has(generated))
+        fail(Errc::invalid_argument, "--", generated,
+             " is for the generated model, not with --checkpoint");
     model.checkpoint = fs::absolute(args.require("checkpoint")).string();
     model.trainer = fs::absolute(args.require("trainer")).string();
     model.engine = fs::absolute(args.require("engine")).string();
@@ -444,6 +457,11 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   } else {
     demo::ModelSetup setup;
     setup.hf_config = demo::bench_model_config(gb);
+    setup.mesh = args.get_or("mesh", setup.mesh);
+    setup.tp = static_cast<int>(args.get_int("tp", setup.tp));
+    setup.replicas = static_cast<int>(args.get_int("replicas", setup.replicas));
+    if (setup.tp < 1 || setup.replicas < 1)
+      fail(Errc::invalid_argument, "--tp and --replicas must be at least 1");
     model = demo::write_model(job.work_dir, setup);
   }
   job.checkpoint = model.checkpoint;
@@ -507,6 +525,8 @@ int run_sync_bench(const std::vector<std::string>& argv) {
     result["time_ratio_to_full"] = full_s > 0 ? result["sync_s_p50"].get<double>() / full_s : 0.0;
   }
   result["model_bytes"] = model.bytes;
+  result["trainer_ranks"] = TrainerLayout::load(job.trainer).mesh.world();
+  result["engine_ranks"] = make_engine_layout(EngineSpec::load(job.engine)).world();
   if (args.flag("metrics-overhead") && summary["ok"].get<bool>())
     result["metrics_overhead"] = metrics_overhead(job, 2);
   // Not ok: which step, which rank, and why (demo::summarize).
