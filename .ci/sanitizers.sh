@@ -45,8 +45,11 @@ targets=(ws_core_tests ws_engine_tests ws_planner_tests ws_control_tests ws_tran
 # network-namespace scenarios (scripts driving the main build's command), and
 # the syncs under CPU contention (busy loops on every core beside a bench:
 # behaviour under load, which the main build tests; a sanitized build is
-# slowed enough to turn it into a test of its speed).
-exclude='NOT_BUILT|^fuzz_|^pycheck\.|^netns_|^Contention\.'
+# slowed enough to turn it into a test of its speed); and the UCX suites rerun
+# with PyPI's UCX 1.22 (UcxWheel.*: whether the binaries run with another UCX
+# than they were built against; the same code paths are in these legs with
+# the system's UCX).
+exclude='NOT_BUILT|^fuzz_|^pycheck\.|^netns_|^Contention\.|^UcxWheel\.'
 # Under TSan only: the 1 GiB message over shared memory (about 70 s of the
 # leg's CPU time, the slowest test by far). TSan sees races in the code that
 # moves a message, whatever its size: SizesFromZeroBytesTo128MiB runs that
