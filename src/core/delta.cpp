@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -386,6 +387,22 @@ uint64_t digest(const void* data, int64_t elements, int element_bytes, uint64_t 
   return sum;
 }
 
+// Calls f(std::integral_constant<int, E>{}) with E = element_bytes (1, 2, 4
+// or 8, checked by the caller), so that one switch picks every templated path.
+template <typename F>
+decltype(auto) with_element_size(int element_bytes, F&& f) {
+  switch (element_bytes) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
+}
+
 int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
                EncodeStats* stats, Digest* hash) {
   check_element_bytes(element_bytes);
@@ -393,21 +410,9 @@ int64_t encode(const void* next, void* base, int64_t elements, int element_bytes
   const auto* n = static_cast<const uint8_t*>(next);
   auto* b = static_cast<uint8_t*>(base);
   auto* o = static_cast<uint8_t*>(out);
-  int64_t bytes = 0;
-  switch (element_bytes) {
-    case 1:
-      bytes = encode_all<1>(n, b, elements, o, stats, hash);
-      break;
-    case 2:
-      bytes = encode_all<2>(n, b, elements, o, stats, hash);
-      break;
-    case 4:
-      bytes = encode_all<4>(n, b, elements, o, stats, hash);
-      break;
-    default:
-      bytes = encode_all<8>(n, b, elements, o, stats, hash);
-      break;
-  }
+  const int64_t bytes = with_element_size(element_bytes, [&](auto e) {
+    return encode_all<decltype(e)::value>(n, b, elements, o, stats, hash);
+  });
   if (stats) {
     stats->elements += elements;
     stats->bytes += bytes;
@@ -421,16 +426,8 @@ int64_t estimate_encoded_bytes(const void* next, const void* base, int64_t eleme
   if (elements < 0) fail(Errc::invalid_argument, "delta: ", elements, " elements");
   const auto* n = static_cast<const uint8_t*>(next);
   const auto* b = static_cast<const uint8_t*>(base);
-  switch (element_bytes) {
-    case 1:
-      return estimate_all<1>(n, b, elements);
-    case 2:
-      return estimate_all<2>(n, b, elements);
-    case 4:
-      return estimate_all<4>(n, b, elements);
-    default:
-      return estimate_all<8>(n, b, elements);
-  }
+  return with_element_size(
+      element_bytes, [&](auto e) { return estimate_all<decltype(e)::value>(n, b, elements); });
 }
 
 void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, int element_bytes,
@@ -440,16 +437,9 @@ void apply(const void* encoding, int64_t bytes, void* target, int64_t elements, 
     fail(Errc::invalid_argument, what, ": delta of ", elements, " elements in ", bytes, " bytes");
   const auto* e = static_cast<const uint8_t*>(encoding);
   auto* t = static_cast<uint8_t*>(target);
-  switch (element_bytes) {
-    case 1:
-      return apply_all<1>(e, bytes, t, elements, what, hash);
-    case 2:
-      return apply_all<2>(e, bytes, t, elements, what, hash);
-    case 4:
-      return apply_all<4>(e, bytes, t, elements, what, hash);
-    default:
-      return apply_all<8>(e, bytes, t, elements, what, hash);
-  }
+  with_element_size(element_bytes, [&](auto size) {
+    apply_all<decltype(size)::value>(e, bytes, t, elements, what, hash);
+  });
 }
 
 void check(const void* encoding, int64_t bytes, int64_t elements, int element_bytes,
@@ -464,21 +454,9 @@ bool patch_table(const void* encoding, int64_t bytes, int64_t elements, int elem
   if (elements < 0 || bytes < 0)
     fail(Errc::invalid_argument, what, ": delta of ", elements, " elements in ", bytes, " bytes");
   const auto* e = static_cast<const uint8_t*>(encoding);
-  std::vector<Record> records;
-  switch (element_bytes) {
-    case 1:
-      records = parse_records<1>(e, bytes, elements, what);
-      break;
-    case 2:
-      records = parse_records<2>(e, bytes, elements, what);
-      break;
-    case 4:
-      records = parse_records<4>(e, bytes, elements, what);
-      break;
-    default:
-      records = parse_records<8>(e, bytes, elements, what);
-      break;
-  }
+  const std::vector<Record> records = with_element_size(element_bytes, [&](auto size) {
+    return parse_records<decltype(size)::value>(e, bytes, elements, what);
+  });
   bool any = false;
   int64_t first = 0;
   for (const Record& r : records) {
@@ -513,20 +491,10 @@ void execute_patch_host(const std::vector<PatchChunk>& patch, const char* frame,
   auto* t = reinterpret_cast<uint8_t*>(target);
   for (const PatchChunk& c : patch) {
     const auto kind = static_cast<ChunkKind>(c.kind);
-    switch (c.element_bytes) {
-      case 1:
-        patch_chunk<1>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
-        break;
-      case 2:
-        patch_chunk<2>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
-        break;
-      case 4:
-        patch_chunk<4>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
-        break;
-      default:
-        patch_chunk<8>(kind, c.count, f + c.table, f + c.values, t + c.dst, c.elements);
-        break;
-    }
+    with_element_size(static_cast<int>(c.element_bytes), [&](auto size) {
+      patch_chunk<decltype(size)::value>(kind, c.count, f + c.table, f + c.values, t + c.dst,
+                                         c.elements);
+    });
   }
 }
 
