@@ -3,6 +3,7 @@
 // processes and library warnings go to stderr), the files a command ships
 // with (configs, the peer baseline) are found whatever the working directory,
 // and weightsync's own UCX settings cause no UCX warning.
+#include "core/cuda/gpu.h"
 #include "e2e/e2e_helpers.h"
 
 #include <nlohmann/json.hpp>
@@ -241,6 +242,30 @@ TEST_F(CliJson, BenchTransportCausesNoUcxWarning) {
     const auto j = one_object(r, "bench transport --tls " + tls);
     EXPECT_EQ(j.value("tls", ""), tls) << j.dump();
     EXPECT_EQ(lower(r.err).find("ucx  warn"), std::string::npos) << tls << ":\n" << r.err;
+  }
+}
+
+// --device cuda: GPU buffers over ucx (CUDA memory) and cuda_ipc against a
+// D2D copy. Without a GPU it refuses at once, saying so; --transport is for
+// the GPU mode only.
+TEST_F(CliJson, BenchTransportOnTheGpu) {
+  if (!have_ucx()) GTEST_SKIP() << "weightsync was built without UCX";
+  const auto host = run_elsewhere({"bench", "transport", "--transport", "cuda_ipc"});
+  EXPECT_NE(host.exit_code, 0);
+  EXPECT_NE(host.err.find("--transport is for --device cuda"), std::string::npos) << host.err;
+  const auto r = run_elsewhere({"bench", "transport", "--device", "cuda", "--transport", "cuda_ipc",
+                                "--iters", "4", "--json"});
+  if (gpu::device_count() == 0) {
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.err.find("--device cuda needs a GPU"), std::string::npos) << r.err;
+    return;
+  }
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const auto j = one_object(r, "bench transport --device cuda");
+  ASSERT_TRUE(j.contains("results")) << j.dump();
+  for (const auto& row : j["results"]) {
+    EXPECT_GT(row["d2d_gbps"].get<double>(), 0.0) << row.dump();
+    EXPECT_GT(row["transports"]["cuda_ipc"]["gbps"].get<double>(), 0.0) << row.dump();
   }
 }
 

@@ -16,7 +16,8 @@
 # sync (bench --device cuda, with FP8 engines and plain), ucxcuda (UCX built
 # with CUDA: PyPI's libucx-cu13 wheel, carried as .gpu-carry/libucx_cu13-*.whl
 # (`pip download --no-deps -d .gpu-carry libucx-cu13`, 43 MB), found first in
-# LD_LIBRARY_PATH: the UCX suites, the GPU syncs over ucx, and a 2 GB sync
+# LD_LIBRARY_PATH: the UCX suites, the GPU syncs over ucx, bench transport
+# --device cuda (ucx with CUDA memory and cuda_ipc against D2D), a 2 GB sync
 # over ucx with CUDA memory, over ucx through pinned host slots, and over
 # cuda_ipc). Each section's output goes to $OUT/<section>.log (OUT: the device
 # tool's folder; else ./gpu-out) and its tail to stdout. GPU_DEADLINE (epoch
@@ -131,12 +132,13 @@ ucxcuda_section() {
   section ucxcuda 120 env LD_LIBRARY_PATH="$lib" WEIGHTSYNC_TEST_UCX_DIR="$lib" \
     ./tests/ws_transport_tests --gtest_filter='*ucx*:*Ucx*'
   section ucxcuda 200 env LD_LIBRARY_PATH="$lib" ctest -L gpu -R ucx --output-on-failure
+  section ucxcuda 150 env LD_LIBRARY_PATH="$lib" ./bin/weightsync bench transport --device cuda
   local t
   for t in 'ucx?cuda=require' 'ucx?cuda=off' cuda_ipc; do
     section ucxcuda 150 env LD_LIBRARY_PATH="$lib" ./bin/weightsync bench --device cuda \
       --transport "$t" --size-gb 2 --steps 3 --no-peer
   done
-  grep -E "Library version|PASSED|FAILED|SKIPPED|tests passed|bench sync|^sync:|transport |ratio_to|error" \
+  grep -E "Library version|PASSED|FAILED|SKIPPED|tests passed|bench sync|^sync:|transport |ratio_to|error|^ +[0-9]+ |GPU buffers" \
     "$out/ucxcuda.log" | head -n 60
 }
 

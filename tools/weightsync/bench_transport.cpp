@@ -1,7 +1,10 @@
 // `weightsync bench transport`: the UCX transport's bandwidth between two
 // processes, beside ucx_perftest's tag_bw measured in the same invocation with
 // the same UCX transports (UCX_TLS), message sizes and iteration counts.
+// With --device cuda: GPU buffers over UCX with CUDA memory and over cuda_ipc,
+// beside a device-to-device copy of the same bytes.
 #include "cli.h"
+#include "demo_device.h"
 
 #include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
@@ -45,6 +48,35 @@ struct Settings {
   int64_t iters = 0;  // 0: about 1 GiB per size
   int64_t window = 8;
   bool json = false;
+  std::string device = "cpu";
+  std::string transport;  // --device cuda: the transport measured (empty: each default)
+};
+
+// --device cuda, without --transport: UCX moving CUDA memory itself (it
+// fails, saying why, where the UCX loaded cannot) and cuda_ipc.
+const std::vector<std::string>& cuda_transports() {
+  static const std::vector<std::string> names = {"ucx?cuda=require", "cuda_ipc"};
+  return names;
+}
+
+bool on_gpu(const Settings& s) {
+  return s.device == "cuda";
+}
+
+// A buffer of `bytes` where the messages live: host memory, or the GPU's.
+struct BenchBuffer {
+  std::vector<uint8_t> host;
+  gpu::Memory device;
+  BenchBuffer(const Settings& s, std::size_t bytes, uint8_t fill) {
+    if (on_gpu(s))
+      device = gpu::Memory(bytes, gpu::MemoryPlace::device, 0);
+    else
+      host.assign(bytes, fill);
+  }
+  Buffer buffer() {
+    if (!host.empty()) return host_buffer(host.data(), host.size());
+    return Buffer{device.data(), device.bytes(), MemoryKind::cuda, 0, nullptr};
+  }
 };
 
 int64_t iters_for(const Settings& s, std::size_t bytes) {
@@ -73,13 +105,13 @@ void stream(Transport& t, bool sending, const Buffer& buffer, Tag tag, int64_t c
 
 // Seconds for `iters` messages, from the first send to the receiver's ack.
 double run_size(Transport& t, const Settings& s, std::size_t bytes, Tag tag) {
-  std::vector<uint8_t> data(bytes, static_cast<uint8_t>(tag));
-  Buffer buffer = host_buffer(data.data(), bytes);
+  BenchBuffer data(s, bytes, static_cast<uint8_t>(tag));
+  Buffer buffer = data.buffer();
   auto region = t.register_memory(buffer);  // registered once, reused by every message
   buffer.region = region.get();
   const bool sender = t.rank() == 0;
-  uint8_t ack = 0;
-  const Buffer ack_buffer = host_buffer(&ack, 1);
+  BenchBuffer ack(s, 1, 0);  // GPU memory too: cuda_ipc moves nothing else
+  const Buffer ack_buffer = ack.buffer();
   const int64_t iters = iters_for(s, bytes);
   double seconds = 0;
   for (int phase = 0; phase < 2; ++phase) {  // 0: warm-up, 1: timed
@@ -97,12 +129,15 @@ double run_size(Transport& t, const Settings& s, std::size_t bytes, Tag tag) {
 
 std::unique_ptr<Transport> bench_transport(Store& store, const Settings& s, int rank) {
   TransportOptions o;
-  o.name = "ucx";
+  o.name = on_gpu(s) ? s.transport : "ucx";
   o.store = &store;
   o.prefix = "bench";
   o.rank = rank;
   o.world = 2;
-  o.params["tls"] = s.tls;
+  if (on_gpu(s))
+    o.device = 0;  // both processes on GPU 0: the colocated case
+  else
+    o.params["tls"] = s.tls;
   return make_transport(o);
 }
 
@@ -317,19 +352,23 @@ int run_receiver(const Settings& s, const std::string& store_dir) {
 }
 
 std::vector<std::string> child_args(const Settings& s, const std::string& store_dir) {
-  return {std::filesystem::read_symlink("/proc/self/exe").string(),
-          "bench",
-          "transport",
-          "--role",
-          "receiver",
-          "--store",
-          store_dir,
-          "--tls",
-          s.tls,
-          "--iters",
-          std::to_string(s.iters),
-          "--window",
-          std::to_string(s.window)};
+  std::vector<std::string> args = {std::filesystem::read_symlink("/proc/self/exe").string(),
+                                   "bench",
+                                   "transport",
+                                   "--role",
+                                   "receiver",
+                                   "--store",
+                                   store_dir,
+                                   "--tls",
+                                   s.tls,
+                                   "--iters",
+                                   std::to_string(s.iters),
+                                   "--window",
+                                   std::to_string(s.window),
+                                   "--device",
+                                   s.device};
+  if (on_gpu(s)) args.insert(args.end(), {"--transport", s.transport});
+  return args;
 }
 
 std::vector<double> measure_weightsync(const Settings& s) {
@@ -354,6 +393,14 @@ std::vector<double> measure_weightsync(const Settings& s) {
   return gbps;
 }
 
+// --json: `head` with the window, the unit and the results, on one line.
+void print_json(const Settings& s, nlohmann::json head, const nlohmann::json& results) {
+  head["window"] = s.window;
+  head["unit"] = "GB/s = 1e9 bytes/s";
+  head["results"] = results;
+  std::cout << head.dump() << "\n";
+}
+
 void report(const Settings& s, const std::vector<double>& ours, const std::vector<double>& ref) {
   nlohmann::json results = nlohmann::json::array();
   for (std::size_t i = 0; i < ours.size(); ++i)
@@ -362,15 +409,7 @@ void report(const Settings& s, const std::vector<double>& ours, const std::vecto
                        {"gbps", ours[i]},
                        {"perftest_gbps", ref[i]},
                        {"ratio", ref[i] > 0 ? ours[i] / ref[i] : 0.0}});
-  if (s.json) {
-    std::cout << nlohmann::json{{"tls", s.tls},
-                                {"window", s.window},
-                                {"unit", "GB/s = 1e9 bytes/s"},
-                                {"results", results}}
-                     .dump()
-              << "\n";
-    return;
-  }
+  if (s.json) return print_json(s, {{"tls", s.tls}}, results);
   std::printf("UCX transport vs ucx_perftest tag_bw, UCX_TLS=%s, window %lld, 2 processes\n",
               s.tls.c_str(), static_cast<long long>(s.window));
   std::printf("%12s %7s %16s %16s %7s   (GB/s = 1e9 bytes/s)\n", "bytes", "iters",
@@ -381,8 +420,40 @@ void report(const Settings& s, const std::vector<double>& ours, const std::vecto
                 r["perftest_gbps"].get<double>(), r["ratio"].get<double>());
 }
 
+// --device cuda: each transport's GB/s per size against a device-to-device
+// copy of the same bytes on GPU 0, timed in this process after the transfers.
+void report_gpu(const Settings& s, const std::vector<std::string>& names,
+                const std::vector<std::vector<double>>& gbps) {
+  nlohmann::json results = nlohmann::json::array();
+  for (std::size_t i = 0; i < std::size(kSizes); ++i) {
+    const std::size_t bytes = kSizes[i];
+    gpu::Memory src(bytes, gpu::MemoryPlace::device, 0), dst(bytes, gpu::MemoryPlace::device, 0);
+    const double d2d_s = gpu::time_gpu(
+        [&](const gpu::Stream& st) { gpu::copy_async(dst.data(), src.data(), bytes, st); }, 0, 10);
+    const double d2d = static_cast<double>(bytes) / d2d_s / 1e9;
+    nlohmann::json row = {{"bytes", bytes}, {"iters", iters_for(s, bytes)}, {"d2d_gbps", d2d}};
+    for (std::size_t t = 0; t < names.size(); ++t)
+      row["transports"][names[t]] = {{"gbps", gbps[t][i]}, {"ratio_to_d2d", gbps[t][i] / d2d}};
+    results.push_back(row);
+  }
+  if (s.json) return print_json(s, {{"device", "cuda"}}, results);
+  std::printf("GPU buffers between 2 processes on GPU 0, window %lld, vs a device-to-device copy\n",
+              static_cast<long long>(s.window));
+  std::printf("%12s %7s %12s", "bytes", "iters", "D2D GB/s");
+  for (const auto& n : names) std::printf(" %22s", (n + " GB/s (x D2D)").c_str());
+  std::printf("\n");
+  for (const auto& r : results) {
+    std::printf("%12zu %7lld %12.1f", r["bytes"].get<std::size_t>(),
+                static_cast<long long>(r["iters"].get<int64_t>()), r["d2d_gbps"].get<double>());
+    for (const auto& n : names)
+      std::printf(" %14.1f (%5.2f)", r["transports"][n]["gbps"].get<double>(),
+                  r["transports"][n]["ratio_to_d2d"].get<double>());
+    std::printf("\n");
+  }
+}
+
 int run(const std::vector<std::string>& argv) {
-  Args args(argv, {"json"}, {"tls", "iters", "window", "role", "store"});
+  Args args(argv, {"json"}, {"tls", "iters", "window", "role", "store", "device", "transport"});
   Settings s;
   s.tls = args.get_or("tls", s.tls);
   s.iters = args.get_int("iters", 0);
@@ -390,8 +461,27 @@ int run(const std::vector<std::string>& argv) {
   s.json = args.flag("json");
   if (s.iters < 0 || s.window < 1)
     fail(Errc::invalid_argument, "--iters must be >= 0 and --window >= 1");
+  s.device = args.get_or("device", "cpu");
+  demo::check_device(s.device, "--device");
+  s.transport = args.get_or("transport", "");
+  if (!on_gpu(s) && !s.transport.empty())
+    fail(Errc::invalid_argument,
+         "--transport is for --device cuda; on the host this benchmark measures ucx "
+         "(choose its transports with --tls)");
   if (args.get("role") == std::optional<std::string>("receiver"))
     return run_receiver(s, args.require("store"));
+  if (on_gpu(s)) {
+    const std::vector<std::string> names =
+        s.transport.empty() ? cuda_transports() : std::vector<std::string>{s.transport};
+    std::vector<std::vector<double>> gbps;
+    for (const auto& name : names) {
+      Settings one = s;
+      one.transport = name;
+      gbps.push_back(measure_weightsync(one));
+    }
+    report_gpu(s, names, gbps);
+    return 0;
+  }
   const std::string perftest = find_in_path("ucx_perftest");
   if (perftest.empty())
     fail(Errc::not_found,
@@ -406,7 +496,8 @@ int run(const std::vector<std::string>& argv) {
 
 const BenchRegistrar registrar{
     {"transport", "UCX transport bandwidth between two processes vs ucx_perftest tag_bw",
-     "usage: weightsync bench transport [--json] [--tls TLS] [--iters N] [--window W]\n\n"
+     "usage: weightsync bench transport [--json] [--tls TLS] [--iters N] [--window W]\n"
+     "                                  [--device cpu|cuda [--transport T]]\n\n"
      "Sends 1, 16, 64 and 256 MiB messages from one process to a second one over the UCX\n"
      "transport (buffers registered once, W messages in flight, warm-up first), then runs\n"
      "ucx_perftest -t tag_bw (server and client on 127.0.0.1) with the same sizes,\n"
@@ -417,7 +508,14 @@ const BenchRegistrar registrar{
      "  --iters N     timed messages per size (default: about 1 GiB per size, at least 8)\n"
      "  --window W    messages in flight (default 8)\n"
      "  --json        one JSON object: {\"results\": [{\"bytes\", \"gbps\",\n"
-     "                \"perftest_gbps\", \"ratio\"}], ...}\n",
+     "                \"perftest_gbps\", \"ratio\"}], ...}\n"
+     "  --device cuda the messages in GPU memory, both processes on GPU 0 (the\n"
+     "                colocated case), over UCX moving CUDA memory (ucx?cuda=require:\n"
+     "                a UCX built with CUDA, docs/transports.md) and over cuda_ipc,\n"
+     "                each against a device-to-device copy of the same bytes timed\n"
+     "                in the same run (results[].d2d_gbps, .transports[name].gbps,\n"
+     "                .ratio_to_d2d); no ucx_perftest\n"
+     "  --transport T with --device cuda: only T\n",
      run}};
 
 }  // namespace
