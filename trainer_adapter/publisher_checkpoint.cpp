@@ -63,6 +63,10 @@ class EndWatch {
  public:
   EndWatch(control::Client& client, std::string key, Clock::time_point deadline)
       : thread_([this, &client, key = std::move(key), deadline] {
+          // The save's transport is driven by the rank's own thread; this
+          // wait must not progress it too (two threads in one UCX worker
+          // abort the process: seen as a bench export rank killed by SIGABRT).
+          control::Client::QuietWaits quiet;
           std::string value;
           try {
             value = text_of(client.get(key, left_until(deadline) + Millis(1000)));

@@ -288,6 +288,21 @@ class Client final : public Store {
     uint64_t id_ = 0;
   };
   [[nodiscard]] Progress while_waiting(std::function<void()> fn);
+  // For a thread that waits on a client beside the thread that drives the
+  // transport (a watcher): while one of these lives on a thread, that
+  // thread's waits, on every client, run no while_waiting work. A transport
+  // is driven by one thread at a time (backend/transport.h); two threads
+  // progressing one UCX worker abort the process.
+  class QuietWaits {
+   public:
+    QuietWaits();
+    ~QuietWaits();
+    QuietWaits(const QuietWaits&) = delete;
+    QuietWaits& operator=(const QuietWaits&) = delete;
+
+   private:
+    bool was_quiet_;
+  };
   // Idempotent; waits at most 5 s (or request_timeout, if shorter) for the
   // coordinator's reply: it notices a closed connection anyway.
   void leave();

@@ -203,9 +203,23 @@ std::string Client::status_json(Millis timeout) {
   return r.dump();
 }
 
+namespace {
+thread_local bool quiet_waits = false;  // set by Client::QuietWaits
+}  // namespace
+
+bool Client::Impl::progress_here() const {
+  return has_progress.load(std::memory_order_acquire) && !quiet_waits;
+}
+
 void Client::Impl::run_progress() {
   std::lock_guard lock(progress_mu);
   for (auto& [id, fn] : progress) fn();
+}
+
+Client::QuietWaits::QuietWaits() : was_quiet_(std::exchange(quiet_waits, true)) {}
+
+Client::QuietWaits::~QuietWaits() {
+  quiet_waits = was_quiet_;
 }
 
 Client::Progress Client::while_waiting(std::function<void()> fn) {

@@ -47,6 +47,9 @@ struct Client::Impl {
   template <class Done>
   bool wait(std::unique_lock<std::mutex>& lock, Millis timeout, Done done);
   void run_progress();
+  // Whether a wait on this thread runs the while_waiting hooks: some are
+  // registered and the thread is not quiet (Client::QuietWaits).
+  bool progress_here() const;
   void close_on_io();
   Error lost_error() const;
 
@@ -84,7 +87,7 @@ struct Client::Impl {
 
 template <class Done>
 bool Client::Impl::wait(std::unique_lock<std::mutex>& lock, Millis timeout, Done done) {
-  if (!has_progress.load(std::memory_order_acquire)) return cv.wait_for(lock, timeout, done);
+  if (!progress_here()) return cv.wait_for(lock, timeout, done);
   const auto deadline = Clock::now() + timeout;
   auto slice = std::chrono::microseconds(16);
   while (!done()) {

@@ -86,5 +86,37 @@ TEST(ClientProgress, RegistrationsAreIndependent) {
   EXPECT_GT(first, moved_before);
 }
 
+// A watcher thread waiting on the client beside the thread that drives the
+// transport (save_hf's end watch) runs no hook while it is quiet, on any
+// client; the driving thread's waits still do, and so does the watcher's
+// once its QuietWaits is gone.
+TEST(ClientProgress, QuietWaitsRunNoHookOnTheirThread) {
+  Coordinator coord(fast_coordinator());
+  Client a(client_of(coord, Role::trainer, 0, 1));
+  std::atomic<int> on_main{0}, elsewhere{0};
+  const auto main_thread = std::this_thread::get_id();
+  auto progress = a.while_waiting([&] {
+    if (std::this_thread::get_id() == main_thread)
+      ++on_main;
+    else
+      ++elsewhere;
+  });
+  std::thread watcher([&] {
+    {
+      Client::QuietWaits quiet;
+      {
+        Client::QuietWaits nested;  // nesting keeps it quiet
+      }
+      EXPECT_THROW(a.get("never/set", 300ms), Error);
+    }
+    EXPECT_EQ(elsewhere.load(), 0) << "a quiet wait ran the hook";
+    EXPECT_THROW(a.get("never/set", 100ms), Error);  // quiet no more
+  });
+  EXPECT_THROW(a.wait_event(200ms), Error);
+  watcher.join();
+  EXPECT_GT(on_main.load(), 10) << "the driving thread's wait ran the hook";
+  EXPECT_GT(elsewhere.load(), 0) << "the hook ran once the watcher was quiet no more";
+}
+
 }  // namespace
 }  // namespace weightsync::control
