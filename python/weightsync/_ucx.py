@@ -28,17 +28,16 @@ _LOAD = ("libucs.so.0", "libuct.so.0", "libucp.so.0")
 _handles: list = []  # keeps what was loaded loaded
 
 
-def _load_directory(path: str) -> str:
+def _load_directory(path: str) -> None:
     missing = [n for n in _FILES if not os.path.exists(os.path.join(path, n))]
     if missing:
         raise ImportError(f"WEIGHTSYNC_UCX={path!r}: no {', '.join(missing)} in that directory")
     # RTLD_LOCAL: the loader then satisfies _core's need for libucp.so.0 by
     # soname with these, without exporting UCX symbols to everything else.
     _handles.extend(ctypes.CDLL(os.path.join(path, n), ctypes.RTLD_LOCAL) for n in _LOAD)
-    return path
 
 
-def _load_libucx(required: bool) -> str | None:
+def _load_libucx(required: bool) -> None:
     try:
         import libucx  # type: ignore[import-not-found]
     except ImportError as e:
@@ -46,17 +45,16 @@ def _load_libucx(required: bool) -> str | None:
             raise ImportError(
                 "WEIGHTSYNC_UCX=libucx, but the libucx package is not installed "
                 "(pip install libucx-cu13, or libucx-cu12 for CUDA 12)") from e
-        return None
+        return
     _handles.extend(libucx.load_library())
-    return os.path.join(os.path.dirname(os.path.abspath(libucx.__file__)), "lib")
 
 
-def select() -> str | None:
-    """Loads the UCX WEIGHTSYNC_UCX asks for; returns its directory, or None
-    when the loader's choice stands."""
+def select() -> None:
+    """Loads the UCX WEIGHTSYNC_UCX asks for (nothing when the loader's
+    choice stands); ucx_library() says which one the process got."""
     choice = os.environ.get("WEIGHTSYNC_UCX", "auto").strip() or "auto"
     if choice == "system":
-        return None
+        return
     if choice in ("auto", "libucx"):
         return _load_libucx(required=choice == "libucx")
     if os.path.isdir(choice):
@@ -76,4 +74,4 @@ def ucx_library() -> list[str]:
     return sorted(os.path.realpath(f) for f in files)
 
 
-directory = select()
+select()

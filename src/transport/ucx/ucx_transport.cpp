@@ -393,6 +393,19 @@ std::unique_ptr<Request> UcxTransport::finish_post(UcxOp* op, ucs_status_ptr_t p
   return std::make_unique<UcxRequest>(*this, op);
 }
 
+// What UCX is told about a posted buffer: its registration, and its memory
+// type where UCX moves CUDA memory (saving a lookup in its memory-type cache).
+void UcxTransport::describe_buffer(ucp_request_param_t& param, const Buffer& buffer) const {
+  if (cuda_memory_) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memory_type = memory_type(buffer.memory);
+  }
+  if (buffer.region) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();
+  }
+}
+
 std::unique_ptr<Request> UcxTransport::send(int peer, Tag tag, const Buffer& buffer) {
   check_post(peer, tag, buffer, "send to");
   check_alive(peer, "send to");
@@ -403,14 +416,7 @@ std::unique_ptr<Request> UcxTransport::send(int peer, Tag tag, const Buffer& buf
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = send_callback;
   param.user_data = op;
-  if (cuda_memory_) {  // saves UCX looking the buffer up in its memory-type cache
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-    param.memory_type = memory_type(buffer.memory);
-  }
-  if (buffer.region) {
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();
-  }
+  describe_buffer(param, buffer);
   auto posted = ucp_tag_send_nbx(ep, buffer.data, buffer.bytes, wire_tag(rank_, tag), &param);
   return finish_post(op, posted, cat("send to rank ", peer).c_str());
 }
@@ -428,14 +434,7 @@ std::unique_ptr<Request> UcxTransport::recv(int peer, Tag tag, const Buffer& buf
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   param.cb.recv = recv_callback;
   param.user_data = op;
-  if (cuda_memory_) {
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-    param.memory_type = memory_type(buffer.memory);
-  }
-  if (buffer.region) {
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    param.memh = static_cast<const UcxRegion*>(buffer.region)->memh();
-  }
+  describe_buffer(param, buffer);
   auto posted = ucp_tag_recv_nbx(worker_->worker(), buffer.data, buffer.bytes, wire_tag(peer, tag),
                                  ~ucp_tag_t{0}, &param);
   auto request = finish_post(op, posted, cat("receive from rank ", peer).c_str());

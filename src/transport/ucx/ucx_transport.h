@@ -85,6 +85,7 @@ class UcxTransport final : public Transport {
 
  private:
   void check_post(int peer, Tag tag, const Buffer& buffer, const char* what) const;
+  void describe_buffer(ucp_request_param_t& param, const Buffer& buffer) const;
   void check_alive(int peer, const char* what) const;
   ucp_ep_h endpoint(int peer);
   std::vector<uint8_t> fresh_address(const UcxPeer& p);
