@@ -37,6 +37,7 @@ class FakeMemory final : public ipc::IpcMemory {
     // the mapping: record whether it was still mapped.
     ~FakeCopy() override { m_.mapped_when_copy_ended.push_back(m_.live_mappings); }
     bool done() override {
+      ++m_.done_calls;
       if (p_->error) throw *p_->error;
       return p_->complete;
     }
@@ -47,6 +48,7 @@ class FakeMemory final : public ipc::IpcMemory {
   };
 
   MemoryKind memory() const override { return MemoryKind::host; }
+  bool copies_in_order() const override { return in_order; }
 
   // Declares [base, base + bytes) as one allocation with identity `id`.
   void allocation(const void* base, std::size_t bytes, uint64_t id) {
@@ -112,6 +114,8 @@ class FakeMemory final : public ipc::IpcMemory {
   std::map<uintptr_t, ipc::Piece> allocations;
   std::vector<std::shared_ptr<Pending>> copies;
   bool auto_complete = true;
+  bool in_order = false;  // complete_next() keeps any order true
+  int done_calls = 0;
   bool unmap_before_free = true;  // as cudaMalloc memory
   int fds_per_export = 0;
   std::size_t extra_handle_bytes = 0;
@@ -159,9 +163,11 @@ struct LinkPair {
   }
 
   // Delivers every queued packet (also those sent while delivering).
+  // Each side flushes what it queued first, as progress() does.
   void pump() {
     for (bool more = true; more;) {
       more = false;
+      for (auto& l : link) l->flush();
       for (int i = 0; i < 2; ++i)
         while (!wire[i].empty()) {
           ipc::OutPacket p = std::move(wire[i].front());

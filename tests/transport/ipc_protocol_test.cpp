@@ -32,6 +32,15 @@ std::string error_of(const ipc::IpcOp& op) {
   return op.error ? op.error->second : "";
 }
 
+// What a side wrote, message by message, in packet order.
+std::vector<std::string> message_names(const std::deque<ipc::OutPacket>& wire) {
+  std::vector<std::string> names;
+  for (const auto& packet : wire)
+    for (const auto& m : ipc::split_batch(packet.bytes))
+      names.push_back(ipc::message_name(ipc::decode(m)));
+  return names;
+}
+
 TEST(IpcProtocol, SendPostedBeforeItsReceiveWaitsAndIsThenDelivered) {
   LinkPair p;
   Block in(p, 0, 64);
@@ -384,8 +393,14 @@ TEST(IpcProtocol, HundredsOfDescriptorsAndALongHandleTravelInSeveralPackets) {
   Block in(p, 0, 64);
   const auto out = pattern(64, 4);
   auto r = p.recv(0, 1, in.data(), 64);
-  ASSERT_EQ(p.wire[0].size(), 5u)
-      << "region, 3 x region_more (handle in 2 KiB slices), recv_posted";
+  p.link[0]->flush();
+  // The region, then region_more packets (the handle in 2 KiB slices, with
+  // 200, 200 and 50 descriptors); the last slice passes none and leaves in
+  // one batch with the receive.
+  ASSERT_EQ(p.wire[0].size(), 4u);
+  EXPECT_EQ(message_names(p.wire[0]),
+            (std::vector<std::string>{"region", "region_more", "region_more", "region_more",
+                                      "recv_posted"}));
   auto s = p.send(1, 1, out.data(), 64);
   p.pump();
   EXPECT_TRUE(r->done && !r->error) << error_of(*r);
@@ -395,6 +410,113 @@ TEST(IpcProtocol, HundredsOfDescriptorsAndALongHandleTravelInSeveralPackets) {
   ASSERT_EQ(handle.size(), sizeof(uintptr_t) + 450 * 16);
   for (std::size_t i = 0; i < 450 * 16; ++i)
     ASSERT_EQ(handle[sizeof(uintptr_t) + i], static_cast<uint8_t>(i * 7)) << "byte " << i;
+}
+
+TEST(IpcProtocol, ReceivesPostedTogetherAndTheirCompletionsTravelInBatches) {
+  // 3000 receives of 64 bytes: posted in one go, they leave in three packets
+  // (each at most kMaxPacketBytes), and the sender's 3000 completions, found
+  // in one pass, in two; every message arrives, bytes and all.
+  constexpr int kCount = 3000;
+  constexpr std::size_t kBytes = 64;
+  LinkPair p;
+  Block in(p, 0, kCount * kBytes);
+  std::vector<std::shared_ptr<ipc::IpcOp>> recvs, sends;
+  for (int i = 0; i < kCount; ++i)
+    recvs.push_back(p.recv(0, 5, static_cast<uint8_t*>(in.data()) + i * kBytes, kBytes));
+  EXPECT_EQ(p.wire[0].size(), 2u) << "full packets leave as they fill";
+  EXPECT_GT(p.link[0]->queued(), 0u) << "the rest waits for the flush";
+  p.link[0]->flush();
+  EXPECT_EQ(p.link[0]->queued(), 0u);
+  ASSERT_EQ(p.wire[0].size(), 3u);
+  for (const auto& packet : p.wire[0]) EXPECT_LE(packet.bytes.size(), ipc::kMaxPacketBytes);
+  const auto names = message_names(p.wire[0]);
+  ASSERT_EQ(names.size(), kCount + 1u);
+  EXPECT_EQ(names.front(), "region");
+  EXPECT_EQ(names.back(), "recv_posted");
+
+  const auto out = pattern(kCount * kBytes, 9);
+  p.memory[1].auto_complete = false;
+  for (int i = 0; i < kCount; ++i) sends.push_back(p.send(1, 5, out.data() + i * kBytes, kBytes));
+  while (!p.wire[0].empty()) {  // the receives reach the sender: every copy starts
+    ipc::OutPacket packet = std::move(p.wire[0].front());
+    p.wire[0].pop_front();
+    p.link[1]->on_packet(ipc::InPacket{std::move(packet.bytes), {}});
+  }
+  ASSERT_EQ(p.memory[1].copies.size(), static_cast<std::size_t>(kCount));
+  for (int i = 0; i < kCount; ++i) p.memory[1].complete_next();
+  EXPECT_TRUE(p.link[1]->poll());
+  p.link[1]->flush();
+  EXPECT_EQ(p.wire[1].size(), 2u) << "3000 completions of 36 bytes each";
+  EXPECT_EQ(message_names(p.wire[1]), std::vector<std::string>(kCount, "complete"));
+  p.pump();
+  for (int i = 0; i < kCount; ++i) {
+    ASSERT_TRUE(recvs[i]->done && !recvs[i]->error) << "receive " << i << error_of(*recvs[i]);
+    ASSERT_TRUE(sends[i]->done && !sends[i]->error) << "send " << i << error_of(*sends[i]);
+  }
+  EXPECT_EQ(in.bytes, out);
+}
+
+TEST(IpcProtocol, CopiesThatFinishInOrderArePolledUpToTheFirstStillRunning) {
+  for (const bool in_order : {false, true}) {
+    LinkPair p;
+    p.memory[1].auto_complete = false;
+    p.memory[1].in_order = in_order;
+    Block in(p, 0, 100 * 16);
+    const auto out = pattern(100 * 16, 5);
+    for (int i = 0; i < 100; ++i) {
+      p.recv(0, 3, static_cast<uint8_t*>(in.data()) + 16 * i, 16);
+      p.send(1, 3, out.data() + 16 * i, 16);
+    }
+    p.pump();
+    ASSERT_EQ(p.memory[1].copies.size(), 100u);
+    p.memory[1].done_calls = 0;
+    EXPECT_FALSE(p.link[1]->poll());
+    EXPECT_EQ(p.memory[1].done_calls, in_order ? 1 : 100);
+    for (int i = 0; i < 40; ++i) p.memory[1].complete_next();
+    p.memory[1].done_calls = 0;
+    EXPECT_TRUE(p.link[1]->poll());
+    EXPECT_EQ(p.memory[1].done_calls, in_order ? 41 : 100);
+    EXPECT_EQ(p.link[1]->pending(), 60u);
+    for (int i = 0; i < 60; ++i) p.memory[1].complete_next();
+    p.pump();
+    EXPECT_EQ(p.link[1]->pending(), 0u);
+    EXPECT_EQ(p.link[0]->pending(), 0u);
+    EXPECT_EQ(in.bytes, out);
+  }
+}
+
+TEST(IpcProtocol, AMessagePassingDescriptorsLeavesAfterWhatWasQueuedBeforeIt) {
+  LinkPair p;
+  p.memory[0].fds_per_export = 1;
+  Block a(p, 0, 64, 1), b(p, 0, 64, 2);
+  auto ra = p.recv(0, 1, a.data(), 64);
+  auto rb = p.recv(0, 1, b.data(), 64);
+  p.link[0]->flush();
+  // The receive into `a` went out before b's region, and only after a's.
+  EXPECT_EQ(message_names(p.wire[0]),
+            (std::vector<std::string>{"region", "recv_posted", "region", "recv_posted"}));
+  ASSERT_EQ(p.wire[0].size(), 4u);
+  EXPECT_EQ(p.wire[0][0].fds.size(), 1u);
+  EXPECT_EQ(p.wire[0][2].fds.size(), 1u);
+  const auto out = pattern(128, 2);
+  p.send(1, 1, out.data(), 64);
+  p.send(1, 1, out.data() + 64, 64);
+  p.pump();
+  ASSERT_TRUE(ra->done && rb->done && !ra->error && !rb->error);
+  EXPECT_EQ(a.bytes, std::vector<uint8_t>(out.begin(), out.begin() + 64));
+  EXPECT_EQ(b.bytes, std::vector<uint8_t>(out.begin() + 64, out.end()));
+  // A batch that passes descriptors breaks the protocol.
+  ipc::InPacket bad{ipc::encode_batch({ipc::encode(ipc::Cancel{1}), ipc::encode(ipc::Cancel{2})}),
+                    {}};
+  bad.fds.emplace_back(::dup(0));
+  try {
+    p.link[1]->on_packet(std::move(bad));
+    FAIL() << "a batch with descriptors was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::protocol);
+    EXPECT_NE(std::string(e.what()).find("descriptors with a batch"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(IpcProtocol, PacketsThatBreakTheProtocolAreRefused) {

@@ -91,6 +91,50 @@ TEST(IpcWire, MalformedPacketsAreProtocolErrors) {
   expect_protocol_error(status, "status 9");
 }
 
+TEST(IpcWire, BatchesCarryTheirMessagesInOrderAndMalformedOnesAreRefused) {
+  const std::vector<std::vector<uint8_t>> messages = {
+      ipc::encode(ipc::RecvPosted{1, 7, 3, 0, 64}),
+      ipc::encode(ipc::Complete{2, ipc::CompleteStatus::sender_failed, 0, "why"}),
+      ipc::encode(ipc::Cancel{3})};
+  const auto batch = ipc::encode_batch(messages);
+  EXPECT_TRUE(ipc::is_batch(batch));
+  EXPECT_FALSE(ipc::is_batch(messages[0]));
+  EXPECT_EQ(batch.size(), ipc::kBatchHeaderBytes + 3 * ipc::kBatchEntryBytes + messages[0].size() +
+                              messages[1].size() + messages[2].size());
+  EXPECT_EQ(ipc::split_batch(batch), messages);
+  // A single message is its own packet.
+  EXPECT_EQ(ipc::split_batch(messages[1]), std::vector<std::vector<uint8_t>>{messages[1]});
+  EXPECT_EQ(std::get<ipc::Cancel>(ipc::decode(ipc::split_batch(batch)[2])).recv_id, 3u);
+
+  auto refused = [](const std::vector<uint8_t>& bytes, const std::string& part) {
+    try {
+      ipc::split_batch(bytes);
+      ADD_FAILURE() << "split a malformed batch (expected '" << part << "')";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::protocol) << e.what();
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  for (std::size_t n = 8; n < batch.size(); ++n)
+    refused(std::vector<uint8_t>(batch.begin(), batch.begin() + n), "malformed");
+  auto longer = batch;
+  longer.push_back(0);
+  refused(longer, "left over");
+  auto count = batch;
+  count[8] = 0;
+  refused(count, "no message");
+  count[8] = 0xFF, count[9] = 0xFF;
+  refused(count, "65535 messages");
+  auto version = batch;
+  version[4] = 9;
+  refused(version, "version 9");
+  // A batch inside a batch is not a message.
+  const auto nested = ipc::encode_batch({batch, messages[0]});
+  EXPECT_EQ(ipc::split_batch(nested).size(), 2u);
+  expect_protocol_error(ipc::split_batch(nested)[0], "batch packet inside a batch");
+  EXPECT_THROW(ipc::encode_batch({}), Error);
+}
+
 std::pair<ipc::Connection, ipc::Connection> socket_pair() {
   int fds[2];
   EXPECT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, fds), 0);

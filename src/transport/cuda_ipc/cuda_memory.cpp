@@ -190,6 +190,7 @@ class CudaMemory final : public IpcMemory {
   std::unique_ptr<Mapping> import(uint32_t kind, const std::vector<uint8_t>& handle,
                                   std::vector<UniqueFd> fds, std::size_t bytes) override;
   std::unique_ptr<Copy> copy(void* dst, const Buffer& src) override;
+  bool copies_in_order() const override { return true; }  // all on stream_
 
  private:
   std::unique_ptr<Mapping> import_legacy(const std::vector<uint8_t>& handle);

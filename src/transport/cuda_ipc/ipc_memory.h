@@ -80,6 +80,10 @@ class IpcMemory {
                                           std::vector<UniqueFd> fds, std::size_t bytes) = 0;
   // Sender: starts copying `src` to `dst` (inside a mapping).
   virtual std::unique_ptr<Copy> copy(void* dst, const Buffer& src) = 0;
+  // True when copies finish in the order they were started (one stream): a
+  // poll then stops at the first that runs, rather than asking each of
+  // hundreds in flight on every pass.
+  virtual bool copies_in_order() const { return false; }
 };
 
 }  // namespace weightsync::transport::cuda_ipc

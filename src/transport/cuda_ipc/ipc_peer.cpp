@@ -44,7 +44,23 @@ PeerLink::~PeerLink() = default;
 
 void PeerLink::send(const Message& m, SharedFds owner, std::vector<int> fds) {
   if (failed_) return;  // nobody is listening
-  sink_(OutPacket{encode(m), std::move(owner), std::move(fds)});
+  std::vector<uint8_t> bytes = encode(m);
+  if (!fds.empty()) {
+    flush();
+    sink_(OutPacket{std::move(bytes), std::move(owner), std::move(fds)});
+    return;
+  }
+  if (out_bytes_ + kBatchEntryBytes + bytes.size() > kMaxPacketBytes) flush();
+  out_bytes_ += kBatchEntryBytes + bytes.size();
+  out_.push_back(std::move(bytes));
+}
+
+void PeerLink::flush() {
+  if (out_.empty()) return;
+  std::vector<uint8_t> packet = out_.size() == 1 ? std::move(out_.front()) : encode_batch(out_);
+  out_.clear();
+  out_bytes_ = kBatchHeaderBytes;
+  if (!failed_) sink_(OutPacket{std::move(packet), nullptr, {}});
 }
 
 // The region message, then its descriptors in as many packets as they need.
@@ -126,8 +142,18 @@ void PeerLink::cancel(IpcOp& op) {
 }
 
 void PeerLink::on_packet(InPacket packet) {
-  Message m = decode(packet.bytes);
-  if (!packet.fds.empty() && !std::holds_alternative<RegionMsg>(m) &&
+  if (is_batch(packet.bytes)) {
+    if (!packet.fds.empty())
+      weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_,
+                       " passed descriptors with a batch packet");
+    for (auto& bytes : split_batch(std::move(packet.bytes))) dispatch(decode(bytes), {});
+    return;
+  }
+  dispatch(decode(packet.bytes), std::move(packet.fds));
+}
+
+void PeerLink::dispatch(Message m, std::vector<UniqueFd> fds) {
+  if (!fds.empty() && !std::holds_alternative<RegionMsg>(m) &&
       !std::holds_alternative<RegionMore>(m))
     weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " passed descriptors with a ",
                      message_name(m), " message");
@@ -135,9 +161,9 @@ void PeerLink::on_packet(InPacket packet) {
       [&](auto& msg) {
         using T = std::decay_t<decltype(msg)>;
         if constexpr (std::is_same_v<T, RegionMsg>)
-          on_region(std::move(msg), std::move(packet.fds));
+          on_region(std::move(msg), std::move(fds));
         else if constexpr (std::is_same_v<T, RegionMore>)
-          on_region_more(msg, std::move(packet.fds));
+          on_region_more(msg, std::move(fds));
         else if constexpr (std::is_same_v<T, Release>)
           on_release(msg);
         else if constexpr (std::is_same_v<T, Released>)
@@ -328,6 +354,7 @@ void PeerLink::sender_failed(IpcOp& op, uint64_t recv_id, Errc code, const std::
 
 bool PeerLink::poll() {
   bool progressed = false;
+  const bool in_order = memory_.copies_in_order();
   for (std::size_t i = 0; i < copying_.size();) {
     IpcOp& op = *copying_[i];
     bool finished = false;
@@ -339,6 +366,7 @@ bool PeerLink::poll() {
       failure = e;
     }
     if (!finished) {
+      if (in_order) break;  // those started after it run still
       ++i;
       continue;
     }
@@ -382,6 +410,8 @@ void PeerLink::lose(const std::string& why) {
   if (failed_) return;
   failed_ = true;
   failure_ = why;
+  out_.clear();  // nobody is listening
+  out_bytes_ = kBatchHeaderBytes;
   const std::string text = cat("peer rank ", peer_, " failed (", why, ")");
   for (auto& [id, op] : recvs_) op->set_error(Errc::peer_failure, text);
   recvs_.clear();

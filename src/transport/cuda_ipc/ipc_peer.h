@@ -69,8 +69,15 @@ class PeerLink {
   void post_send(const std::shared_ptr<IpcOp>& op);
   // Asks for `op` to be withdrawn (see transport.h's cancel()).
   void cancel(IpcOp& op);
-  // A packet from the peer. Errc::protocol when it breaks the protocol.
+  // A packet from the peer (one message or a batch). Errc::protocol when it
+  // breaks the protocol.
   void on_packet(InPacket packet);
+  // Messages to the peer wait in this link until flush() (the transport
+  // flushes once per progress pass), and go out then in as few packets as
+  // they fit: the receives posted in one go and the completions found in one
+  // pass cost one write. A message passing descriptors flushes those before it.
+  void flush();
+  std::size_t queued() const { return out_.size(); }
   // Advances running copies; true when something completed.
   bool poll();
   // Tells the peer that a region it may have mapped is gone. For memory that
@@ -103,6 +110,7 @@ class PeerLink {
   };
   void announce(ExportEntry& entry);
   void send(const Message& m, SharedFds owner = nullptr, std::vector<int> fds = {});
+  void dispatch(Message m, std::vector<UniqueFd> fds);
   void on_region(RegionMsg m, std::vector<UniqueFd> fds);
   void on_region_more(const RegionMore& m, std::vector<UniqueFd> fds);
   void on_release(const Release& m);
@@ -122,6 +130,8 @@ class PeerLink {
   ExportTable& exports_;
   uint64_t process_id_;
   Sink sink_;
+  std::vector<std::vector<uint8_t>> out_;      // encoded messages not yet flushed
+  std::size_t out_bytes_ = kBatchHeaderBytes;  // their batch's size
   bool failed_ = false;
   std::string failure_;
   // Receiver side.
@@ -132,8 +142,8 @@ class PeerLink {
   // Sender side.
   std::map<Tag, std::deque<std::shared_ptr<IpcOp>>> sends_;
   std::map<Tag, std::deque<RecvPosted>> remote_recvs_;
-  std::map<uint64_t, Tag> remote_index_;  // recv id -> tag, for cancels
-  std::vector<std::shared_ptr<IpcOp>> copying_;
+  std::map<uint64_t, Tag> remote_index_;        // recv id -> tag, for cancels
+  std::deque<std::shared_ptr<IpcOp>> copying_;  // in start order
   std::map<uint64_t, RemoteRegion> regions_;
 };
 

@@ -277,6 +277,7 @@ void IpcTransport::reconnect(int peer) {
 
 void IpcTransport::flush_all() {
   for (auto& p : peers_) {
+    p.link->flush();  // its queued messages into the connection's outbox
     if (!p.out.open() || p.out.idle() || !p.broken.empty()) continue;
     try {
       p.out.flush();

@@ -46,6 +46,13 @@ class Reader {
     const auto n = get<uint32_t>(field);
     if (n > kMaxBlob)
       fail(Errc::protocol, "cuda_ipc: malformed packet: ", field, " of ", n, " bytes");
+    return bytes(n, field);
+  }
+  // A length, then that many bytes, bounded only by the packet.
+  std::vector<uint8_t> blob_unbounded(const char* field) {
+    return bytes(get<uint32_t>(field), field);
+  }
+  std::vector<uint8_t> bytes(uint32_t n, const char* field) {
     need(n, field);
     std::vector<uint8_t> v(in_.begin() + pos_, in_.begin() + pos_ + n);
     pos_ += n;
@@ -199,9 +206,52 @@ Message decode(const std::vector<uint8_t>& bytes) {
     fail(Errc::protocol, "cuda_ipc: peer speaks protocol version ", version, ", this is ",
          kWireVersion, " (mixed weightsync builds?)");
   const auto type = r.get<uint16_t>("type");
+  if (type == kBatchType)
+    fail(Errc::protocol, "cuda_ipc: a batch packet inside a batch (", bytes.size(), " bytes)");
   Message m = read_fields(r, type);
   r.end(message_name(m));
   return m;
+}
+
+std::vector<uint8_t> encode_batch(const std::vector<std::vector<uint8_t>>& messages) {
+  if (messages.empty()) fail(Errc::internal, "cuda_ipc: an empty batch");
+  Writer w;
+  w.put(kWireMagic);
+  w.put(kWireVersion);
+  w.put(kBatchType);
+  w.put(static_cast<uint32_t>(messages.size()));
+  for (const auto& m : messages) w.blob(m.data(), m.size());
+  return w.take();
+}
+
+bool is_batch(const std::vector<uint8_t>& packet) {
+  uint16_t type = 0;
+  if (packet.size() >= 8) std::memcpy(&type, packet.data() + 6, sizeof(type));
+  return type == kBatchType;
+}
+
+std::vector<std::vector<uint8_t>> split_batch(std::vector<uint8_t> packet) {
+  std::vector<std::vector<uint8_t>> out;
+  if (!is_batch(packet)) {
+    out.push_back(std::move(packet));
+    return out;
+  }
+  Reader r(packet);
+  const auto magic = r.get<uint32_t>("magic");
+  const auto version = r.get<uint16_t>("version");
+  if (magic != kWireMagic || version != kWireVersion) decode(packet);  // throws, naming which
+  r.get<uint16_t>("type");
+  const auto count = r.get<uint32_t>("batch count");
+  if (count == 0) fail(Errc::protocol, "cuda_ipc: malformed batch packet: no message in it");
+  // Each message takes at least its length and a header: a count beyond what
+  // the packet can hold is refused before anything is allocated for it.
+  if (count > packet.size() / (kBatchEntryBytes + 8))
+    fail(Errc::protocol, "cuda_ipc: malformed batch packet: ", count, " messages in ",
+         packet.size(), " bytes");
+  out.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) out.push_back(r.blob_unbounded("batch message"));
+  r.end("batch");
+  return out;
 }
 
 const char* message_name(const Message& message) {

@@ -20,6 +20,12 @@
 //   complete     S -> R: receive `recv_id` got `bytes` (status ok), or the
 //                message was too large / the sender failed (no data written
 //                in either case)
+//
+// Batches: messages without descriptors that a side queues between two
+// flushes (the receives posted in one go, the completions of one progress
+// pass) travel together in batch packets, so many receives and completions
+// cost one write and one read. A batch never nests and never passes
+// descriptors; messages that pass descriptors go alone, in order with the rest.
 #pragma once
 
 #include <weightsync/backend/transport.h>
@@ -34,7 +40,7 @@
 namespace weightsync::transport::cuda_ipc {
 
 constexpr uint32_t kWireMagic = 0x50495357;  // "WSIP"
-constexpr uint16_t kWireVersion = 1;
+constexpr uint16_t kWireVersion = 2;         // 2: batch packets
 
 struct Hello {
   int32_t rank = 0;
@@ -103,5 +109,18 @@ std::vector<uint8_t> encode(const Message& message);
 // Errc::protocol for a malformed packet (bad magic, version, type or length).
 Message decode(const std::vector<uint8_t>& bytes);
 const char* message_name(const Message& message);
+
+// A batch packet: magic, version, kBatchType, a u32 count, then per message
+// its u32 length and its encoded bytes.
+constexpr uint16_t kBatchType = 0xFFFF;
+constexpr std::size_t kBatchHeaderBytes = 12;
+constexpr std::size_t kBatchEntryBytes = 4;  // each message's length
+bool is_batch(const std::vector<uint8_t>& packet);
+// The batch of `messages` (each one encode()d; at least one).
+std::vector<uint8_t> encode_batch(const std::vector<std::vector<uint8_t>>& messages);
+// The encoded messages a packet holds: the packet itself when it holds one
+// message, each message of a batch otherwise. Errc::protocol for a malformed
+// batch (a length past its end, a count that does not match, bytes left over).
+std::vector<std::vector<uint8_t>> split_batch(std::vector<uint8_t> packet);
 
 }  // namespace weightsync::transport::cuda_ipc
