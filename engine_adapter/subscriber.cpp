@@ -439,7 +439,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   ack.stats.phases = {
       {"receive", out.phases.receive}, {"verify", out.phases.verify}, {"apply", out.phases.apply}};
   ack.stats.bytes = report.bytes;
-  ack.stats.staging_bytes = pipeline ? 2 * pipeline->slot_bytes() : 0;
+  ack.stats.staging_bytes = pipeline ? pipeline->staging_bytes() : 0;
   out.bytes = report.bytes;
   out.bytes_direct = report.bytes_direct;
   out.delta_buckets = report.delta_buckets;

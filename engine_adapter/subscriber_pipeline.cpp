@@ -21,7 +21,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kPublishSlot = 2;  // the copier's event for publish_staging
+// The copier's events: one per slot parity (a bucket's apply is waited for
+// before the next starts, so two suffice for any number of slots), and one
+// for publish_staging.
+constexpr int kPublishSlot = 2;
+int lane(int slot) {
+  return slot % 2;
+}
 
 using pipeline::seconds_since;
 
@@ -75,6 +81,9 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
     actions_.push_back(std::move(a));
   }
   changed_.assign(params.size(), false);
+  int64_t largest = 0;
+  for (const RecvAction& a : actions_) largest = std::max(largest, a.bytes);
+  slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), !broadcast_ && !wire_.delta));
 }
 
 void ReceivePipeline::mark_changed(const RecvAction& a) {
@@ -388,9 +397,9 @@ void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop
   report.checksum = checksum_fold(report.checksum, sum);
   t = Clock::now();
   const int64_t apply_us = tracer ? trace_now_us() : 0;
-  if (!a.apply.empty()) copier_.run(k, a.apply, addr(slot.buffer.data), 0, s);
+  if (!a.apply.empty()) copier_.run(k, a.apply, addr(slot.buffer.data), 0, lane(s));
   // The slot is posted again only once the apply that reads it is done.
-  copier_.wait(s, loop, "applying bucket");
+  copier_.wait(lane(s), loop, "applying bucket");
   phases.apply += seconds_since(t);
   mark_changed(a);
   if (tracer) tracer->complete(cat("apply ", a.bucket), "apply", apply_us, trace_now_us());
@@ -486,8 +495,8 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
     const CopyProgram& apply = broadcast_ ? a.apply : a.frame_apply;
     // GPU: run even when empty, for the slot's event after the copies queued above.
     if (!apply.empty() || copier_.on_gpu())
-      copier_.run(broadcast_ ? k : frame_apply_index(k), apply, addr(packed), 0, s);
-    copier_.wait(s, loop, "applying bucket");
+      copier_.run(broadcast_ ? k : frame_apply_index(k), apply, addr(packed), 0, lane(s));
+    copier_.wait(lane(s), loop, "applying bucket");
     phases.apply += seconds_since(t);
   } catch (const Error& e) {
     // A bad frame rejects the step; a wait that was abandoned ends it.
@@ -515,7 +524,7 @@ uint64_t ReceivePipeline::patch_on_device(size_t k, int s, const char* frame, in
                          &items_changed_);
   // The packed bucket as the targets hold it, then the patch and the
   // digest, in order on the copier's stream.
-  copier_.run(gather_index(k), a.gather, 0, addr(device_scratch_.data()), s);
+  copier_.run(gather_index(k), a.gather, 0, addr(device_scratch_.data()), lane(s));
   patcher_.run(copier_.stream(), frame, static_cast<size_t>(bytes), tables_.patch, tables_.hash, 0);
   return digest ? patcher_.digest(copier_.stream()) : 0;
 }
@@ -527,13 +536,13 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
   pipeline::Loop loop(cat("engine rank ", global_rank_), transport, poll, deadline);
   ReceiveReport report;
   changed_.assign(changed_.size(), false);
-  post(0, 0, step, transport);
-  post(1, 1, step, transport);
+  const size_t depth = slots_.size();
+  for (size_t s = 0; s < depth; ++s) post(s, static_cast<int>(s), step, transport);
   for (size_t k = 0; k < actions_.size(); ++k) {
-    const int s = static_cast<int>(k % 2);
+    const int s = static_cast<int>(k % depth);
     receive(k, s, step, loop, phases, tracer);
     settle(k, s, step, loop, report, phases, tracer);
-    post(k + 2, s, step, transport);
+    post(k + depth, s, step, transport);
   }
   return report;
 }

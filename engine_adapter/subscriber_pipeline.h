@@ -1,6 +1,7 @@
 // The engine rank's data path, compiled once from the plan and run every
 // step: receive bucket k+1 while bucket k is verified and applied, in two
-// receive slots, in the order the trainers send (Plan::buckets_received_by:
+// receive slots (more when most of each bucket lands straight in its params:
+// slot_depth), in the order the trainers send (Plan::buckets_received_by:
 // predicted start, then bucket id). A p2p bucket lands as fragments
 // (wire.h): dense runs go straight into their param (or staging copy), the
 // rest into the slot and is applied from there.
@@ -92,7 +93,10 @@ class ReceivePipeline {
                   const Capabilities& caps);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
-  // Allocates and registers the two slots (`slots` memory on `slot_device`)
+  std::size_t slots() const { return slots_.size(); }
+  // The slots' memory in all.
+  std::size_t staging_bytes() const { return slots_.size() * slot_bytes_; }
+  // Allocates and registers the slots (`slots` memory on `slot_device`)
   // and, for CUDA params, uploads the apply programs (once).
   void prepare(Transport& transport, SlotMemory slots, int slot_device);
   // Runs one step; `poll` is called about every millisecond and throws to
@@ -181,7 +185,7 @@ class ReceivePipeline {
   // Before the slots: requests still posted (cancelled at destruction) may
   // land in the staging copies, so these outlive them.
   std::vector<StagingCopy> staging_;
-  Slot slots_[2];
+  std::vector<Slot> slots_;          // slot_depth of them
   CopyProgram publish_;              // staging -> params
   std::unique_ptr<char[]> scratch_;  // delta sync: the bucket being rebuilt
   // Delta sync with CUDA targets: scratch on the device, the tables and

@@ -267,7 +267,7 @@ PushResult Publisher::Impl::push(int64_t step) {
                     {"gather", out.phases.gather},
                     {"wire", out.phases.wire}};
     stats.bytes = out.bytes_sent;
-    stats.staging_bytes = pipeline ? 2 * pipeline->slot_bytes() : 0;
+    stats.staging_bytes = pipeline ? pipeline->staging_bytes() : 0;
     client->sent(step, true, {}, wait_until(deadline), stats);
   } catch (const Error& e) {
     std::fill(held.begin(), held.end(), int64_t{-1});
@@ -424,7 +424,7 @@ int Publisher::rank() const {
 }
 
 std::size_t Publisher::staging_bytes() const {
-  return impl_->pipeline ? 2 * impl_->pipeline->slot_bytes() : 0;
+  return impl_->pipeline ? impl_->pipeline->staging_bytes() : 0;
 }
 
 }  // namespace weightsync

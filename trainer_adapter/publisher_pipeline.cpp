@@ -21,6 +21,12 @@ using Clock = std::chrono::steady_clock;
 
 using pipeline::seconds_since;
 
+// The copier's event for a slot: one per parity, since a pack is waited for
+// before the next one starts.
+int lane(int slot) {
+  return slot % 2;
+}
+
 // Steps a bucket goes whole, untried, after its delta came out nearly whole.
 constexpr int kWholeStepsBeforeRetry = 3;
 
@@ -220,6 +226,13 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
                                      kBucketTrailerBytes);
     }
   }
+  int64_t largest = 0;
+  bool rotating = !wire_.delta;
+  for (const SendAction& a : actions_) {
+    largest = std::max(largest, a.bytes);
+    rotating = rotating && a.kind == SendAction::Kind::p2p;
+  }
+  slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), rotating));
 }
 
 void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,
@@ -439,13 +452,13 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
 void SendPipeline::pack(size_t index, int slot, size_t first, size_t count) {
   const SendAction& a = actions_[index];
   if (a.pack.empty()) return;
-  copier_.run(index, a.pack, 0, addr(slots_[slot].buffer.data), slot, first, count);
+  copier_.run(index, a.pack, 0, addr(slots_[slot].buffer.data), lane(slot), first, count);
 }
 
 void SendPipeline::pack_on_device(size_t index, int slot) {
   const std::uintptr_t slot_base = addr(slots_[slot].buffer.data);
-  copier_.run_with_quant(index, 0, slot_base, slot, device_quant_[index], slot_base);
-  copier_.wait(slot, *loop_, "packing bucket");
+  copier_.run_with_quant(index, 0, slot_base, lane(slot), device_quant_[index], slot_base);
+  copier_.wait(lane(slot), *loop_, "packing bucket");
 }
 
 void SendPipeline::quantize(size_t index, int slot) {
@@ -541,7 +554,7 @@ int64_t SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>&
   const auto pack_start = Clock::now();
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
   pack(index, k);
-  copier_.wait(k, *loop_, "packing bucket");
+  copier_.wait(lane(k), *loop_, "packing bucket");
   phases.pack += seconds_since(pack_start);
   if (tracer_)
     tracer_->complete(cat("pack ", a.bucket), "pack", pack_us, trace_now_us(),
@@ -701,7 +714,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     const SendAction& a = actions_[i];
     const bool p2p = a.kind == SendAction::Kind::p2p;
     if (p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
-    const int s = static_cast<int>(k++ % 2);
+    const int s = static_cast<int>(k++ % slots_.size());
     const auto wire_start = Clock::now();
     drain(slots_[s], dead);
     phases.wire += seconds_since(wire_start);

@@ -1,5 +1,7 @@
 // The trainer rank's data path, compiled once from the plan and run every
-// step: pack bucket k+1 while bucket k is on the wire, in two staging slots.
+// step: pack bucket k+1 while bucket k is on the wire, in two staging slots
+// (more when most of each bucket goes straight from the tensors:
+// slot_depth).
 //
 // Each bucket's pack is a copy program (core/copy_program.h) built here once:
 // loops on the host for host tensors, one kernel launch per bucket on the
@@ -113,6 +115,9 @@ class SendPipeline {
                const WireOptions& wire, const Capabilities& caps);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
+  std::size_t slots() const { return slots_.size(); }
+  // The slots' memory in all.
+  std::size_t staging_bytes() const { return slots_.size() * slot_bytes_; }
   std::size_t num_actions() const { return actions_.size(); }
   // Bytes the last run() sent straight from the registered tensors.
   uint64_t bytes_direct() const { return bytes_direct_; }
@@ -203,7 +208,7 @@ class SendPipeline {
   std::vector<const char*> next_;  // post_frame's, kept to spare an allocation
   bool delta_verify_ = true;
   uint64_t delta_buckets_ = 0, delta_bytes_whole_ = 0;
-  Slot slots_[2];
+  std::vector<Slot> slots_;  // slot_depth of them
   pipeline::Copier copier_;
   std::vector<gpu::DeviceQuant> device_quant_;  // by action, GPU only
   Producer producer_;

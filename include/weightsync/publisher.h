@@ -237,7 +237,9 @@ class Publisher {
   // Elastic replicas: the last push's plan.
   const Plan& plan() const;
   int rank() const;
-  // Bytes of staging memory this publisher allocated (about 2 x bucket).
+  // Bytes of staging memory this publisher allocated: its bucket slots, at
+  // most about 2 x bucket (more slots when they are small, none when every
+  // fragment goes straight from its tensor).
   std::size_t staging_bytes() const;
 
  private:

@@ -5,6 +5,8 @@
 
 #include "transport/staging.h"
 
+#include <algorithm>
+
 namespace weightsync {
 
 std::vector<Fragment> bucket_fragments(const Plan& plan, int32_t bucket, int64_t direct_min_bytes) {
@@ -83,6 +85,15 @@ std::vector<FragmentRoute> route_fragments(
     out.push_back(r);
   }
   return out;
+}
+
+std::size_t slot_depth(std::size_t slot_bytes, int64_t bucket_bytes, std::size_t buckets,
+                       bool rotating) {
+  const std::size_t most = std::min(kMaxSlotDepth, buckets);
+  if (!rotating || most <= 2) return 2;
+  if (slot_bytes == 0) return most;
+  const std::size_t budget = 2 * static_cast<std::size_t>(std::max<int64_t>(bucket_bytes, 1));
+  return std::clamp<std::size_t>(budget / slot_bytes, 2, most);
 }
 
 SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, const WireOptions& wire,

@@ -127,6 +127,19 @@ std::vector<FragmentRoute> route_fragments(
 SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, const WireOptions& wire,
                               const std::string& who, const std::string& transport);
 
+// How many staging slots a rank's pipeline rotates through, so how many of
+// its buckets are in flight at once. Two, unless its slots are small next
+// to its buckets (most bytes go straight from tensors or into params, as in
+// a colocated 1 -> 1 sync): then as many as fit in the memory two whole
+// buckets (`bucket_bytes`, its largest) would take, up to kMaxSlotDepth and
+// `buckets`. A sender then does not wait for each receiver's completions
+// before its next bucket, and a receiver posts its receives in long runs,
+// whose control messages go out together (cuda_ipc batches them).
+// `rotating` false (delta sync, broadcast buckets) keeps two.
+inline constexpr std::size_t kMaxSlotDepth = 64;
+std::size_t slot_depth(std::size_t slot_bytes, int64_t bucket_bytes, std::size_t buckets,
+                       bool rotating);
+
 // The seed of fragment `index` of a bucket of `step` for checksum64.
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {
   return static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL + index;

@@ -97,6 +97,26 @@ TEST(Wire, SlotsLiveWhereTheDataGoes) {
   EXPECT_STREQ(slot_memory_name(SlotMemory::pinned), "pinned");
 }
 
+TEST(Wire, MoreSlotsWhenTheyAreSmallNextToTheBuckets) {
+  constexpr int64_t kBucket = int64_t{256} << 20;
+  const std::size_t whole = static_cast<std::size_t>(kBucket) + 8;
+  // Buckets packed whole: two slots, as ever.
+  EXPECT_EQ(slot_depth(whole, kBucket, 100, true), 2u);
+  // Small slots (most bytes go direct): as many as two whole ones' memory.
+  EXPECT_EQ(slot_depth(std::size_t{16} << 20, kBucket, 100, true), 32u);
+  EXPECT_EQ(slot_depth(std::size_t{100} << 20, kBucket, 100, true), 5u);
+  EXPECT_LE(slot_depth(std::size_t{100} << 20, kBucket, 100, true) * (std::size_t{100} << 20),
+            2 * static_cast<std::size_t>(kBucket));
+  // Bounded by kMaxSlotDepth and by the buckets; never fewer than two.
+  EXPECT_EQ(slot_depth(8, kBucket, 1000, true), kMaxSlotDepth);
+  EXPECT_EQ(slot_depth(8, kBucket, 7, true), 7u);
+  EXPECT_EQ(slot_depth(0, kBucket, 20, true), 20u) << "nothing staged: every bucket in flight";
+  EXPECT_EQ(slot_depth(8, kBucket, 1, true), 2u);
+  EXPECT_EQ(slot_depth(8, 0, 10, true), 2u) << "empty buckets";
+  // Delta sync and broadcast buckets keep two.
+  EXPECT_EQ(slot_depth(8, kBucket, 100, false), 2u);
+}
+
 TEST(Wire, OptionsJson) {
   WireOptions w;
   w.checksums = true;
