@@ -26,7 +26,8 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/weightsyncConfig.cmake
 # Data files the command finds beside itself (tools/weightsync/cli.h,
 # find_data): the benches' peer baselines and the model configs, under
 # share/weightsync as they sit in the source tree.
-set(_ws_data_scripts tools/bench/peer_baseline.py tools/bench/peer_ipc_baseline.py)
+set(_ws_data_scripts tools/bench/peer_baseline.py tools/bench/peer_ipc_baseline.py
+                      tools/bench/peer_checkpoint_engine.py)
 install(FILES ${_ws_data_scripts} DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync/tools/bench)
 install(DIRECTORY configs DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync)
 # The Python package ships the command as weightsync/bin/weightsync (component

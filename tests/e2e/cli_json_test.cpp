@@ -203,9 +203,18 @@ TEST_F(CliJson, BenchSyncFindsThePeerBaseline) {
   ASSERT_TRUE(j.contains("peer")) << j.dump();
   const std::string error = j["peer"].is_object() ? j["peer"].value("error", "") : "";
   EXPECT_EQ(error.find("not found"), std::string::npos) << error;
+  // A CPU job has one peer, gloo's; each peer's result or error is kept.
+  ASSERT_EQ(j["peer"].value("peers", nlohmann::json::array()).size(), 1u) << j.dump();
+  EXPECT_EQ(j["peer"]["peers"][0].value("name", ""), "gloo");
   // A python with torch runs the baseline: then the ratio is a real one.
+  // Without torch (or numpy) it fails, and the error carries the script's own
+  // reason.
   if (error.empty()) {
     EXPECT_GT(j.value("ratio_to_peer", 0.0), 0.0) << j.dump();
+    EXPECT_EQ(j.value("peer_name", ""), "gloo");
+  } else {
+    EXPECT_NE(error.find("peer baseline gloo failed"), std::string::npos) << error;
+    EXPECT_NE(error.find("ModuleNotFoundError"), std::string::npos) << error;
   }
 }
 

@@ -13,7 +13,10 @@
 # pydiag, on request: the extension imported alone and after PyTorch), copy
 # (bench copy --device cuda), delta (bench delta --device cuda: the delta
 # patch and hash kernels against a D2D copy; a delta sync into CUDA params),
-# sync (bench --device cuda, with FP8 engines and plain), ucxcuda (UCX built
+# sync (bench --device cuda, with FP8 engines and plain; its peers are
+# PyTorch's packed IPC way and, 1 -> 1, checkpoint-engine's colocated update,
+# from the wheels tools/gpu/peer_wheels.sh puts in .gpu-carry/wheels, about
+# 5 MB), ucxcuda (UCX built
 # with CUDA: PyPI's libucx-cu13 wheel, carried as .gpu-carry/libucx_cu13-*.whl
 # (`pip download --no-deps -d .gpu-carry libucx-cu13`, 43 MB), found first in
 # LD_LIBRARY_PATH: the UCX suites, the GPU syncs over ucx, bench transport
@@ -107,7 +110,26 @@ delta_section() {
   grep -vE "^\s*$" "$out/delta.log" | tail -n 30
 }
 
+# checkpoint-engine for the 1 -> 1 peer (tools/bench/peer_checkpoint_engine.py):
+# the wheels tools/gpu/peer_wheels.sh put in .gpu-carry/wheels, installed as
+# they are (no index, no resolution) where the peer's python finds them.
+peer_site() {
+  local wheels=$root/.gpu-carry/wheels site=/tmp/ws-peer-site
+  if ! ls "$wheels"/checkpoint_engine-*.whl > /dev/null 2>&1; then
+    echo "== sync: no .gpu-carry/wheels (tools/gpu/peer_wheels.sh): the checkpoint-engine peer will say so"
+    return
+  fi
+  rm -rf "$site"
+  if python3 -m pip install -q --no-index --no-deps --target "$site" "$wheels"/*.whl >> "$out/sync.log" 2>&1; then
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "== sync: checkpoint-engine $(python3 -c 'import checkpoint_engine as c; print(c.__version__)' 2>&1 | tail -n 1)"
+  else
+    echo "== sync: installing .gpu-carry/wheels failed (see sync.log)"
+  fi
+}
+
 sync_section() {
+  peer_site
   section sync 120 ./bin/weightsync bench --device cuda --fp8 --size-gb 2 --steps 3 --no-peer
   # The hybrid engine's shapes first: 1 trainer rank -> 1 engine rank (tp=1),
   # the headline, and 2 -> 1; then 4 trainers + 4 engine ranks on the GPU.

@@ -6,8 +6,10 @@
 // tensor with torch.distributed, as common RL frameworks do). With --device
 // cuda the tensors live in GPU memory, the references are a device-to-device
 // copy (and, over a host transport, a pinned device-to-host copy) of the same
-// bytes, and the peer is PyTorch's way over CUDA IPC
-// (tools/bench/peer_ipc_baseline.py).
+// bytes, and the peers are PyTorch's way over CUDA IPC
+// (tools/bench/peer_ipc_baseline.py) and, 1 -> 1, checkpoint-engine's
+// colocated update (tools/bench/peer_checkpoint_engine.py); the stronger is
+// the one to beat.
 #include "cli.h"
 #include "demo_device.h"
 #include "demo_procs.h"
@@ -74,8 +76,11 @@ constexpr const char* kUsage =
     "GPUs; all on GPU 0 of a one-GPU machine), transport cuda_ipc by default. Adds\n"
     "d2d_gbps/ratio_to_d2d (a device-to-device copy of the engine rank's bytes),\n"
     "over a host transport pinned_gbps/ratio_to_pinned (a pinned device-to-host\n"
-    "copy of them), and the peer baseline becomes PyTorch's way over CUDA IPC\n"
-    "(tools/bench/peer_ipc_baseline.py, found and run the same way).\n"
+    "copy of them), and the peer baselines become PyTorch's way over CUDA IPC\n"
+    "(tools/bench/peer_ipc_baseline.py) and, 1 -> 1, checkpoint-engine's colocated\n"
+    "update (tools/bench/peer_checkpoint_engine.py; pip install checkpoint-engine),\n"
+    "found and run the same way; ratio_to_peer is against the stronger (peer_name),\n"
+    "peer.peers holds each one's result or why it did not run.\n"
     "--fp8: the engines are FP8 (\"quantization\": block FP8, docs/fp8.md): each\n"
     "step's BF16 weights become FP8 params and scales, quantized by the trainer ranks\n"
     "where they hold whole blocks (--fp8-site sender, the default: FP8 on the wire)\n"
@@ -143,50 +148,102 @@ nlohmann::json peer_job(const demo::JobSpec& job, int steps) {
           {"hf_tensors", tensors}};
 }
 
-// The CPU baseline (gloo) or, for CUDA jobs, the GPU one (CUDA IPC), each
-// under a python with torch (cli::find_data, cli::helper_python: found from
-// the executable, whatever the working directory; installed copies included).
+// The peer baselines: for CPU jobs the gloo one; for CUDA jobs PyTorch's way
+// over CUDA IPC and checkpoint-engine's colocated update (1 -> 1 only). Each
+// runs under a python with torch (cli::find_data, cli::helper_python: found
+// from the executable, whatever the working directory; installed copies
+// included), or where its environment variable points.
 struct PeerScript {
-  std::string script, python, error;
+  std::string name, script, python, error;
 };
 
-PeerScript peer_script(const demo::JobSpec& job) {
-  PeerScript s;
-  const bool cuda = demo::on_gpu(job);
-  const char* env = std::getenv(cuda ? "WEIGHTSYNC_PEER_IPC_BASELINE" : "WEIGHTSYNC_PEER_BASELINE");
-  const char* name = cuda ? "tools/bench/peer_ipc_baseline.py" : "tools/bench/peer_baseline.py";
-  s.script = env ? std::string(env) : find_data(name);
-  if (s.script.empty())
-    s.error = cat(name, " not found beside ", demo::self_exe(),
-                  " (source tree or share/weightsync; or set WEIGHTSYNC_DATA_DIR)");
-  s.python = helper_python();
-  if (s.error.empty() && (s.python.empty() || !fs::exists(s.python)))
-    s.error = cat("no python for the peer baseline (", s.python.empty() ? "none" : s.python,
-                  cuda ? "; set WEIGHTSYNC_PYTHON to one with a CUDA torch)" : ")");
-  return s;
+std::vector<PeerScript> peer_scripts(const demo::JobSpec& job) {
+  struct Known {
+    const char *name, *env, *path;
+  };
+  const std::vector<Known> known =
+      demo::on_gpu(job)
+          ? std::vector<Known>{{"torch-ipc", "WEIGHTSYNC_PEER_IPC_BASELINE",
+                                "tools/bench/peer_ipc_baseline.py"},
+                               {"checkpoint-engine", "WEIGHTSYNC_PEER_CHECKPOINT_ENGINE",
+                                "tools/bench/peer_checkpoint_engine.py"}}
+          : std::vector<Known>{
+                {"gloo", "WEIGHTSYNC_PEER_BASELINE", "tools/bench/peer_baseline.py"}};
+  std::vector<PeerScript> out;
+  for (const Known& k : known) {
+    PeerScript s;
+    s.name = k.name;
+    const char* env = std::getenv(k.env);
+    s.script = env ? std::string(env) : find_data(k.path);
+    if (s.script.empty())
+      s.error = cat(k.path, " not found beside ", demo::self_exe(),
+                    " (source tree or share/weightsync; or set WEIGHTSYNC_DATA_DIR)");
+    s.python = helper_python();
+    if (s.error.empty() && (s.python.empty() || !fs::exists(s.python)))
+      s.error = cat("no python for the peer baseline (", s.python.empty() ? "none" : s.python,
+                    demo::on_gpu(job) ? "; set WEIGHTSYNC_PYTHON to one with a CUDA torch)" : ")");
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
-nlohmann::json run_peer(const demo::JobSpec& job, int steps) {
-  const PeerScript peer = peer_script(job);
-  if (!peer.error.empty()) return {{"error", peer.error}};
-  const std::string path = job.work_dir + "/peer_job.json";
-  std::ofstream(path, std::ios::trunc) << peer_job(job, steps).dump();
-  const std::string cmd = cat("timeout 1800 ", peer.python, " ", peer.script, " --job ", path,
-                              " 2>", job.work_dir, "/peer.log");
+nlohmann::json run_one_peer(const demo::JobSpec& job, const PeerScript& peer,
+                            const std::string& path) {
+  if (!peer.error.empty()) return {{"name", peer.name}, {"error", peer.error}};
+  const std::string log = cat(job.work_dir, "/peer-", peer.name, ".log");
+  const std::string cmd =
+      cat("timeout 1800 ", peer.python, " ", peer.script, " --job ", path, " 2>", log);
   FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) return {{"error", "cannot start the peer baseline"}};
+  if (!pipe) return {{"name", peer.name}, {"error", "cannot start the peer baseline"}};
   std::string out;
   char buf[4096];
   while (size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
   const int status = ::pclose(pipe);
   auto j = nlohmann::json::parse(out, nullptr, false);
-  if (status != 0 || j.is_discarded()) {
+  if (status != 0 || j.is_discarded() || !j.is_object()) {
     const std::string how = WIFEXITED(status)     ? cat("exit ", WEXITSTATUS(status))
                             : WIFSIGNALED(status) ? cat("signal ", WTERMSIG(status))
                                                   : cat("status ", status);
-    return {{"error", cat("peer baseline failed (", how, "), see ", job.work_dir, "/peer.log")}};
+    // The script's last line says why (a missing package, the wrong shape).
+    std::string last;
+    std::ifstream in(log);
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) last = line;
+    return {{"name", peer.name},
+            {"error", cat("peer baseline ", peer.name, " failed (", how, ")",
+                          last.empty() ? "" : ": ", last, "; see ", log)}};
   }
+  j["name"] = peer.name;
   return j;
+}
+
+// The peer to beat among `all` (each a peer's result or its error): the one
+// with the most GB/s per engine rank, with every peer's result under
+// "peers"; when none ran, an error naming each one's.
+nlohmann::json strongest_peer(const nlohmann::json& all) {
+  nlohmann::json best;
+  std::string errors;
+  for (const auto& p : all) {
+    if (p.contains("error")) {
+      errors += cat(errors.empty() ? "" : "; ", p["error"].get<std::string>());
+      continue;
+    }
+    if (best.is_null() || p.value("engine_rank_gbps", 0.0) > best.value("engine_rank_gbps", 0.0))
+      best = p;
+  }
+  if (best.is_null()) best = {{"error", errors}};
+  best["peers"] = all;
+  return best;
+}
+
+// Every peer of the job, and the strongest (the most GB/s per engine rank)
+// as the one to beat; an error naming each when none ran.
+nlohmann::json run_peer(const demo::JobSpec& job, int steps) {
+  const std::string path = job.work_dir + "/peer_job.json";
+  std::ofstream(path, std::ios::trunc) << peer_job(job, steps).dump();
+  nlohmann::json all = nlohmann::json::array();
+  for (const PeerScript& s : peer_scripts(job)) all.push_back(run_one_peer(job, s, path));
+  return strongest_peer(all);
 }
 
 nlohmann::json raw_result(const demo::JobRun& run) {
@@ -274,6 +331,7 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"peer_gbps", peer_gbps},
           {"peer_s_p50", peer.value("sync_s_p50", 0.0)},
           {"ratio_to_peer", peer_gbps > 0 ? gbps / peer_gbps : 0.0},
+          {"peer_name", peer.value("name", std::string())},
           {"peer", peer},
           {"phases", phases},
           {"peak_rss_mb", {{"trainer", rss_t}, {"engine", rss_e}}},
@@ -323,13 +381,21 @@ void print_human(const nlohmann::json& r) {
   if (r.contains("pinned_gbps"))
     std::printf("pinned device-to-host copy of them: %.1f GB/s -> ratio_to_pinned %.2f\n",
                 r["pinned_gbps"].get<double>(), r["ratio_to_pinned"].get<double>());
-  if (r["peer"].contains("error"))
+  if (r["peer"].contains("error") && !r["peer"].contains("peers"))
     std::printf("peer baseline: %s\n", r["peer"]["error"].get<std::string>().c_str());
-  else
-    std::printf("peer baseline (%s): %.3f s/step, %.3f GB/s -> ratio_to_peer %.2f\n",
-                r["device"] == "cuda" ? "torch copy_ over CUDA IPC" : "gloo gather + broadcast",
-                r["peer_s_p50"].get<double>(), r["peer_gbps"].get<double>(),
-                r["ratio_to_peer"].get<double>());
+  for (const auto& p : r["peer"].value("peers", nlohmann::json::array())) {
+    if (p.contains("error")) {
+      std::printf("peer %s: %s\n", p.value("name", "?").c_str(),
+                  p["error"].get<std::string>().c_str());
+      continue;
+    }
+    const double gbps = p.value("engine_rank_gbps", 0.0);
+    std::printf("peer %s (%s): %.3f s/step, %.3f GB/s -> ratio %.2f%s\n",
+                p.value("name", "?").c_str(), p.value("method", "").c_str(),
+                p.value("sync_s_p50", 0.0), gbps,
+                gbps > 0 ? r["engine_rank_gbps"].get<double>() / gbps : 0.0,
+                p.value("name", "") == r["peer"].value("name", "-") ? " (ratio_to_peer)" : "");
+  }
   std::printf(
       "peak RSS: trainer %.0f MB, engine %.0f MB; publisher staging %.0f MB = %.2f x "
       "bucket\n",
