@@ -236,6 +236,9 @@ void IpcTransport::release(const std::shared_ptr<IpcOp>& op) {
 // needs none of this: a mapping keeps its chunks alive.
 void IpcTransport::unpin(uint64_t region_id) {
   exports_.unpin(region_id);
+  // The release goes out now, not at the next progress(): a peer's mapping
+  // of VMM memory keeps that memory allocated until it unmaps it.
+  flush_all();
   const auto releasing = [&] {
     return std::any_of(peers_.begin(), peers_.end(),
                        [&](const Peer& p) { return p.link->releasing(region_id); });
