@@ -66,6 +66,8 @@ class TestBuffer {
   // Fills with a pattern derived from `seed`; zero() fills with zeros.
   void fill(uint64_t seed);
   void zero();
+  // Copies `n` bytes from host memory to the start.
+  void write(const void* data, std::size_t n);
   std::vector<uint8_t> read() const;
   // True when the first `n` bytes hold the pattern of `seed`.
   bool holds(uint64_t seed, std::size_t n) const;

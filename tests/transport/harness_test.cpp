@@ -148,6 +148,17 @@ void TestBuffer::zero() {
 #endif
 }
 
+void TestBuffer::write(const void* data, std::size_t n) {
+  if (n > bytes_) fail(Errc::internal, "TestBuffer::write of ", n, " bytes into ", bytes_);
+  if (memory_ == MemoryKind::host) std::memcpy(data_, data, n);
+#ifdef WEIGHTSYNC_HAVE_CUDA
+  else {
+    cudaMemcpy(data_, data, n, cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();  // complete before a transport reads it (see fill)
+  }
+#endif
+}
+
 std::vector<uint8_t> TestBuffer::read() const {
   std::vector<uint8_t> out(bytes_);
   if (memory_ == MemoryKind::host) std::memcpy(out.data(), data_, bytes_);

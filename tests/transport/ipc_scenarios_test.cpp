@@ -10,7 +10,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
+#include <thread>
 
 namespace weightsync::transport_test {
 
@@ -190,6 +192,42 @@ void ipc_reconnect_peer(ScenarioContext& c) {
   bye(c);
 }
 
+// A send that settles as it is posted (zero bytes; too large for the
+// receive) tells the receiver at once, even if its sender never progresses
+// again: rank 1 posts such sends once rank 0's receives have reached it,
+// then stops progressing for 3 s; rank 0's receives must settle before rank
+// 1 resumes (the steady clock is one for every process of the machine).
+void ipc_settled_sends(ScenarioContext& c) {
+  Transport& t = c.transport;
+  TestBuffer small(16, c.memory), big(32, c.memory), note(8, c.memory);
+  Buffer none{nullptr, 0, c.memory, -1, nullptr};
+  if (t.rank() == 0) {
+    auto empty = t.recv(1, 60, none);
+    auto short_one = t.recv(1, 61, small.buffer());
+    // Sent after the receives: when it arrives, they have arrived.
+    t.send(1, 59, note.buffer())->wait(kWait);
+    require(empty->wait(kWait) == 0, "the zero-byte message");
+    require_error([&] { short_one->wait(kWait); }, Errc::mismatch, {"32 bytes", "16-byte"});
+    const auto done = Clock::now().time_since_epoch().count();
+    t.recv(1, 62, note.buffer())->wait(kWait);
+    int64_t resumed = 0;
+    std::memcpy(&resumed, note.read().data(), sizeof resumed);
+    require(done < resumed, cat("the receives settled ", (done - resumed) / 1000000,
+                                " ms after the sender progressed again, not before"));
+  } else {
+    t.recv(0, 59, note.buffer())->wait(kWait);
+    require(t.send(0, 60, none)->test(), "a zero-byte send into a posted receive settles at once");
+    auto long_one = t.send(0, 61, big.buffer());
+    require_error([&] { long_one->test(); }, Errc::mismatch, {"32 bytes"});
+    std::this_thread::sleep_for(std::chrono::seconds(3));  // no progress
+    const int64_t resumed = Clock::now().time_since_epoch().count();
+    TestBuffer out(8, c.memory);
+    out.write(&resumed, sizeof resumed);
+    t.send(0, 62, out.buffer())->wait(kWait);
+  }
+  bye(c);
+}
+
 class IpcScenarios : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -228,6 +266,10 @@ TEST_P(IpcScenarios, RegisteredRegionsAtUnalignedOffsets) {
 
 TEST_P(IpcScenarios, ReallocatedReceiveBufferGetsTheMessage) {
   run("ipc_realloc");
+}
+
+TEST_P(IpcScenarios, SendsSettledAtPostingTellTheReceiverAtOnce) {
+  run("ipc_settled_sends");
 }
 
 TEST_P(IpcScenarios, SendToSelf) {
@@ -274,6 +316,7 @@ Scenario find_ipc_scenario(const std::string& name) {
       {"ipc_registered", ipc_registered},
       {"ipc_realloc", ipc_realloc},
       {"ipc_self", ipc_self},
+      {"ipc_settled_sends", ipc_settled_sends},
       {"ipc_reconnect_peer", ipc_reconnect_peer},
       {"cuda_ipc_vmm", cuda_ipc_vmm},
   };

@@ -176,6 +176,10 @@ std::unique_ptr<Request> IpcTransport::send(int peer, Tag tag, const Buffer& buf
   op->tag = tag;
   op->buffer = buffer;
   peers_[peer].link->post_send(op);
+  // A send that settled as it was posted (zero bytes, too large, a failed
+  // copy) queued its completion: its sender may never progress again, so
+  // that goes out now. A send that starts a copy queues nothing.
+  if (peers_[peer].link->queued()) flush_peer(peers_[peer]);
   handle_failures();
   return std::make_unique<IpcRequest>(*this, std::move(op));
 }
@@ -205,6 +209,7 @@ bool IpcTransport::peer_failed(int peer) const {
 
 void IpcTransport::cancel(IpcOp& op) {
   peers_[op.peer].link->cancel(op);
+  flush_peer(peers_[op.peer]);  // a receive's cancel asks the sender at once
   handle_failures();
 }
 
@@ -278,16 +283,18 @@ void IpcTransport::reconnect(int peer) {
   attach_waiting(peer);
 }
 
-void IpcTransport::flush_all() {
-  for (auto& p : peers_) {
-    p.link->flush();  // its queued messages into the connection's outbox
-    if (!p.out.open() || p.out.idle() || !p.broken.empty()) continue;
-    try {
-      p.out.flush();
-    } catch (const Error& e) {
-      p.broken = e.what();
-    }
+void IpcTransport::flush_peer(Peer& p) {
+  p.link->flush();  // its queued messages into the connection's outbox
+  if (!p.out.open() || p.out.idle() || !p.broken.empty()) return;
+  try {
+    p.out.flush();
+  } catch (const Error& e) {
+    p.broken = e.what();
   }
+}
+
+void IpcTransport::flush_all() {
+  for (auto& p : peers_) flush_peer(p);
 }
 
 }  // namespace weightsync::transport::cuda_ipc

@@ -90,6 +90,7 @@ class IpcTransport final : public Transport {
   void read_peer(int peer);
   void lose(int peer, const std::string& why);
   void handle_failures();
+  void flush_peer(Peer& p);
   void flush_all();
 
   TransportOptions options_;
