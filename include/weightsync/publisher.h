@@ -238,8 +238,8 @@ class Publisher {
   const Plan& plan() const;
   int rank() const;
   // Bytes of staging memory this publisher allocated: its bucket slots, at
-  // most about 2 x bucket (more slots when they are small, none when every
-  // fragment goes straight from its tensor).
+  // most about 2 x bucket (more slots when they are small; a few bytes each
+  // when every fragment goes straight from its tensor).
   std::size_t staging_bytes() const;
 
  private:

@@ -44,6 +44,8 @@ from peer_ipc_baseline import (  # noqa: E402  (beside this file)
     slices,
 )
 
+UPDATE_TIMEOUT_S = 300  # one update, worker included (8 GB takes seconds)
+
 
 def shape_error(job):
     """Why this job is not one checkpoint-engine runs colocated, or None."""
@@ -78,10 +80,13 @@ def load(params, by_key, weights):
 
 
 def mismatches(job, params, ckpt):
-    """Params that differ from the checkpoint's bytes (their names)."""
+    """Params that differ from the checkpoint's bytes (their names), compared
+    as bytes (a float16 carrier may hold NaN patterns)."""
     expected, by_key = engine_params(job, 0, torch.device("cpu"))
     load(expected, by_key, list(trainer_tensors(job, ckpt, torch.device("cpu")).items()))
-    return [n for n, t in params.items() if not torch.equal(t.cpu(), expected[n])]
+    return [n for n, t in params.items()
+            if not torch.equal(t.cpu().contiguous().view(-1).view(torch.uint8),
+                               expected[n].contiguous().view(-1).view(torch.uint8))]
 
 
 def engine_main(job, conn):
@@ -110,11 +115,18 @@ def trainer_main(job, conn, port, steps):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     named = trainer_tensors(job, open_checkpoint(job["checkpoint"]), device)
+    # Its constructor reads RANK from the environment when given rank 0.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
     ps = ParameterServer(rank=0, world_size=1, gpu_count=1, master_addr="127.0.0.1",
                          master_port=port)
 
     def request(socket_paths):  # update() calls it on a thread, as vLLM's RPC would be
         conn.send(dict(socket_paths))
+        # Bounded: update() joins this thread even when it failed itself, and
+        # the worker then waits on ZMQ for a bucket that never comes.
+        if not conn.poll(UPDATE_TIMEOUT_S):
+            raise RuntimeError(f"the engine did not finish an update in {UPDATE_TIMEOUT_S} s")
         reply = conn.recv()
         if reply != "ok":
             raise RuntimeError(reply)
@@ -142,10 +154,15 @@ def run(job, steps):
     ours, theirs = ctx.Pipe()
     engine = ctx.Process(target=engine_main, args=(job, theirs), daemon=True)
     engine.start()
+    finished = False
     try:
         times, update_times, bad = trainer_main(job, ours, free_port(), steps)
+        finished = True
     finally:
-        engine.join(timeout=60)
+        # A trainer that failed leaves its engine waiting (on the pipe or on
+        # ZMQ): it goes at once.
+        if finished:
+            engine.join(timeout=60)
         if engine.is_alive():
             engine.kill()
     if bad:

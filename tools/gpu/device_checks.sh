@@ -133,7 +133,7 @@ sync_section() {
   section sync 120 ./bin/weightsync bench --device cuda --fp8 --size-gb 2 --steps 3 --no-peer
   # The hybrid engine's shapes first: 1 trainer rank -> 1 engine rank (tp=1),
   # the headline, and 2 -> 1; then 4 trainers + 4 engine ranks on the GPU.
-  section sync 200 ./bin/weightsync bench --device cuda --mesh fsdp=1 --tp 1 --replicas 1 \
+  section sync 300 ./bin/weightsync bench --device cuda --mesh fsdp=1 --tp 1 --replicas 1 \
     --size-gb 8 --steps 3
   section sync 200 ./bin/weightsync bench --device cuda --mesh fsdp=2 --tp 1 --replicas 1 \
     --size-gb 8 --steps 3
