@@ -83,7 +83,7 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
   changed_.assign(params.size(), false);
   int64_t largest = 0;
   for (const RecvAction& a : actions_) largest = std::max(largest, a.bytes);
-  slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), !broadcast_ && !wire_.delta));
+  slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), broadcast_, wire_, caps_));
 }
 
 void ReceivePipeline::mark_changed(const RecvAction& a) {

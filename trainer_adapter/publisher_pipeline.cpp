@@ -227,12 +227,8 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
     }
   }
   int64_t largest = 0;
-  bool rotating = !wire_.delta;
-  for (const SendAction& a : actions_) {
-    largest = std::max(largest, a.bytes);
-    rotating = rotating && a.kind == SendAction::Kind::p2p;
-  }
-  slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), rotating));
+  for (const SendAction& a : actions_) largest = std::max(largest, a.bytes);
+  slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), broadcast, wire_, caps_));
 }
 
 void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,

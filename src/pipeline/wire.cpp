@@ -88,9 +88,9 @@ std::vector<FragmentRoute> route_fragments(
 }
 
 std::size_t slot_depth(std::size_t slot_bytes, int64_t bucket_bytes, std::size_t buckets,
-                       bool rotating) {
+                       bool broadcast_buckets, const WireOptions& wire, const Capabilities& caps) {
   const std::size_t most = std::min(kMaxSlotDepth, buckets);
-  if (!rotating || most <= 2) return 2;
+  if (broadcast_buckets || wire.delta || caps.ordered_only || most <= 2) return 2;
   if (slot_bytes == 0) return most;
   const std::size_t budget = 2 * static_cast<std::size_t>(std::max<int64_t>(bucket_bytes, 1));
   return std::clamp<std::size_t>(budget / slot_bytes, 2, most);

@@ -135,10 +135,11 @@ SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, cons
 // `buckets`. A sender then does not wait for each receiver's completions
 // before its next bucket, and a receiver posts its receives in long runs,
 // whose control messages go out together (cuda_ipc batches them).
-// `rotating` false (delta sync, broadcast buckets) keeps two.
+// Delta sync, broadcast buckets and transports that match in posting order
+// on one stream (Capabilities::ordered_only: NCCL) keep two.
 inline constexpr std::size_t kMaxSlotDepth = 64;
 std::size_t slot_depth(std::size_t slot_bytes, int64_t bucket_bytes, std::size_t buckets,
-                       bool rotating);
+                       bool broadcast_buckets, const WireOptions& wire, const Capabilities& caps);
 
 // The seed of fragment `index` of a bucket of `step` for checksum64.
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {

@@ -100,21 +100,33 @@ TEST(Wire, SlotsLiveWhereTheDataGoes) {
 TEST(Wire, MoreSlotsWhenTheyAreSmallNextToTheBuckets) {
   constexpr int64_t kBucket = int64_t{256} << 20;
   const std::size_t whole = static_cast<std::size_t>(kBucket) + 8;
+  const WireOptions wire;
+  const Capabilities caps;  // matched by tag (ucx, cuda_ipc)
+  auto depth = [&](std::size_t slot, int64_t bucket, std::size_t buckets) {
+    return slot_depth(slot, bucket, buckets, false, wire, caps);
+  };
   // Buckets packed whole: two slots, as ever.
-  EXPECT_EQ(slot_depth(whole, kBucket, 100, true), 2u);
+  EXPECT_EQ(depth(whole, kBucket, 100), 2u);
   // Small slots (most bytes go direct): as many as two whole ones' memory.
-  EXPECT_EQ(slot_depth(std::size_t{16} << 20, kBucket, 100, true), 32u);
-  EXPECT_EQ(slot_depth(std::size_t{100} << 20, kBucket, 100, true), 5u);
-  EXPECT_LE(slot_depth(std::size_t{100} << 20, kBucket, 100, true) * (std::size_t{100} << 20),
+  EXPECT_EQ(depth(std::size_t{16} << 20, kBucket, 100), 32u);
+  EXPECT_EQ(depth(std::size_t{100} << 20, kBucket, 100), 5u);
+  EXPECT_LE(depth(std::size_t{100} << 20, kBucket, 100) * (std::size_t{100} << 20),
             2 * static_cast<std::size_t>(kBucket));
   // Bounded by kMaxSlotDepth and by the buckets; never fewer than two.
-  EXPECT_EQ(slot_depth(8, kBucket, 1000, true), kMaxSlotDepth);
-  EXPECT_EQ(slot_depth(8, kBucket, 7, true), 7u);
-  EXPECT_EQ(slot_depth(0, kBucket, 20, true), 20u) << "nothing staged: every bucket in flight";
-  EXPECT_EQ(slot_depth(8, kBucket, 1, true), 2u);
-  EXPECT_EQ(slot_depth(8, 0, 10, true), 2u) << "empty buckets";
-  // Delta sync and broadcast buckets keep two.
-  EXPECT_EQ(slot_depth(8, kBucket, 100, false), 2u);
+  EXPECT_EQ(depth(8, kBucket, 1000), kMaxSlotDepth);
+  EXPECT_EQ(depth(8, kBucket, 7), 7u);
+  EXPECT_EQ(depth(0, kBucket, 20), 20u) << "nothing staged: every bucket in flight";
+  EXPECT_EQ(depth(8, kBucket, 1), 2u);
+  EXPECT_EQ(depth(8, 0, 10), 2u) << "empty buckets";
+  // Broadcast buckets, delta sync and a transport that matches in posting
+  // order on one stream (NCCL) keep two.
+  EXPECT_EQ(slot_depth(8, kBucket, 100, true, wire, caps), 2u);
+  WireOptions delta;
+  delta.delta = true;
+  EXPECT_EQ(slot_depth(8, kBucket, 100, false, delta, caps), 2u);
+  Capabilities nccl;
+  nccl.ordered_only = true;
+  EXPECT_EQ(slot_depth(8, kBucket, 100, false, wire, nccl), 2u);
 }
 
 TEST(Wire, OptionsJson) {

@@ -69,6 +69,9 @@ struct Capabilities {
   bool native_broadcast = false;  // broadcast() is a collective of the library, not p2p fan-out
   std::size_t max_message_bytes = 0;
   int tag_bits = 64;  // tags must be < 2^tag_bits (UCX reserves high bits for the sender rank)
+  // Messages with a peer match in posting order whatever their tags, and run
+  // in order on one stream (NCCL): pipelines keep two buckets in flight.
+  bool ordered_only = false;
   // The library that moves the bytes, as this process loaded it, e.g.
   // "UCX 1.22.0 (/path/libucp.so.0)"; empty where there is none to name.
   std::string library;

@@ -156,6 +156,7 @@ Capabilities NcclTransport::capabilities() const {
   c.native_broadcast = true;
   c.max_message_bytes = std::numeric_limits<std::size_t>::max();
   c.tag_bits = 64;  // tags are not matched (see the header)
+  c.ordered_only = true;
   return c;
 }
 
