@@ -21,13 +21,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The copier's events: one per slot parity (a bucket's apply is waited for
-// before the next starts, so two suffice for any number of slots), and one
-// for publish_staging.
+// The copier's event for publish_staging, after the slots' two
+// (pipeline::slot_event).
 constexpr int kPublishSlot = 2;
-int lane(int slot) {
-  return slot % 2;
-}
+using pipeline::slot_event;
 
 using pipeline::seconds_since;
 
@@ -397,9 +394,9 @@ void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop
   report.checksum = checksum_fold(report.checksum, sum);
   t = Clock::now();
   const int64_t apply_us = tracer ? trace_now_us() : 0;
-  if (!a.apply.empty()) copier_.run(k, a.apply, addr(slot.buffer.data), 0, lane(s));
+  if (!a.apply.empty()) copier_.run(k, a.apply, addr(slot.buffer.data), 0, slot_event(s));
   // The slot is posted again only once the apply that reads it is done.
-  copier_.wait(lane(s), loop, "applying bucket");
+  copier_.wait(slot_event(s), loop, "applying bucket");
   phases.apply += seconds_since(t);
   mark_changed(a);
   if (tracer) tracer->complete(cat("apply ", a.bucket), "apply", apply_us, trace_now_us());
@@ -495,8 +492,8 @@ void ReceivePipeline::settle_frame(size_t k, int s, int64_t step, pipeline::Loop
     const CopyProgram& apply = broadcast_ ? a.apply : a.frame_apply;
     // GPU: run even when empty, for the slot's event after the copies queued above.
     if (!apply.empty() || copier_.on_gpu())
-      copier_.run(broadcast_ ? k : frame_apply_index(k), apply, addr(packed), 0, lane(s));
-    copier_.wait(lane(s), loop, "applying bucket");
+      copier_.run(broadcast_ ? k : frame_apply_index(k), apply, addr(packed), 0, slot_event(s));
+    copier_.wait(slot_event(s), loop, "applying bucket");
     phases.apply += seconds_since(t);
   } catch (const Error& e) {
     // A bad frame rejects the step; a wait that was abandoned ends it.
@@ -524,7 +521,7 @@ uint64_t ReceivePipeline::patch_on_device(size_t k, int s, const char* frame, in
                          &items_changed_);
   // The packed bucket as the targets hold it, then the patch and the
   // digest, in order on the copier's stream.
-  copier_.run(gather_index(k), a.gather, 0, addr(device_scratch_.data()), lane(s));
+  copier_.run(gather_index(k), a.gather, 0, addr(device_scratch_.data()), slot_event(s));
   patcher_.run(copier_.stream(), frame, static_cast<size_t>(bytes), tables_.patch, tables_.hash, 0);
   return digest ? patcher_.digest(copier_.stream()) : 0;
 }

@@ -93,7 +93,6 @@ class ReceivePipeline {
                   const Capabilities& caps);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
-  std::size_t slots() const { return slots_.size(); }
   // The slots' memory in all.
   std::size_t staging_bytes() const { return slots_.size() * slot_bytes_; }
   // Allocates and registers the slots (`slots` memory on `slot_device`)

@@ -21,11 +21,7 @@ using Clock = std::chrono::steady_clock;
 
 using pipeline::seconds_since;
 
-// The copier's event for a slot: one per parity, since a pack is waited for
-// before the next one starts.
-int lane(int slot) {
-  return slot % 2;
-}
+using pipeline::slot_event;
 
 // Steps a bucket goes whole, untried, after its delta came out nearly whole.
 constexpr int kWholeStepsBeforeRetry = 3;
@@ -448,13 +444,13 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
 void SendPipeline::pack(size_t index, int slot, size_t first, size_t count) {
   const SendAction& a = actions_[index];
   if (a.pack.empty()) return;
-  copier_.run(index, a.pack, 0, addr(slots_[slot].buffer.data), lane(slot), first, count);
+  copier_.run(index, a.pack, 0, addr(slots_[slot].buffer.data), slot_event(slot), first, count);
 }
 
 void SendPipeline::pack_on_device(size_t index, int slot) {
   const std::uintptr_t slot_base = addr(slots_[slot].buffer.data);
-  copier_.run_with_quant(index, 0, slot_base, lane(slot), device_quant_[index], slot_base);
-  copier_.wait(lane(slot), *loop_, "packing bucket");
+  copier_.run_with_quant(index, 0, slot_base, slot_event(slot), device_quant_[index], slot_base);
+  copier_.wait(slot_event(slot), *loop_, "packing bucket");
 }
 
 void SendPipeline::quantize(size_t index, int slot) {
@@ -550,7 +546,7 @@ int64_t SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>&
   const auto pack_start = Clock::now();
   const int64_t pack_us = tracer_ ? trace_now_us() : 0;
   pack(index, k);
-  copier_.wait(lane(k), *loop_, "packing bucket");
+  copier_.wait(slot_event(k), *loop_, "packing bucket");
   phases.pack += seconds_since(pack_start);
   if (tracer_)
     tracer_->complete(cat("pack ", a.bucket), "pack", pack_us, trace_now_us(),

@@ -115,7 +115,6 @@ class SendPipeline {
                const WireOptions& wire, const Capabilities& caps);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
-  std::size_t slots() const { return slots_.size(); }
   // The slots' memory in all.
   std::size_t staging_bytes() const { return slots_.size() * slot_bytes_; }
   std::size_t num_actions() const { return actions_.size(); }

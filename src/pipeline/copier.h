@@ -17,6 +17,13 @@
 
 namespace weightsync::pipeline {
 
+// The copier event a pipeline's staging slot `slot` uses: one per slot
+// parity. Each pack or apply is waited for before the next starts, so two
+// events serve any number of slots.
+inline int slot_event(int slot) {
+  return slot % 2;
+}
+
 class Copier {
  public:
   // Uploads `programs` (kept by the caller, indexed as run() indexes them) to
