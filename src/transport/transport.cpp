@@ -105,15 +105,27 @@ bool MemoryRegion::contains(const Buffer& b) const {
 }
 
 std::string Request::describe() const {
-  const char* what = kind_ == Kind::send   ? "send to"
-                     : kind_ == Kind::recv ? "receive from"
-                                           : "broadcast from";
+  const char* what = kind_ == Kind::send     ? "send to"
+                     : kind_ == Kind::recv   ? "receive from"
+                     : kind_ == Kind::expose ? "memory lent to"
+                     : kind_ == Kind::map    ? "mapping the memory of"
+                                             : "broadcast from";
   return cat(what, " rank ", peer_, ", tag ", hex(tag_), ", ", bytes_, " bytes, over ", transport_);
 }
 
 void Transport::reconnect(int peer) {
   fail(Errc::unsupported, name(), ": cannot reconnect to rank ", peer,
        " (a new process took it); this backend keeps its peers for its lifetime");
+}
+
+std::unique_ptr<Request> Transport::expose(int peer, Tag, const std::vector<Buffer>&) {
+  fail(Errc::unsupported, name(), ": cannot lend memory to rank ", peer,
+       " (capabilities().maps_peer_memory is false; cuda_ipc can)");
+}
+
+std::unique_ptr<Request> Transport::map_exposed(int peer, Tag, std::vector<void*>*) {
+  fail(Errc::unsupported, name(), ": cannot map the memory of rank ", peer,
+       " (capabilities().maps_peer_memory is false; cuda_ipc can)");
 }
 
 std::size_t Request::wait(std::chrono::milliseconds timeout) {

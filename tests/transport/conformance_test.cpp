@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
+
 namespace weightsync::transport_test {
 namespace {
 
@@ -84,6 +86,41 @@ TEST_P(Conformance, MessageLargerThanReceiveBufferIsAnError) {
 
 TEST_P(Conformance, BroadcastToAllAndToASubset) {
   run("broadcast", 3);
+}
+
+// A transport lends memory (rank 0 to itself here: the loan is used in place)
+// or refuses to with Errc::unsupported naming itself; what it says in
+// capabilities() decides which.
+TEST_P(Conformance, LendsMemoryExactlyWhenItSaysItCan) {
+  if (GetParam().name.rfind("nccl", 0) == 0 && gpu::device_count() < 1)
+    GTEST_SKIP() << "NCCL needs a GPU";
+  TempDir dir;
+  auto t = make_test_transport(GetParam().name, dir.path, 0, 1, "lend");
+  const Capabilities caps = t->capabilities();
+  const MemoryKind memory = caps.host_memory ? MemoryKind::host : MemoryKind::cuda;
+  TestBuffer b(4096, memory);
+  Buffer part = b.buffer();
+  part.data = static_cast<char*>(part.data) + 64;
+  part.bytes = 1000;
+  std::vector<void*> at;
+  if (!caps.maps_peer_memory) {
+    for (const auto& call : std::vector<std::function<void()>>{
+             [&] { t->expose(0, 1, {part}); }, [&] { t->map_exposed(0, 1, &at); }}) {
+      try {
+        call();
+        ADD_FAILURE() << GetParam().name << " lent memory it says it cannot";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), Errc::unsupported) << e.what();
+        EXPECT_NE(std::string(e.what()).find(t->name()), std::string::npos) << e.what();
+      }
+    }
+    return;
+  }
+  auto loan = t->expose(0, 1, {part, Buffer{nullptr, 0, memory, -1, nullptr}});
+  auto map = t->map_exposed(0, 1, &at);
+  EXPECT_EQ(map->wait(std::chrono::seconds(30)), 1000u);
+  EXPECT_EQ(loan->wait(std::chrono::seconds(30)), 1000u);
+  EXPECT_EQ(at, (std::vector<void*>{part.data, nullptr}));
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -69,6 +69,9 @@ class TestBuffer {
   // Copies `n` bytes from host memory to the start.
   void write(const void* data, std::size_t n);
   std::vector<uint8_t> read() const;
+  // Copies the first `n` bytes to `dst`, memory of the same kind (a peer's
+  // lent memory, mapped: a device address for CUDA), and waits for the copy.
+  void copy_to(void* dst, std::size_t n) const;
   // True when the first `n` bytes hold the pattern of `seed`.
   bool holds(uint64_t seed, std::size_t n) const;
   // Number of bytes among the first `n` that differ from the pattern.

@@ -159,6 +159,17 @@ void TestBuffer::write(const void* data, std::size_t n) {
 #endif
 }
 
+void TestBuffer::copy_to(void* dst, std::size_t n) const {
+  if (n > bytes_) fail(Errc::internal, "TestBuffer::copy_to of ", n, " bytes from ", bytes_);
+  if (memory_ == MemoryKind::host) std::memcpy(dst, data_, n);
+#ifdef WEIGHTSYNC_HAVE_CUDA
+  else {
+    cudaMemcpy(dst, data_, n, cudaMemcpyDeviceToDevice);
+    cudaDeviceSynchronize();
+  }
+#endif
+}
+
 std::vector<uint8_t> TestBuffer::read() const {
   std::vector<uint8_t> out(bytes_);
   if (memory_ == MemoryKind::host) std::memcpy(out.data(), data_, bytes_);

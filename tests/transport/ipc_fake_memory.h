@@ -192,6 +192,21 @@ struct LinkPair {
     link[side]->post_send(op);
     return op;
   }
+  // Side `side` lends `buffers` (unregistered) to the other.
+  std::shared_ptr<ipc::IpcOp> expose(int side, Tag tag, const std::vector<Buffer>& buffers) {
+    std::size_t bytes = 0;
+    for (const Buffer& b : buffers) bytes += b.bytes;
+    auto op = make_op(Request::Kind::expose, side, tag, nullptr, bytes);
+    link[side]->post_expose(op, buffers, std::vector<uint64_t>(buffers.size(), 0));
+    return op;
+  }
+  // Side `side` maps what the other lends under `tag`, into `addresses`.
+  std::shared_ptr<ipc::IpcOp> map(int side, Tag tag, std::vector<void*>* addresses) {
+    auto op = make_op(Request::Kind::map, side, tag, nullptr, 0);
+    op->addresses = addresses;
+    link[side]->post_map(op);
+    return op;
+  }
 
  private:
   static std::shared_ptr<ipc::IpcOp> make_op(Request::Kind kind, int side, Tag tag, void* data,

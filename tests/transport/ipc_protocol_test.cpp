@@ -456,6 +456,125 @@ TEST(IpcProtocol, ReceivesPostedTogetherAndTheirCompletionsTravelInBatches) {
   EXPECT_EQ(in.bytes, out);
 }
 
+Buffer slice(Block& b, std::size_t offset, std::size_t bytes) {
+  return Buffer{static_cast<uint8_t*>(b.data()) + offset, bytes, MemoryKind::host, -1, nullptr};
+}
+
+TEST(IpcProtocol, LentMemoryIsMappedOnceAndWrittenThroughItsAddresses) {
+  LinkPair p;
+  Block a(p, 0, 4096, /*id=*/1), b(p, 0, 256, /*id=*/2);
+  const std::vector<Buffer> lent{slice(a, 100, 1000), Buffer{}, slice(b, 16, 200),
+                                 slice(a, 2000, 500)};
+  // The map is posted before the loan reaches it, then a second loan
+  // arrives before its map: both meet.
+  for (const bool map_first : {true, false}) {
+    SCOPED_TRACE(map_first ? "map posted first" : "loan first");
+    std::vector<void*> addresses;
+    std::shared_ptr<ipc::IpcOp> m, e;
+    if (map_first) m = p.map(1, 7, &addresses);
+    p.pump();
+    e = p.expose(0, 7, lent);
+    p.pump();
+    if (!map_first) {
+      EXPECT_FALSE(e->done) << "a loan completes once mapped";
+      m = p.map(1, 7, &addresses);
+      p.pump();
+    }
+    ASSERT_TRUE(m->done && !m->error) << error_of(*m);
+    ASSERT_TRUE(e->done && !e->error) << error_of(*e);
+    EXPECT_EQ(m->transferred, 1700u);
+    EXPECT_EQ(e->transferred, 1700u);
+    ASSERT_EQ(addresses.size(), 4u);
+    // The fake memory maps a region at its own address: each address is
+    // where the lent buffer lies.
+    for (std::size_t i = 0; i < lent.size(); ++i) EXPECT_EQ(addresses[i], lent[i].data) << i;
+  }
+  EXPECT_EQ(p.memory[0].exports, 2) << "two regions, each exported once";
+  EXPECT_EQ(p.memory[1].imports, 2) << "and mapped once";
+  EXPECT_EQ(p.link[0]->pending() + p.link[1]->pending(), 0u);
+}
+
+TEST(IpcProtocol, LoansAndMapsMatchPerTagInPostingOrder) {
+  LinkPair p;
+  Block a(p, 0, 1024);
+  auto first = p.expose(0, 1, {slice(a, 0, 8)});
+  auto second = p.expose(0, 1, {slice(a, 8, 16), slice(a, 24, 8)});
+  auto other = p.expose(0, 2, {slice(a, 512, 64)});
+  p.pump();
+  std::vector<void*> x, y, z;
+  auto mz = p.map(1, 2, &z);
+  auto mx = p.map(1, 1, &x);
+  auto my = p.map(1, 1, &y);
+  p.pump();
+  for (auto* op : {&first, &second, &other, &mx, &my, &mz})
+    ASSERT_TRUE((*op)->done && !(*op)->error) << error_of(**op);
+  EXPECT_EQ(x, std::vector<void*>{a.bytes.data()});
+  EXPECT_EQ(y, (std::vector<void*>{a.bytes.data() + 8, a.bytes.data() + 24}));
+  EXPECT_EQ(z, std::vector<void*>{a.bytes.data() + 512});
+}
+
+TEST(IpcProtocol, ALongLoanTravelsInSeveralMessages) {
+  constexpr std::size_t kCount = 5000;
+  LinkPair p;
+  Block a(p, 0, kCount * 8);
+  std::vector<Buffer> lent;
+  for (std::size_t i = 0; i < kCount; ++i) lent.push_back(slice(a, 8 * i, 8));
+  auto e = p.expose(0, 3, lent);
+  p.link[0]->flush();
+  const auto names = message_names(p.wire[0]);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "expose"), 3) << "slices of 2048 entries";
+  std::vector<void*> addresses;
+  auto m = p.map(1, 3, &addresses);
+  p.pump();
+  ASSERT_TRUE(m->done && !m->error) << error_of(*m);
+  ASSERT_TRUE(e->done && !e->error) << error_of(*e);
+  ASSERT_EQ(addresses.size(), kCount);
+  for (std::size_t i = 0; i < kCount; ++i) ASSERT_EQ(addresses[i], a.bytes.data() + 8 * i) << i;
+}
+
+TEST(IpcProtocol, CancelledLoanIsWithdrawnAndAFailedMappingFailsBothSides) {
+  LinkPair p;
+  Block a(p, 0, 1024);
+  auto withdrawn = p.expose(0, 4, {slice(a, 0, 64)});
+  p.pump();
+  p.link[0]->cancel(*withdrawn);
+  p.pump();
+  ASSERT_TRUE(withdrawn->done && withdrawn->error);
+  EXPECT_EQ(withdrawn->error->first, Errc::cancelled);
+  // A map waits for the next loan; a cancelled map is never matched.
+  std::vector<void*> addresses;
+  auto cancelled = p.map(1, 4, &addresses);
+  p.link[1]->cancel(*cancelled);
+  EXPECT_TRUE(cancelled->done && cancelled->error && cancelled->error->first == Errc::cancelled);
+  p.memory[1].import_error = Error(Errc::transport, "no such handle");
+  auto m = p.map(1, 4, &addresses);
+  auto e = p.expose(0, 4, {slice(a, 64, 64)});
+  p.pump();
+  ASSERT_TRUE(m->done && m->error);
+  EXPECT_EQ(m->error->first, Errc::transport);
+  EXPECT_NE(error_of(*m).find("no such handle"), std::string::npos) << error_of(*m);
+  ASSERT_TRUE(e->done && e->error);
+  EXPECT_EQ(e->error->first, Errc::transport);
+  EXPECT_NE(error_of(*e).find("could not map the lent memory: "), std::string::npos)
+      << error_of(*e);
+  EXPECT_NE(error_of(*e).find("no such handle"), std::string::npos) << error_of(*e);
+  EXPECT_TRUE(addresses.empty()) << "nothing is mapped in part";
+}
+
+TEST(IpcProtocol, LostPeerFailsLoansAndMaps) {
+  LinkPair p;
+  Block a(p, 0, 64);
+  std::vector<void*> addresses;
+  auto e = p.expose(0, 5, {slice(a, 0, 64)});
+  auto m = p.map(0, 6, &addresses);
+  p.link[0]->lose("the connection was closed");
+  for (auto* op : {&e, &m}) {
+    ASSERT_TRUE((*op)->done && (*op)->error);
+    EXPECT_EQ((*op)->error->first, Errc::peer_failure);
+  }
+  EXPECT_EQ(p.link[0]->pending(), 0u);
+}
+
 TEST(IpcProtocol, CopiesThatFinishInOrderArePolledUpToTheFirstStillRunning) {
   for (const bool in_order : {false, true}) {
     LinkPair p;
@@ -535,6 +654,23 @@ TEST(IpcProtocol, PacketsThatBreakTheProtocolAreRefused) {
     EXPECT_EQ(e.code(), Errc::protocol);
     EXPECT_NE(std::string(e.what()).find("65 bytes"), std::string::npos) << e.what();
   }
+  // Loans: a region never announced, more entries than announced, an id in
+  // use, a tag changed between the messages of one loan.
+  auto refused = [&](const ipc::Message& m, const std::string& part) {
+    try {
+      deliver(m);
+      ADD_FAILURE() << "accepted (expected '" << part << "')";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::protocol) << e.what();
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  refused(ipc::Expose{50, 1, 1, {{9, 0, 64}}}, "region 9, which it never announced");
+  deliver(ipc::Expose{51, 1, 3, {{0, 0, 0}, {0, 0, 0}}});
+  refused(ipc::Expose{51, 2, 3, {{0, 0, 0}}}, "changed the tag or size");
+  refused(ipc::Expose{51, 1, 3, {{0, 0, 0}, {0, 0, 0}}}, "more than the 3 buffers");
+  deliver(ipc::Expose{52, 1, 0, {}});
+  refused(ipc::Expose{52, 1, 0, {}}, "which is in use");
 }
 
 }  // namespace

@@ -228,6 +228,75 @@ void ipc_settled_sends(ScenarioContext& c) {
   bye(c);
 }
 
+// Rank 0 lends rank 1 parts of two buffers (one registered) and an empty
+// one; rank 1 maps them, writes each through its address and says so with a
+// message; rank 0 finds exactly those bytes written. Twice: the second loan
+// reuses the regions.
+void ipc_lent_memory(ScenarioContext& c) {
+  Transport& t = c.transport;
+  require(t.capabilities().maps_peer_memory, "cuda_ipc lends memory");
+  constexpr std::size_t kA = 1 << 20, kB = 4096;
+  struct Part {
+    std::size_t offset, bytes;
+    bool in_a;
+  };
+  const std::vector<Part> parts{
+      {100, 5000, true}, {0, 0, true}, {0, kB, false}, {200000, 300000, true}};
+  TestBuffer note(8, c.memory);
+  for (int round = 0; round < 2; ++round) {
+    const Tag tag = 70 + 2 * static_cast<Tag>(round);
+    if (t.rank() == 0) {
+      TestBuffer a(kA, c.memory), b(kB, c.memory);
+      a.zero();
+      b.zero();
+      auto reg = t.register_memory(a.buffer());
+      std::vector<Buffer> lent;
+      std::size_t total = 0;
+      for (const Part& p : parts) {
+        Buffer x = p.in_a ? a.buffer() : b.buffer();
+        x.data = static_cast<char*>(x.data) + p.offset;
+        x.bytes = p.bytes;
+        x.region = p.in_a && p.bytes > 0 ? reg.get() : nullptr;
+        if (p.bytes == 0) x.data = nullptr;
+        lent.push_back(x);
+        total += p.bytes;
+      }
+      require(t.expose(1, tag, lent)->wait(kWait) == total, "the loan reports its bytes");
+      t.recv(1, tag + 1, note.buffer())->wait(kWait);  // rank 1 wrote them all
+      const auto got_a = a.read(), got_b = b.read();
+      for (std::size_t i = 0; i < parts.size(); ++i) {
+        const Part& p = parts[i];
+        const auto& got = p.in_a ? got_a : got_b;
+        for (std::size_t k = 0; k < p.bytes; ++k)
+          require(got[p.offset + k] == pattern_byte(round * 10 + i, k),
+                  cat("round ", round, ", part ", i, ": byte ", k, " differs"));
+      }
+      std::size_t written = 0;
+      for (uint8_t v : got_a) written += v != 0;
+      std::size_t expected = 0;  // pattern bytes may be zero too: count them
+      for (std::size_t i = 0; i < parts.size(); ++i)
+        if (parts[i].in_a)
+          for (std::size_t k = 0; k < parts[i].bytes; ++k)
+            expected += pattern_byte(round * 10 + i, k) != 0;
+      require(written == expected, cat("round ", round, ": ", written, " nonzero bytes in A, ",
+                                       expected, " written by rank 1"));
+    } else {
+      std::vector<void*> at;
+      t.map_exposed(0, tag, &at)->wait(kWait);
+      require(at.size() == parts.size(), cat(at.size(), " addresses for ", parts.size()));
+      require(at[1] == nullptr, "an empty buffer has no address");
+      for (std::size_t i = 0; i < parts.size(); ++i) {
+        if (parts[i].bytes == 0) continue;
+        TestBuffer src(parts[i].bytes, c.memory);
+        src.fill(round * 10 + i);
+        src.copy_to(at[i], parts[i].bytes);
+      }
+      t.send(0, tag + 1, note.buffer())->wait(kWait);
+    }
+  }
+  bye(c);
+}
+
 class IpcScenarios : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -270,6 +339,10 @@ TEST_P(IpcScenarios, ReallocatedReceiveBufferGetsTheMessage) {
 
 TEST_P(IpcScenarios, SendsSettledAtPostingTellTheReceiverAtOnce) {
   run("ipc_settled_sends");
+}
+
+TEST_P(IpcScenarios, LentMemoryIsWrittenThroughTheMappedAddresses) {
+  run("ipc_lent_memory");
 }
 
 TEST_P(IpcScenarios, SendToSelf) {
@@ -317,6 +390,7 @@ Scenario find_ipc_scenario(const std::string& name) {
       {"ipc_realloc", ipc_realloc},
       {"ipc_self", ipc_self},
       {"ipc_settled_sends", ipc_settled_sends},
+      {"ipc_lent_memory", ipc_lent_memory},
       {"ipc_reconnect_peer", ipc_reconnect_peer},
       {"cuda_ipc_vmm", cuda_ipc_vmm},
   };

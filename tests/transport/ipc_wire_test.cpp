@@ -97,6 +97,26 @@ TEST(IpcWire, MalformedPacketsAreProtocolErrors) {
   expect_protocol_error(status, "status 9");
 }
 
+TEST(IpcWire, ExposeCarriesItsEntriesAndRefusesMoreThanItsTotalOrASlice) {
+  ipc::Expose m{21, Tag{0x123456789}, 5, {{3, 64, 4096}, {0, 0, 0}, {9, 1ull << 33, 7}}};
+  const auto e = round_trip(m);
+  EXPECT_EQ(e.expose_id, 21u);
+  EXPECT_EQ(e.tag, Tag{0x123456789});
+  EXPECT_EQ(e.total, 5u);
+  EXPECT_EQ(e.entries, m.entries);
+  EXPECT_TRUE(round_trip(ipc::Expose{22, 1, 0, {}}).entries.empty());
+  // A count beyond the total, or beyond a slice, is refused before anything
+  // is allocated for it; so is a packet that ends inside its entries.
+  m.total = 2;
+  expect_protocol_error(ipc::encode(m), "3 entries of 2");
+  ipc::Expose big{23, 1, 5000, std::vector<ipc::ExposeEntry>(ipc::kExposeSlice + 1)};
+  expect_protocol_error(ipc::encode(big), "at most 2048 a packet");
+  m.total = 5;
+  auto cut = ipc::encode(m);
+  cut.resize(cut.size() - 8);
+  expect_protocol_error(cut, "entry bytes");
+}
+
 TEST(IpcWire, BatchesCarryTheirMessagesInOrderAndMalformedOnesAreRefused) {
   const std::vector<std::vector<uint8_t>> messages = {
       ipc::encode(ipc::RecvPosted{1, 7, 3, 0, 64}),

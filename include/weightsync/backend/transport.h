@@ -72,6 +72,10 @@ struct Capabilities {
   // Messages with a peer match in posting order whatever their tags, and run
   // in order on one stream (NCCL): pipelines keep two buckets in flight.
   bool ordered_only = false;
+  // expose() and map_exposed() work: a receiver lends registered memory to a
+  // sender, whose own copies (one kernel writing many tensors) then write
+  // into it with no message per buffer (cuda_ipc).
+  bool maps_peer_memory = false;
   // The library that moves the bytes, as this process loaded it, e.g.
   // "UCX 1.22.0 (/path/libucp.so.0)"; empty where there is none to name.
   std::string library;
@@ -120,7 +124,7 @@ class MemoryRegion {
 // A posted operation. test() and wait() drive the transport's progress.
 class Request {
  public:
-  enum class Kind { send, recv, broadcast };
+  enum class Kind { send, recv, broadcast, expose, map };
   virtual ~Request() = default;
 
   // True once the operation completed; throws its Error if it failed (again on
@@ -191,6 +195,24 @@ class Transport {
   // backends with capabilities().native_broadcast override it.
   virtual std::unique_ptr<Request> broadcast(const Buffer& buffer, int root,
                                              const std::vector<int>& ranks, Tag tag);
+
+  // ---- memory lent to a peer (capabilities().maps_peer_memory) ------------
+  // Receiver: lends `buffers` to `peer`, which maps them with map_exposed()
+  // under the same `tag` (per tag, exposes and maps match in posting order).
+  // Completes once the peer mapped every one (transferred(): their bytes in
+  // all); fails with the peer's reason when it could not. The memory stays
+  // lent until its registration ends (or, unregistered, until the backend
+  // finds it freed): the caller keeps it registered for as long as the peer
+  // may write, and learns from the peer by a message when its writes are
+  // done. Errc::unsupported where the backend cannot (the default).
+  virtual std::unique_ptr<Request> expose(int peer, Tag tag, const std::vector<Buffer>& buffers);
+  // Sender: maps what `peer` lends under `tag`. Once complete, `*addresses`
+  // holds one address per lent buffer, in order (nullptr for an empty one),
+  // that this process's copies for the transport's memory kind may write
+  // (device pointers for CUDA memory), valid until the peer ends the
+  // registration. `addresses` must outlive the request. Errc::unsupported
+  // where the backend cannot (the default).
+  virtual std::unique_ptr<Request> map_exposed(int peer, Tag tag, std::vector<void*>* addresses);
 };
 
 // The registry. A factory receives the options with `name` as requested; a
@@ -233,7 +255,8 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //   operations with a peer in the same order. On a wait timeout the
 //   communicator is aborted (ncclCommAbort) and the transport is unusable.
 // fault:<inner> (deterministic: the same seed and the same sequence of calls
-//   inject the same faults). Each fault applies to an operation chosen with
+//   inject the same faults; it lends no memory: maps_peer_memory is false).
+//   Each fault applies to an operation chosen with
 //   probability P from a generator seeded with `seed`, among operations whose
 //   index (per kind: sends or receives, counted from 0) is >= `after`, whose
 //   tag equals `tag` when given, at most `count` times in total when given:

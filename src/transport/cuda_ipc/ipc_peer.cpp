@@ -121,23 +121,60 @@ void PeerLink::post_send(const std::shared_ptr<IpcOp>& op) {
   match(op->tag);
 }
 
+void PeerLink::post_expose(const std::shared_ptr<IpcOp>& op, const std::vector<Buffer>& buffers,
+                           const std::vector<uint64_t>& region_ids) {
+  Expose m;
+  m.expose_id = next_recv_id_++;
+  m.tag = op->tag;
+  m.total = static_cast<uint32_t>(buffers.size());
+  std::vector<ExposeEntry> entries;
+  entries.reserve(buffers.size());
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    ExposeEntry e;
+    if (buffers[i].bytes > 0) {
+      ExportEntry& entry = exports_.find(buffers[i], region_ids[i], e.offset);
+      announce(entry);
+      e.region_id = entry.region_id;
+      e.bytes = buffers[i].bytes;
+    }
+    entries.push_back(e);
+  }
+  op->recv_id = m.expose_id;
+  recvs_[m.expose_id] = op;
+  // Slices of kExposeSlice entries; an empty list is one message.
+  std::size_t at = 0;
+  do {
+    const std::size_t n = std::min(entries.size() - at, kExposeSlice);
+    m.entries.assign(entries.begin() + static_cast<std::ptrdiff_t>(at),
+                     entries.begin() + static_cast<std::ptrdiff_t>(at + n));
+    send(m);
+    at += n;
+  } while (at < entries.size());
+}
+
+void PeerLink::post_map(const std::shared_ptr<IpcOp>& op) {
+  maps_[op->tag].push_back(op);
+  match_maps(op->tag);
+}
+
 void PeerLink::cancel(IpcOp& op) {
   if (op.done) return;
-  if (op.kind == Request::Kind::recv) {
+  if (op.kind == Request::Kind::recv || op.kind == Request::Kind::expose) {
     // Only the sender knows whether it took the receive: ask it. Its answer
     // (cancelled, or the message's completion) settles the operation.
     if (!op.cancelling && !failed_) send(Cancel{op.recv_id});
     op.cancelling = true;
     return;
   }
-  auto it = sends_.find(op.tag);
-  if (it == sends_.end()) return;  // matched: its copy runs and cannot be withdrawn
+  auto& queues = op.kind == Request::Kind::map ? maps_ : sends_;
+  auto it = queues.find(op.tag);
+  if (it == queues.end()) return;  // matched: its copy runs and cannot be withdrawn
   auto& queue = it->second;
   auto pos =
       std::find_if(queue.begin(), queue.end(), [&](const auto& p) { return p.get() == &op; });
   if (pos == queue.end()) return;
   queue.erase(pos);
-  if (queue.empty()) sends_.erase(it);
+  if (queue.empty()) queues.erase(it);
   op.set_error(Errc::cancelled, "cancelled");
 }
 
@@ -176,6 +213,8 @@ void PeerLink::dispatch(Message m, std::vector<UniqueFd> fds) {
           on_cancelled(msg);
         else if constexpr (std::is_same_v<T, Complete>)
           on_complete(msg);
+        else if constexpr (std::is_same_v<T, Expose>)
+          on_expose(std::move(msg));
         else
           weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " sent a second hello");
       },
@@ -228,6 +267,16 @@ void PeerLink::on_recv_posted(const RecvPosted& m) {
 }
 
 void PeerLink::on_cancel(const Cancel& m) {
+  if (auto e = expose_index_.find(m.recv_id); e != expose_index_.end()) {
+    auto& queue = remote_exposes_[e->second];
+    auto pos = std::find_if(queue.begin(), queue.end(),
+                            [&](const Expose& x) { return x.expose_id == m.recv_id; });
+    if (pos != queue.end()) queue.erase(pos);
+    if (queue.empty()) remote_exposes_.erase(e->second);
+    expose_index_.erase(e);
+    send(Cancelled{m.recv_id});
+    return;
+  }
   auto idx = remote_index_.find(m.recv_id);
   if (idx == remote_index_.end()) return;  // already taken: its completion is on the way
   auto& queue = remote_recvs_[idx->second];
@@ -269,9 +318,85 @@ void PeerLink::on_complete(const Complete& m) {
       break;
     case CompleteStatus::sender_failed:
       op->set_error(Errc::transport,
-                    cat("rank ", peer_, " could not write the message: ", m.error));
+                    cat("rank ", peer_,
+                        op->kind == Request::Kind::expose ? " could not map the lent memory: "
+                                                          : " could not write the message: ",
+                        m.error));
       break;
   }
+}
+
+// The entries of one expose id gather until all came; the whole list then
+// waits for a map with its tag, oldest first.
+void PeerLink::on_expose(Expose m) {
+  if (m.expose_id == 0 || expose_index_.count(m.expose_id) || remote_index_.count(m.expose_id))
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " lent memory under id ",
+                     m.expose_id, ", which is in use");
+  for (const ExposeEntry& e : m.entries)
+    if (e.bytes > 0 && !regions_.count(e.region_id))
+      weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " lent ", e.bytes,
+                       " bytes of region ", e.region_id, ", which it never announced");
+  auto [it, added] = partial_exposes_.try_emplace(m.expose_id);
+  Expose& whole = it->second;
+  if (added) {
+    whole.expose_id = m.expose_id;
+    whole.tag = m.tag;
+    whole.total = m.total;
+  } else if (whole.tag != m.tag || whole.total != m.total) {
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " changed the tag or size of ",
+                     "lent memory ", m.expose_id, " between its messages");
+  }
+  if (whole.entries.size() + m.entries.size() > whole.total)
+    weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " lent more than the ", whole.total,
+                     " buffers it announced under id ", m.expose_id);
+  whole.entries.insert(whole.entries.end(), m.entries.begin(), m.entries.end());
+  if (whole.entries.size() < whole.total) return;
+  const Tag tag = whole.tag;
+  expose_index_[whole.expose_id] = tag;
+  remote_exposes_[tag].push_back(std::move(whole));
+  partial_exposes_.erase(it);
+  match_maps(tag);
+}
+
+void PeerLink::match_maps(Tag tag) {
+  auto m = maps_.find(tag);
+  auto e = remote_exposes_.find(tag);
+  if (m == maps_.end() || e == remote_exposes_.end()) return;
+  while (!m->second.empty() && !e->second.empty()) {
+    auto op = std::move(m->second.front());
+    m->second.pop_front();
+    const Expose lent = std::move(e->second.front());
+    e->second.pop_front();
+    expose_index_.erase(lent.expose_id);
+    map_exposed(*op, lent);
+  }
+  if (m->second.empty()) maps_.erase(m);
+  if (e->second.empty()) remote_exposes_.erase(e);
+}
+
+// Every entry mapped (each region once, kept until the peer releases it), or
+// none: both sides learn why.
+void PeerLink::map_exposed(IpcOp& op, const Expose& lent) {
+  std::vector<void*> addresses;
+  addresses.reserve(lent.entries.size());
+  uint64_t bytes = 0;
+  try {
+    for (const ExposeEntry& e : lent.entries) {
+      if (e.bytes == 0) {
+        addresses.push_back(nullptr);
+        continue;
+      }
+      addresses.push_back(static_cast<char*>(mapping(e.region_id, e.offset + e.bytes)->data()) +
+                          e.offset);
+      bytes += e.bytes;
+    }
+  } catch (const Error& e) {
+    sender_failed(op, lent.expose_id, e.code(), e.what());
+    return;
+  }
+  if (op.addresses) *op.addresses = std::move(addresses);
+  send(Complete{lent.expose_id, CompleteStatus::ok, bytes, {}});
+  op.finish(bytes);
 }
 
 // Per tag, the oldest send meets the oldest receive: posting order both ways.
@@ -415,9 +540,14 @@ void PeerLink::lose(const std::string& why) {
   const std::string text = cat("peer rank ", peer_, " failed (", why, ")");
   for (auto& [id, op] : recvs_) op->set_error(Errc::peer_failure, text);
   recvs_.clear();
-  for (auto& [tag, queue] : sends_)
-    for (auto& op : queue) op->set_error(Errc::peer_failure, text);
-  sends_.clear();
+  for (auto* queues : {&sends_, &maps_}) {
+    for (auto& [tag, queue] : *queues)
+      for (auto& op : queue) op->set_error(Errc::peer_failure, text);
+    queues->clear();
+  }
+  partial_exposes_.clear();
+  remote_exposes_.clear();
+  expose_index_.clear();
   for (auto& op : copying_) op->lost = text;  // failed by poll() once the copy is done
   remote_recvs_.clear();
   remote_index_.clear();
@@ -427,7 +557,8 @@ void PeerLink::lose(const std::string& why) {
 
 std::size_t PeerLink::pending() const {
   std::size_t n = recvs_.size() + copying_.size();
-  for (const auto& [tag, queue] : sends_) n += queue.size();
+  for (const auto* queues : {&sends_, &maps_})
+    for (const auto& [tag, queue] : *queues) n += queue.size();
   return n;
 }
 

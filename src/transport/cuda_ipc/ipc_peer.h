@@ -46,6 +46,8 @@ struct IpcOp {
   std::shared_ptr<Mapping> mapping;
   std::unique_ptr<Copy> copy;
   uint64_t target_recv = 0;
+  // Map (sender): where the lent buffers' addresses go once mapped.
+  std::vector<void*>* addresses = nullptr;
   // Set when the peer was lost while the copy ran: the send fails with this
   // once the copy is done, since until then the device still reads its buffer.
   std::optional<std::string> lost;
@@ -67,6 +69,14 @@ class PeerLink {
   void post_recv(const std::shared_ptr<IpcOp>& op, uint64_t region_id);
   // Sender: queues `op` (a send of op->buffer) and matches it if it can.
   void post_send(const std::shared_ptr<IpcOp>& op);
+  // Receiver: lends `buffers` (region_ids[i]: the registered region holding
+  // buffers[i], or 0) to the peer as `op` (kind expose, op->buffer.bytes
+  // their bytes in all): announces their regions, then the expose messages.
+  void post_expose(const std::shared_ptr<IpcOp>& op, const std::vector<Buffer>& buffers,
+                   const std::vector<uint64_t>& region_ids);
+  // Sender: queues `op` (kind map) for the peer's next expose with its tag,
+  // and maps that when it is already here.
+  void post_map(const std::shared_ptr<IpcOp>& op);
   // Asks for `op` to be withdrawn (see transport.h's cancel()).
   void cancel(IpcOp& op);
   // A packet from the peer (one message or a batch). Errc::protocol when it
@@ -119,7 +129,10 @@ class PeerLink {
   void on_cancel(const Cancel& m);
   void on_cancelled(const Cancelled& m);
   void on_complete(const Complete& m);
+  void on_expose(Expose m);
   void match(Tag tag);
+  void match_maps(Tag tag);
+  void map_exposed(IpcOp& op, const Expose& e);
   void start(const std::shared_ptr<IpcOp>& op, const RecvPosted& r);
   std::shared_ptr<Mapping> mapping(uint64_t region_id, std::size_t end);
   void sender_failed(IpcOp& op, uint64_t recv_id, Errc code, const std::string& why);
@@ -145,6 +158,10 @@ class PeerLink {
   std::map<uint64_t, Tag> remote_index_;        // recv id -> tag, for cancels
   std::deque<std::shared_ptr<IpcOp>> copying_;  // in start order
   std::map<uint64_t, RemoteRegion> regions_;
+  std::map<Tag, std::deque<std::shared_ptr<IpcOp>>> maps_;
+  std::map<uint64_t, Expose> partial_exposes_;        // by id, until all entries came
+  std::map<Tag, std::deque<Expose>> remote_exposes_;  // whole, not yet mapped
+  std::map<uint64_t, Tag> expose_index_;              // expose id -> tag, for cancels
 };
 
 }  // namespace weightsync::transport::cuda_ipc

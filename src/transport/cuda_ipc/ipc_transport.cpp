@@ -122,6 +122,7 @@ Capabilities IpcTransport::capabilities() const {
   c.native_broadcast = false;
   c.max_message_bytes = std::numeric_limits<std::size_t>::max();
   c.tag_bits = 64;
+  c.maps_peer_memory = true;
   return c;
 }
 
@@ -198,6 +199,48 @@ std::unique_ptr<Request> IpcTransport::recv(int peer, Tag tag, const Buffer& buf
   return std::make_unique<IpcRequest>(*this, std::move(op));
 }
 
+std::unique_ptr<Request> IpcTransport::expose(int peer, Tag tag,
+                                              const std::vector<Buffer>& buffers) {
+  std::vector<uint64_t> region_ids;
+  region_ids.reserve(buffers.size());
+  std::size_t bytes = 0;
+  for (const Buffer& b : buffers) {
+    check_post(peer, b, "lend memory to");
+    const auto* region = dynamic_cast<const IpcRegion*>(b.region);
+    region_ids.push_back(region && b.bytes > 0 ? region->region_id() : 0);
+    bytes += b.bytes;
+  }
+  check_alive(peer, "lend memory to");
+  auto op = std::make_shared<IpcOp>();
+  op->kind = Request::Kind::expose;
+  op->peer = peer;
+  op->tag = tag;
+  op->buffer = Buffer{nullptr, bytes, memory_->memory(), options_.device, nullptr};
+  peers_[peer].link->post_expose(op, buffers, region_ids);
+  flush_peer(peers_[peer]);  // the peer may be waiting for it already
+  handle_failures();
+  return std::make_unique<IpcRequest>(*this, std::move(op));
+}
+
+std::unique_ptr<Request> IpcTransport::map_exposed(int peer, Tag tag,
+                                                   std::vector<void*>* addresses) {
+  if (!addresses)
+    fail(Errc::invalid_argument, name_, ": mapping the memory of rank ", peer,
+         ": no vector for its addresses");
+  check_post(peer, Buffer{nullptr, 0, memory_->memory()}, "map the memory of");
+  check_alive(peer, "map the memory of");
+  auto op = std::make_shared<IpcOp>();
+  op->kind = Request::Kind::map;
+  op->peer = peer;
+  op->tag = tag;
+  op->buffer = Buffer{nullptr, 0, memory_->memory(), options_.device, nullptr};
+  op->addresses = addresses;
+  peers_[peer].link->post_map(op);
+  if (peers_[peer].link->queued()) flush_peer(peers_[peer]);  // mapped at once: tell the peer
+  handle_failures();
+  return std::make_unique<IpcRequest>(*this, std::move(op));
+}
+
 void IpcTransport::connect(int peer) {
   check_post(peer, Buffer{nullptr, 0, memory_->memory()}, "connect to");
   check_alive(peer, "connect to");
@@ -225,9 +268,10 @@ void IpcTransport::release(const std::shared_ptr<IpcOp>& op) {
     }
     // The peer never answered the cancel and might still write into the
     // buffer, which its owner is about to free: give the peer up.
-    if (!op->done && op->kind == Request::Kind::recv)
-      lose(op->peer, cat("a receive of ", op->buffer.bytes, " bytes was abandoned and rank ",
-                         op->peer, " did not confirm its cancellation"));
+    if (!op->done && (op->kind == Request::Kind::recv || op->kind == Request::Kind::expose))
+      lose(op->peer,
+           cat(op->kind == Request::Kind::recv ? "a receive of " : "a loan of ", op->buffer.bytes,
+               " bytes was abandoned and rank ", op->peer, " did not confirm its cancellation"));
   } catch (const Error&) {
     // A destructor must not throw; the operation is failed or abandoned.
   }

@@ -49,6 +49,8 @@ class IpcTransport final : public Transport {
   std::unique_ptr<MemoryRegion> register_memory(const Buffer& buffer) override;
   std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override;
   std::unique_ptr<Request> recv(int peer, Tag tag, const Buffer& buffer) override;
+  std::unique_ptr<Request> expose(int peer, Tag tag, const std::vector<Buffer>& buffers) override;
+  std::unique_ptr<Request> map_exposed(int peer, Tag tag, std::vector<void*>* addresses) override;
   void progress() override;
   void connect(int peer) override;
   bool peer_failed(int peer) const override;

@@ -124,6 +124,18 @@ void put_fields(Writer& w, const Complete& m) {
   w.str(m.error);
 }
 
+void put_fields(Writer& w, const Expose& m) {
+  w.put(m.expose_id);
+  w.put(m.tag);
+  w.put(m.total);
+  w.put(static_cast<uint32_t>(m.entries.size()));
+  for (const ExposeEntry& e : m.entries) {
+    w.put(e.region_id);
+    w.put(e.offset);
+    w.put(e.bytes);
+  }
+}
+
 Message read_fields(Reader& r, uint16_t type) {
   switch (type) {
     case 0: {
@@ -180,6 +192,23 @@ Message read_fields(Reader& r, uint16_t type) {
     }
     case 8:
       return Released{r.get<uint64_t>("region id")};
+    case 9: {
+      Expose m;
+      m.expose_id = r.get<uint64_t>("expose id");
+      m.tag = r.get<Tag>("tag");
+      m.total = r.get<uint32_t>("entry total");
+      const auto count = r.get<uint32_t>("entry count");
+      if (count > kExposeSlice || count > m.total)
+        fail(Errc::protocol, "cuda_ipc: malformed expose packet: ", count, " entries of ", m.total,
+             " (at most ", kExposeSlice, " a packet)");
+      m.entries.resize(count);
+      for (ExposeEntry& e : m.entries) {
+        e.region_id = r.get<uint64_t>("entry region id");
+        e.offset = r.get<uint64_t>("entry offset");
+        e.bytes = r.get<uint64_t>("entry bytes");
+      }
+      return m;
+    }
     default:
       fail(Errc::protocol, "cuda_ipc: unknown message type ", type);
   }
@@ -255,9 +284,9 @@ std::vector<std::vector<uint8_t>> split_batch(std::vector<uint8_t> packet) {
 }
 
 const char* message_name(const Message& message) {
-  static const char* const names[] = {"hello",     "region",      "region_more",
-                                      "release",   "recv_posted", "cancel",
-                                      "cancelled", "complete",    "released"};
+  static const char* const names[] = {"hello",       "region", "region_more", "release",
+                                      "recv_posted", "cancel", "cancelled",   "complete",
+                                      "released",    "expose"};
   return names[message.index()];
 }
 

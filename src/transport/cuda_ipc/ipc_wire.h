@@ -20,6 +20,13 @@
 //   complete     S -> R: receive `recv_id` got `bytes` (status ok), or the
 //                message was too large / the sender failed (no data written
 //                in either case)
+//   expose       R -> S: memory lent under `tag` (Transport::expose): its
+//                id (from the receives' id space), the number of entries in
+//                all and some of them, each a (region, offset, bytes) of an
+//                announced region; a long list continues in further expose
+//                messages with the same id. S answers with a complete for
+//                that id once it mapped them all (ok), or could not
+//                (sender_failed); R may cancel it as it cancels a receive.
 //
 // Batches: messages without descriptors that a side queues between two
 // flushes (the receives posted in one go, the completions of one progress
@@ -40,7 +47,7 @@
 namespace weightsync::transport::cuda_ipc {
 
 constexpr uint32_t kWireMagic = 0x50495357;  // "WSIP"
-constexpr uint16_t kWireVersion = 2;         // 2: batch packets
+constexpr uint16_t kWireVersion = 3;         // 2: batch packets; 3: expose
 
 struct Hello {
   int32_t rank = 0;
@@ -101,9 +108,26 @@ struct Complete {
   std::string error;   // sender_failed: why
 };
 
+struct ExposeEntry {
+  uint64_t region_id = 0;  // 0 for an empty buffer
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  bool operator==(const ExposeEntry&) const = default;
+};
+
+// Entries per expose message (24 bytes each: a slice fits a packet).
+constexpr std::size_t kExposeSlice = 2048;
+
+struct Expose {
+  uint64_t expose_id = 0;
+  Tag tag = 0;
+  uint32_t total = 0;  // entries in all, over every message of this id
+  std::vector<ExposeEntry> entries;
+};
+
 // New types go at the end: a message's type on the wire is its index here.
 using Message = std::variant<Hello, RegionMsg, RegionMore, Release, RecvPosted, Cancel, Cancelled,
-                             Complete, Released>;
+                             Complete, Released, Expose>;
 
 std::vector<uint8_t> encode(const Message& message);
 // Errc::protocol for a malformed packet (bad magic, version, type or length).

@@ -146,6 +146,7 @@ class FaultTransport final : public Transport {
   Capabilities capabilities() const override {
     Capabilities c = inner_->capabilities();
     c.native_broadcast = false;  // broadcasts fan out here so that faults apply per message
+    c.maps_peer_memory = false;  // writes into lent memory would bypass the faults
     return c;
   }
   std::unique_ptr<MemoryRegion> register_memory(const Buffer& buffer) override {
