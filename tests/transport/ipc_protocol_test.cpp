@@ -561,6 +561,20 @@ TEST(IpcProtocol, CancelledLoanIsWithdrawnAndAFailedMappingFailsBothSides) {
   EXPECT_TRUE(addresses.empty()) << "nothing is mapped in part";
 }
 
+TEST(IpcProtocol, ADeclinedLoanMapsNothingAndFailsTheLenderWithCancelled) {
+  LinkPair p;
+  Block a(p, 0, 64);
+  auto e = p.expose(0, 8, {slice(a, 0, 64)});
+  auto m = p.map(1, 8, nullptr);
+  p.pump();
+  ASSERT_TRUE(m->done && !m->error) << error_of(*m);
+  EXPECT_EQ(m->transferred, 0u);
+  ASSERT_TRUE(e->done && e->error);
+  EXPECT_EQ(e->error->first, Errc::cancelled);
+  EXPECT_EQ(error_of(*e), "rank 1 declined the loan");
+  EXPECT_EQ(p.memory[1].imports, 0) << "nothing mapped";
+}
+
 TEST(IpcProtocol, LostPeerFailsLoansAndMaps) {
   LinkPair p;
   Block a(p, 0, 64);

@@ -210,8 +210,10 @@ class Transport {
   // holds one address per lent buffer, in order (nullptr for an empty one),
   // that this process's copies for the transport's memory kind may write
   // (device pointers for CUDA memory), valid until the peer ends the
-  // registration. `addresses` must outlive the request. Errc::unsupported
-  // where the backend cannot (the default).
+  // registration. `addresses` must outlive the request. With `addresses`
+  // null the loan is declined: nothing is mapped, and the peer's expose
+  // fails with Errc::cancelled. Errc::unsupported where the backend cannot
+  // (the default).
   virtual std::unique_ptr<Request> map_exposed(int peer, Tag tag, std::vector<void*>* addresses);
 };
 

@@ -316,6 +316,12 @@ void PeerLink::on_complete(const Complete& m) {
       op->set_error(Errc::mismatch, cat("the message of ", m.bytes, " bytes is larger than the ",
                                         capacity, "-byte receive buffer"));
       break;
+    case CompleteStatus::declined:
+      if (op->kind != Request::Kind::expose)
+        weightsync::fail(Errc::protocol, "cuda_ipc: rank ", peer_, " declined receive ", m.recv_id,
+                         ", which is no loan");
+      op->set_error(Errc::cancelled, cat("rank ", peer_, " declined the loan"));
+      break;
     case CompleteStatus::sender_failed:
       op->set_error(Errc::transport,
                     cat("rank ", peer_,
@@ -375,8 +381,13 @@ void PeerLink::match_maps(Tag tag) {
 }
 
 // Every entry mapped (each region once, kept until the peer releases it), or
-// none: both sides learn why.
+// none: both sides learn why. A map without addresses declines the loan.
 void PeerLink::map_exposed(IpcOp& op, const Expose& lent) {
+  if (!op.addresses) {
+    send(Complete{lent.expose_id, CompleteStatus::declined, 0, {}});
+    op.finish(0);
+    return;
+  }
   std::vector<void*> addresses;
   addresses.reserve(lent.entries.size());
   uint64_t bytes = 0;
@@ -394,7 +405,7 @@ void PeerLink::map_exposed(IpcOp& op, const Expose& lent) {
     sender_failed(op, lent.expose_id, e.code(), e.what());
     return;
   }
-  if (op.addresses) *op.addresses = std::move(addresses);
+  *op.addresses = std::move(addresses);
   send(Complete{lent.expose_id, CompleteStatus::ok, bytes, {}});
   op.finish(bytes);
 }

@@ -46,7 +46,8 @@ struct IpcOp {
   std::shared_ptr<Mapping> mapping;
   std::unique_ptr<Copy> copy;
   uint64_t target_recv = 0;
-  // Map (sender): where the lent buffers' addresses go once mapped.
+  // Map (sender): where the lent buffers' addresses go once mapped; null
+  // declines the loan.
   std::vector<void*>* addresses = nullptr;
   // Set when the peer was lost while the copy ran: the send fails with this
   // once the copy is done, since until then the device still reads its buffer.

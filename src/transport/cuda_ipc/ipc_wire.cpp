@@ -183,7 +183,7 @@ Message read_fields(Reader& r, uint16_t type) {
       Complete m;
       m.recv_id = r.get<uint64_t>("receive id");
       const auto status = r.get<uint32_t>("status");
-      if (status > static_cast<uint32_t>(CompleteStatus::sender_failed))
+      if (status > static_cast<uint32_t>(CompleteStatus::declined))
         fail(Errc::protocol, "cuda_ipc: malformed complete packet: status ", status);
       m.status = static_cast<CompleteStatus>(status);
       m.bytes = r.get<uint64_t>("bytes");

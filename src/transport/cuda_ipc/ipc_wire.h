@@ -25,8 +25,9 @@
 //                all and some of them, each a (region, offset, bytes) of an
 //                announced region; a long list continues in further expose
 //                messages with the same id. S answers with a complete for
-//                that id once it mapped them all (ok), or could not
-//                (sender_failed); R may cancel it as it cancels a receive.
+//                that id once it mapped them all (ok), could not
+//                (sender_failed) or would not (declined); R may cancel it
+//                as it cancels a receive.
 //
 // Batches: messages without descriptors that a side queues between two
 // flushes (the receives posted in one go, the completions of one progress
@@ -99,7 +100,8 @@ struct Cancelled {
   uint64_t recv_id = 0;
 };
 
-enum class CompleteStatus : uint32_t { ok = 0, too_large = 1, sender_failed = 2 };
+// declined: a loan (expose) the sender chose not to map.
+enum class CompleteStatus : uint32_t { ok = 0, too_large = 1, sender_failed = 2, declined = 3 };
 
 struct Complete {
   uint64_t recv_id = 0;
