@@ -442,6 +442,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   ack.stats.staging_bytes = pipeline ? pipeline->staging_bytes() : 0;
   out.bytes = report.bytes;
   out.bytes_direct = report.bytes_direct;
+  out.buckets_lent = report.buckets_lent;
   out.delta_buckets = report.delta_buckets;
   out.weights_handed = weights_handed;
   out.checksum = report.checksum;

@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <utility>
 
 namespace weightsync::engine {
@@ -81,6 +83,58 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
   int64_t largest = 0;
   for (const RecvAction& a : actions_) largest = std::max(largest, a.bytes);
   slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), broadcast_, wire_, caps_));
+  if (lending_possible(plan, wire_, caps_)) plan_loans(plan, targets);
+}
+
+void ReceivePipeline::plan_loans(const Plan& plan, const std::vector<TensorView>& targets) {
+  lend_memory_ = caps_.cuda_memory ? MemoryKind::cuda : MemoryKind::host;
+  std::map<int, std::vector<int32_t>> lendable;  // by trainer rank
+  for (RecvAction& a : actions_) {
+    if (!lendable_bucket(plan, a.bucket)) continue;
+    auto [it, added] = lendable.try_emplace(a.src);
+    it->second.push_back(a.bucket);
+  }
+  for (const auto& [src, buckets] : lendable) {
+    Loan l;
+    l.src = src;
+    bool able = true;
+    for (int p : lent_params(plan, buckets)) {
+      const TensorView& t = targets.at(static_cast<size_t>(p));
+      able =
+          able && t.memory == lend_memory_ && t.effective_strides() == contiguous_strides(t.shape);
+      l.buffers.push_back(
+          Buffer{t.numel() > 0 ? t.data : nullptr, t.nbytes(), t.memory, t.device, nullptr});
+    }
+    if (!able) l.buffers.clear();  // lends nothing: the trainer rank sends fragments
+    for (RecvAction& a : actions_)
+      if (a.src == src && lendable_bucket(plan, a.bucket)) a.loan = static_cast<int>(loans_.size());
+    loans_.push_back(std::move(l));
+  }
+}
+
+void ReceivePipeline::begin_loans(int64_t step, Transport& t, pipeline::Loop& loop) {
+  for (Loan& l : loans_) {
+    l.lent = false;
+    l.expose = t.expose(l.src, lend_tag(step), l.buffers);
+  }
+  for (Loan& l : loans_) {
+    std::optional<Error> failure;
+    loop.until(
+        [&] {
+          try {
+            return l.expose->test();
+          } catch (const Error& e) {
+            failure = e;
+            return true;
+          }
+        },
+        [&] { return cat("the loan to trainer rank ", l.src, " (", l.expose->describe(), ")"); });
+    l.expose.reset();
+    // Declined, or the trainer rank could not map it: fragments, which the
+    // trainer rank knows to send. A dead trainer fails the step.
+    if (failure && failure->code() == Errc::peer_failure) throw *failure;
+    l.lent = !failure && !l.buffers.empty();
+  }
 }
 
 void ReceivePipeline::mark_changed(const RecvAction& a) {
@@ -244,6 +298,11 @@ void ReceivePipeline::post(size_t k, int s, int64_t step, Transport& t) {
   slot.posted_us = trace_now_us();
   const Tag tag = bucket_tag(step, a.bucket, 0);
   slot.fragments = false;
+  if (lent(a)) {
+    // The trainer rank writes the bucket into the params; this says it did.
+    slot.posted.add(t.recv(a.src, tag, Buffer{nullptr, 0, lend_memory_, memory_.device, nullptr}));
+    return;
+  }
   if (wire_.delta) {  // a frame (broadcast: never a native broadcast, see prepare)
     slot.posted.add(t.recv(a.src, tag, slot.buffer.buffer(0, slot_bytes_)));
     return;
@@ -372,6 +431,21 @@ void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop
   Slot& slot = slots_[s];
   if (wire_.delta && !slot.fragments) return settle_frame(k, s, step, loop, report, phases);
   const RecvAction& a = actions_[k];
+  if (lent(a)) {
+    // In the params already: its trainer rank's copy completed before it
+    // said so.
+    if (!slot.error.empty()) {
+      if (report.error.empty()) report.error = slot.error + "; the step is rejected";
+      slot.error.clear();
+      return;
+    }
+    report.bytes += static_cast<uint64_t>(a.bytes);
+    report.bytes_direct += static_cast<uint64_t>(a.bytes);
+    ++report.buckets_lent;
+    mark_changed(a);
+    if (on_bucket_ && report.error.empty()) on_bucket_(k);
+    return;
+  }
   auto t = Clock::now();
   const auto [sum, sent] = checksums(a, slot.buffer.data, step);
   phases.verify += seconds_since(t);
@@ -533,6 +607,7 @@ ReceiveReport ReceivePipeline::run(int64_t step, Transport& transport,
   pipeline::Loop loop(cat("engine rank ", global_rank_), transport, poll, deadline);
   ReceiveReport report;
   changed_.assign(changed_.size(), false);
+  if (!loans_.empty()) begin_loans(step, transport, loop);
   const size_t depth = slots_.size();
   for (size_t s = 0; s < depth; ++s) post(s, static_cast<int>(s), step, transport);
   for (size_t k = 0; k < actions_.size(); ++k) {
@@ -552,6 +627,7 @@ void ReceivePipeline::publish_staging() {
 }
 
 void ReceivePipeline::cancel_all() {
+  for (Loan& l : loans_) l.expose.reset();
   for (Slot& s : slots_) s.posted.cancel_all();
   // An apply still running reads a slot that the next step's receives would
   // refill: let it finish first.

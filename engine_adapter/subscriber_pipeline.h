@@ -72,6 +72,9 @@ struct RecvAction {
   // not read), for ReceivePipeline::changed().
   std::vector<uint32_t> params;
   std::vector<std::vector<uint32_t>> item_params;
+  // Lent buckets (pipeline/wire.h): the loan (ReceivePipeline::loans_
+  // index) that may carry this bucket, or -1.
+  int loan = -1;
 };
 
 struct ReceiveReport {
@@ -79,6 +82,7 @@ struct ReceiveReport {
   uint64_t bytes_direct = 0;  // landed straight in their targets
   uint64_t checksum = 0;
   uint64_t delta_buckets = 0;  // delta sync: buckets that came as deltas
+  uint64_t buckets_lent = 0;   // written by their trainer into lent params
   std::string error;           // first failed bucket, "" when every bucket was good
 };
 
@@ -134,6 +138,22 @@ class ReceivePipeline {
     std::unique_ptr<char[]> host;
     gpu::Memory device;
   };
+  // What this rank lends one trainer rank each step: the targets its
+  // lendable buckets write (pipeline::lent_params), or nothing when one of
+  // them cannot be lent (not contiguous, not in the transport's memory).
+  struct Loan {
+    int src = 0;  // the trainer rank
+    std::vector<Buffer> buffers;
+    std::unique_ptr<Request> expose;
+    bool lent = false;  // this step: the trainer rank mapped them
+  };
+  void plan_loans(const Plan& plan, const std::vector<TensorView>& targets);
+  // Lends every loan for `step` and waits until each was mapped, declined
+  // or could not be (then its buckets come as fragments).
+  void begin_loans(int64_t step, Transport& t, pipeline::Loop& loop);
+  bool lent(const RecvAction& a) const {
+    return a.loan >= 0 && loans_[static_cast<size_t>(a.loan)].lent;
+  }
   std::vector<TensorView> make_staging(const std::vector<TensorView>& params);
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   void compile_frame(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
@@ -197,6 +217,8 @@ class ReceivePipeline {
   std::vector<bool> changed_;        // by param: changed(), this run()
   std::vector<bool> items_changed_;  // settle_frame's, by item
   int64_t version_ = -1;
+  std::vector<Loan> loans_;
+  MemoryKind lend_memory_ = MemoryKind::cuda;
   pipeline::Copier copier_;
   std::function<void(size_t)> on_bucket_;
 };

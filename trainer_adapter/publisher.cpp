@@ -84,8 +84,8 @@ void Publisher::Impl::ensure_ready() {
 
 void Publisher::Impl::build_sender(const Plan& p) {
   pipeline.reset();  // its slots first
-  auto sender = std::make_unique<trainer::SendPipeline>(p, opt.rank, tensors, wire,
-                                                        transport->capabilities());
+  auto sender = std::make_unique<trainer::SendPipeline>(
+      p, opt.rank, tensors, wire, transport->capabilities(), engine ? &*engine : nullptr);
   sender->prepare(*transport, slots, slot_device, memory,
                   trainer::Producer{opt.producer_stream, opt.producer_event});
   sender->set_delta_verify(opt.delta_verify);
@@ -258,6 +258,7 @@ PushResult Publisher::Impl::push(int64_t step) {
     out.bytes_sent = pipeline->run(
         step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
     out.bytes_direct = pipeline->bytes_direct();
+    out.buckets_lent = pipeline->buckets_lent();
     out.delta_buckets = pipeline->delta_buckets();
     out.delta_bytes_whole = pipeline->delta_bytes_whole();
     out.delta_base_bytes = pipeline->delta_base_bytes();

@@ -139,7 +139,8 @@ std::vector<SendAction> ordered_actions(const Plan& plan, int rank) {
 }  // namespace
 
 SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorView>& tensors,
-                           const WireOptions& wire, const Capabilities& caps)
+                           const WireOptions& wire, const Capabilities& caps,
+                           const EngineLayout* engine)
     : rank_(rank),
       trainer_world_(plan.trainer_world()),
       engine_world_(plan.engine_world()),
@@ -225,6 +226,31 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
   int64_t largest = 0;
   for (const SendAction& a : actions_) largest = std::max(largest, a.bytes);
   slots_.resize(slot_depth(slot_bytes_, largest, actions_.size(), broadcast, wire_, caps_));
+  // Lent buckets: the loans each engine rank makes this rank, as the plan
+  // lays them out (the engine rank derives the same).
+  lending_ = lending_possible(plan, wire_, caps_);
+  if (!lending_) return;
+  lend_memory_ = caps_.cuda_memory ? MemoryKind::cuda : MemoryKind::host;
+  tensors_ = tensors;
+  std::map<int, std::vector<int32_t>> lendable;  // by engine rank
+  for (SendAction& a : actions_) {
+    if (a.kind != SendAction::Kind::p2p || !lendable_bucket(plan, a.bucket)) continue;
+    a.lendable = true;
+    for (const PlanItem& item : plan.items(a.bucket)) a.lend_items.push_back(plan.resolve(item));
+    lendable[a.dst_engine].push_back(a.bucket);
+  }
+  for (const auto& [g, buckets] : lendable) {
+    Loan l;
+    l.engine = g;
+    l.params = lent_params(plan, buckets);
+    for (int p : l.params) {
+      // Without the engine's layout the loans are declined: no views.
+      if (!engine) break;
+      const EngineParam& param = engine->rank_layout(g).params.at(static_cast<size_t>(p));
+      l.targets.push_back(tensor_view(nullptr, param.dtype, param.shape, lend_memory_, -1));
+    }
+    loans_.push_back(std::move(l));
+  }
 }
 
 void SendPipeline::compile_fragments(SendAction& a, const Plan& plan,
@@ -699,13 +725,23 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
   tracer_ = tracer;
   uint64_t sent = 0;
   bytes_direct_ = 0;
+  buckets_lent_ = 0;
   delta_buckets_ = delta_bytes_whole_ = 0;
   ++runs_;
+  if (lending_) begin_loans(step, transport, dead);
+  auto lent = [&](const SendAction& a) {
+    return a.lendable && std::any_of(loans_.begin(), loans_.end(), [&](const Loan& l) {
+             return l.lent && l.engine == a.dst_engine;
+           });
+  };
   size_t k = 0;
   for (size_t i = 0; i < actions_.size(); ++i) {
     const SendAction& a = actions_[i];
     const bool p2p = a.kind == SendAction::Kind::p2p;
     if (p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
+    const bool lend = p2p && lent(a);
+    // A lent copy's message goes before this rank may wait on an engine.
+    if (!lend) settle_lent(step, dead);
     const int s = static_cast<int>(k++ % slots_.size());
     const auto wire_start = Clock::now();
     drain(slots_[s], dead);
@@ -713,6 +749,11 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     // The drain may have learned of the engine's death.
     if (p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
     try {
+      if (lend) {
+        post_lent(i, s, step, dead, phases);
+        sent += static_cast<uint64_t>(a.bytes);
+        continue;
+      }
       if (p2p && wire_.delta) {
         sent += static_cast<uint64_t>(post_frame(i, s, step, dead, phases));
         continue;
@@ -726,6 +767,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
       continue;
     }
   }
+  settle_lent(step, dead);
   const auto wire_start = Clock::now();
   for (Slot& slot : slots_) drain(slot, dead);
   phases.wire += seconds_since(wire_start);
@@ -734,7 +776,118 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
 }
 
 void SendPipeline::cancel_all() {
+  launched_.reset();  // its copy wrote into the engine's params; the step is abandoned
+  for (Loan& l : loans_) l.map.reset();
   for (Slot& slot : slots_) slot.posted.cancel_all();
+}
+
+void SendPipeline::begin_loans(int64_t step, Transport& t, std::vector<bool>& dead) {
+  // The loans are used only where this rank's copies can write the lent
+  // memory: its tensors are in the transport's memory.
+  const pipeline::RankMemory& memory = copier_.memory();
+  const bool usable = memory.any && memory.memory == lend_memory_;
+  for (Loan& l : loans_) {
+    l.lent = false;
+    l.map.reset();
+    if (dead[static_cast<size_t>(l.engine)]) continue;
+    const bool take = usable && l.targets.size() == l.params.size();
+    try {
+      l.map =
+          t.map_exposed(trainer_world_ + l.engine, lend_tag(step), take ? &l.addresses : nullptr);
+    } catch (const Error&) {
+      dead[static_cast<size_t>(l.engine)] = true;  // refused at posting, as a send would be
+    }
+  }
+  bool changed = false;
+  for (Loan& l : loans_) {
+    if (!l.map) continue;
+    std::optional<Error> failure;
+    loop_->until(
+        [&] {
+          try {
+            return l.map->test();
+          } catch (const Error& e) {
+            failure = e;
+            return true;
+          }
+        },
+        [&] { return cat("the loan of engine rank ", l.engine, " (", l.map->describe(), ")"); });
+    const bool declined = l.map->transferred() == 0 && l.addresses.empty();
+    l.map.reset();
+    if (failure) {
+      // Gone: dropped as a failed send drops it. Not mapped (an import
+      // failed): the engine rank learned it too, and takes fragments.
+      if (failure->code() == Errc::peer_failure) dead[static_cast<size_t>(l.engine)] = true;
+      continue;
+    }
+    if (declined || l.addresses.empty() || l.targets.size() != l.params.size()) continue;
+    if (l.addresses.size() != l.params.size())
+      fail(Errc::mismatch, "trainer rank ", rank_, ": step ", step, ": engine rank ", l.engine,
+           " lent ", l.addresses.size(), " params, where the plan has ", l.params.size(),
+           " (do both sides use the same plan?)");
+    l.lent = true;
+    if (l.addresses != l.compiled_for) {
+      compile_loan(l);
+      changed = true;
+    }
+  }
+  if (!changed) return;
+  std::vector<const CopyProgram*> programs;
+  for (const SendAction& a : actions_) programs.push_back(&a.lent);
+  lent_copier_.prepare(programs, memory, 2);
+}
+
+void SendPipeline::compile_loan(Loan& l) {
+  for (size_t i = 0; i < l.params.size(); ++i) l.targets[i].data = l.addresses[i];
+  for (SendAction& a : actions_) {
+    if (!a.lendable || a.dst_engine != l.engine) continue;
+    a.lent = CopyProgram();
+    for (const Copy& c : a.lend_items) {
+      const auto at = std::lower_bound(l.params.begin(), l.params.end(), c.dst_param);
+      pipeline::add_pack_apply(a.lent, c, tensors_.at(static_cast<size_t>(c.src_param)),
+                               l.targets[static_cast<size_t>(at - l.params.begin())]);
+    }
+  }
+  l.compiled_for = l.addresses;
+}
+
+void SendPipeline::post_lent(size_t index, int k, int64_t step, std::vector<bool>& dead,
+                             PushPhases& phases) {
+  const SendAction& a = actions_[index];
+  const auto start = Clock::now();
+  lent_event_ ^= 1;
+  lent_copier_.run(index, a.lent, 0, 0, lent_event_);
+  Slot& slot = slots_[k];
+  slot.bucket = a.bucket;
+  slot.bytes = a.bytes;
+  slot.posted_us = tracer_ ? trace_now_us() : 0;
+  phases.pack += seconds_since(start);
+  // The copy before it ran meanwhile; its message goes now.
+  settle_lent(step, dead);
+  launched_ = Launched{index, k, lent_event_};
+}
+
+void SendPipeline::settle_lent(int64_t step, std::vector<bool>& dead) {
+  if (!launched_) return;
+  const Launched l = *launched_;
+  launched_.reset();
+  const SendAction& a = actions_[l.index];
+  lent_copier_.wait(l.event, *loop_, "writing a bucket into lent params");
+  if (tracer_)
+    tracer_->complete(cat("lend ", a.bucket), "pack", slots_[l.slot].posted_us, trace_now_us(),
+                      {{"bucket", a.bucket}, {"bytes", a.bytes}, {"engine", a.dst_engine}});
+  // Zero bytes: the bucket is in the params already.
+  try {
+    slots_[l.slot].posted.add(
+        loop_->transport().send(trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
+                                Buffer{nullptr, 0, lend_memory_, copier_.memory().device, nullptr}),
+        a.dst_engine);
+  } catch (const Error&) {
+    dead[static_cast<size_t>(a.dst_engine)] = true;  // refused at posting, as in run()
+    return;
+  }
+  bytes_direct_ += static_cast<uint64_t>(a.bytes);
+  ++buckets_lent_;
 }
 
 }  // namespace weightsync::trainer

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace weightsync::trainer {
@@ -75,6 +76,24 @@ struct SendAction {
   // Broadcast roots: what each engine template reads of the bucket (the
   // delta frame's digests).
   std::vector<std::vector<pipeline::ReadBox>> reads;
+  // Lent buckets (pipeline/wire.h): whether this one may be, its items, and
+  // their copy straight into the engine's params where the loan maps them
+  // (compiled when the addresses change).
+  bool lendable = false;
+  std::vector<Copy> lend_items;
+  CopyProgram lent;
+};
+
+// An engine rank this trainer rank serves lendable buckets: the params it
+// lends, as views at the addresses the loan mapped them to.
+struct Loan {
+  int engine = -1;                  // global engine rank
+  std::vector<int> params;          // pipeline::lent_params, ascending
+  std::vector<TensorView> targets;  // by params' order: shape, dtype, mapped address
+  std::vector<void*> addresses;     // this step's mapping
+  std::vector<void*> compiled_for;  // the addresses the `lent` programs write to
+  std::unique_ptr<Request> map;
+  bool lent = false;  // this step: its lendable buckets are lent
 };
 
 // Delta sync: what the engine ranks of a bucket were last sent. p2p buckets
@@ -111,15 +130,20 @@ class SendPipeline {
   // Compiles the actions of `rank` from the plan for the registered tensors
   // (indexed like TrainerLayout::params). `caps` are the transport's: which
   // memory a fragment may be sent from.
+  // `engine` (its params' shapes and dtypes) lets the engine ranks lend
+  // their params (WireOptions::lend); without it every loan is declined.
   SendPipeline(const Plan& plan, int rank, const std::vector<TensorView>& tensors,
-               const WireOptions& wire, const Capabilities& caps);
+               const WireOptions& wire, const Capabilities& caps,
+               const EngineLayout* engine = nullptr);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
   // The slots' memory in all.
   std::size_t staging_bytes() const { return slots_.size() * slot_bytes_; }
   std::size_t num_actions() const { return actions_.size(); }
-  // Bytes the last run() sent straight from the registered tensors.
+  // Bytes the last run() sent straight from the registered tensors (lent
+  // buckets' included), and its buckets written into lent params.
   uint64_t bytes_direct() const { return bytes_direct_; }
+  uint64_t buckets_lent() const { return buckets_lent_; }
   // Delta sync: the version each engine rank holds as this rank knows it
   // (committed from what this rank sent; -1: unknown), by global engine
   // rank, for the next run(); and whether delta buckets carry a digest.
@@ -192,6 +216,18 @@ class SendPipeline {
   // Returns the bytes sent (a holder's part, a root's bucket or frame).
   int64_t post(size_t index, int slot, int64_t step, std::vector<bool>& dead, PushPhases& phases);
   void drain(Slot& slot, std::vector<bool>& dead);
+  // Lent buckets: maps this step's loans (an engine rank whose map fails
+  // with peer_failure is marked dead; any other failure, a decline or an
+  // empty loan sends its buckets as fragments) and recompiles the programs
+  // of those whose addresses changed.
+  void begin_loans(int64_t step, Transport& transport, std::vector<bool>& dead);
+  void compile_loan(Loan& loan);
+  // Launches lendable bucket `index`'s copy into the lent params (slot `k`
+  // holds its message), then settles the one launched before it.
+  void post_lent(size_t index, int k, int64_t step, std::vector<bool>& dead, PushPhases& phases);
+  // Waits for the launched copy not yet settled and posts its zero-byte
+  // message (before anything that may wait on the engine rank).
+  void settle_lent(int64_t step, std::vector<bool>& dead);
 
   int rank_ = 0, trainer_world_ = 1, engine_world_ = 1;
   bool native_broadcast_ = false;
@@ -209,6 +245,20 @@ class SendPipeline {
   uint64_t delta_buckets_ = 0, delta_bytes_whole_ = 0;
   std::vector<Slot> slots_;  // slot_depth of them
   pipeline::Copier copier_;
+  // Lent buckets.
+  bool lending_ = false;
+  MemoryKind lend_memory_ = MemoryKind::cuda;  // the transport's memory
+  std::vector<TensorView> tensors_;
+  std::vector<Loan> loans_;
+  pipeline::Copier lent_copier_;
+  int lent_event_ = 0;
+  struct Launched {
+    size_t index = 0;
+    int slot = 0;
+    int event = 0;
+  };
+  std::optional<Launched> launched_;  // a lent copy whose message is not posted yet
+  uint64_t buckets_lent_ = 0;
   std::vector<gpu::DeviceQuant> device_quant_;  // by action, GPU only
   Producer producer_;
   // Set for the duration of run().

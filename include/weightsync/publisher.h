@@ -121,6 +121,9 @@ struct PushResult {
   std::vector<std::pair<int, std::string>> failed;  // engine rank, reason
   uint64_t bytes_sent = 0;                          // payload bytes this rank put on the wire
   uint64_t bytes_direct = 0;  // of those, sent straight from the registered tensors (zero copy)
+  // Of its buckets, those written straight into the engine's lent params
+  // (WireOptions::lend: one copy, no staging on either side).
+  uint64_t buckets_lent = 0;
   // Delta sync: buckets sent as deltas, and the bytes those buckets hold
   // whole (bytes_sent counts what went on the wire).
   uint64_t delta_buckets = 0;

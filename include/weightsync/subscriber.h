@@ -83,6 +83,7 @@ struct StepOutcome {
   std::string reason;         // why not, when !committed; or why the on_end hook failed
   uint64_t bytes = 0;         // payload bytes received
   uint64_t bytes_direct = 0;  // of those, landed straight in the params (or staging), zero copy
+  uint64_t buckets_lent = 0;  // buckets its trainers wrote into its lent params (WireOptions::lend)
   uint64_t checksum = 0;
   uint64_t delta_buckets = 0;   // delta sync: buckets that came as deltas (docs/delta.md)
   uint64_t weights_handed = 0;  // load_weights mode: HF tensors handed to on_weights

@@ -27,6 +27,13 @@ struct WireOptions {
   // (pipeline/delta_frame.h). Set by the Publisher from
   // PublisherOptions::delta; the subscribers follow.
   bool delta = false;
+  // Where the transport maps a peer's memory (cuda_ipc), the engine ranks
+  // lend their params to the trainer ranks every step, and a p2p bucket
+  // without checksums, delta or sender-quantized items is written by its
+  // trainer straight into them: one copy program (one kernel) per bucket
+  // and a zero-byte message saying it is done. Off: buckets travel as
+  // fragments (pipeline/wire.h) over every transport.
+  bool lend = true;
 
   nlohmann::json to_json() const;
   // Errc::invalid_argument naming the field for a malformed object.

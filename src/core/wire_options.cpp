@@ -17,7 +17,10 @@ DeltaMode parse_delta_mode(std::string_view name) {
 }
 
 nlohmann::json WireOptions::to_json() const {
-  return {{"checksums", checksums}, {"direct_min_bytes", direct_min_bytes}, {"delta", delta}};
+  return {{"checksums", checksums},
+          {"direct_min_bytes", direct_min_bytes},
+          {"delta", delta},
+          {"lend", lend}};
 }
 
 WireOptions WireOptions::from_json(const nlohmann::json& j) {
@@ -35,6 +38,12 @@ WireOptions WireOptions::from_json(const nlohmann::json& j) {
       fail(Errc::invalid_argument, "wire options: \"delta\" must be true or false, got ",
            j["delta"].dump());
     w.delta = j["delta"].get<bool>();
+  }
+  if (j.contains("lend")) {
+    if (!j["lend"].is_boolean())
+      fail(Errc::invalid_argument, "wire options: \"lend\" must be true or false, got ",
+           j["lend"].dump());
+    w.lend = j["lend"].get<bool>();
   }
   if (j.contains("direct_min_bytes")) {
     if (!j["direct_min_bytes"].is_number_integer() || j["direct_min_bytes"].get<int64_t>() < 1)

@@ -68,6 +68,44 @@ void add_apply(CopyProgram& program, const Copy& c, const TensorView& target, in
               c.transpose ? swap_last_two(strides) : strides, lengths, itemsize(target.dtype));
 }
 
+void add_pack_apply(CopyProgram& program, const Copy& c, const TensorView& tensor,
+                    const TensorView& target) {
+  if (!same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths))
+    fail(Errc::internal, "plan item of trainer param ", c.src_param, ": source box ",
+         box_str(c.src_box), " and HF box ", box_str(c.hf_box), " differ in size");
+  if (c.fp8 || c.view_box != c.hf_box)
+    fail(Errc::internal, "plan item of trainer param ", c.src_param, " into engine param ",
+         c.dst_param, ": not packed as its HF box, so not written in one copy");
+  if (tensor.dtype != target.dtype)
+    fail(Errc::internal, "plan item of trainer param ", c.src_param, " (", dtype_name(tensor.dtype),
+         ") into engine param ", c.dst_param, " (", dtype_name(target.dtype), ")");
+  const Shape& lengths = c.hf_box.lengths;
+  const size_t h = lengths.size();
+  if (c.dst_box.rank() < h)
+    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
+         " has fewer dims than HF box ", box_str(c.hf_box));
+  const size_t extra = c.dst_box.rank() - h;
+  const Shape dst_offsets = c.transpose ? swap_last_two(c.dst_box.offsets) : c.dst_box.offsets;
+  const Shape dst_lengths = c.transpose ? swap_last_two(c.dst_box.lengths) : c.dst_box.lengths;
+  if (dst_lengths != lead(lengths, extra, 1))
+    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
+         " does not match HF box ", box_str(c.hf_box), c.transpose ? " transposed" : "");
+  // Both sides' strides over the HF box's dims: dims a side has beyond them
+  // are leading ones, and leading HF dims the source lacks are ones too
+  // (stride 0).
+  const Shape dst_all =
+      c.transpose ? swap_last_two(target.effective_strides()) : target.effective_strides();
+  const Shape dst_strides(dst_all.end() - static_cast<std::ptrdiff_t>(h), dst_all.end());
+  const Shape src_all = tensor.effective_strides();
+  Shape src_strides;
+  if (src_all.size() >= h)
+    src_strides.assign(src_all.end() - static_cast<std::ptrdiff_t>(h), src_all.end());
+  else
+    src_strides = lead(src_all, h - src_all.size(), 0);
+  program.add(element_address(tensor, c.src_box.offsets), src_strides,
+              element_address(target, dst_offsets), dst_strides, lengths, itemsize(tensor.dtype));
+}
+
 bool packed_as_dst_box(const Copy& c) {
   return !c.transpose && c.view_box == c.hf_box && c.dst_box.rank() >= c.hf_box.rank() &&
          c.dst_box.lengths == lead(c.hf_box.lengths, c.dst_box.rank() - c.hf_box.rank(), 1);

@@ -38,6 +38,15 @@ void add_pack(CopyProgram& program, const Copy& c, const TensorView& tensor, int
 // Errc::internal naming the engine param when the boxes do not match.
 void add_apply(CopyProgram& program, const Copy& c, const TensorView& target, int64_t shift);
 
+// Appends the pack and the apply of one plan item as one copy: `c.src_box`
+// of the trainer's `tensor` straight into c.dst_box of `target` (the engine
+// param where the trainer reaches it: a lent param), transposed when
+// c.transpose. The item must be packed as its HF box (c.view_box ==
+// c.hf_box, no FP8); Errc::internal naming the params otherwise, or when the
+// boxes or dtypes do not match.
+void add_pack_apply(CopyProgram& program, const Copy& c, const TensorView& tensor,
+                    const TensorView& target);
+
 // True when the packed item is c.dst_box in row-major order (no transpose,
 // no sub-box of a wider view, at most leading length-1 dims added), so that
 // it may be received straight into the param.

@@ -40,6 +40,30 @@ int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wir
          (wire.checksums ? 1 : 0) + (wire.delta ? 1 : 0);
 }
 
+bool lending_possible(const Plan& plan, const WireOptions& wire, const Capabilities& caps) {
+  return plan.mode() == PlanMode::p2p && wire.lend && !wire.checksums && !wire.delta &&
+         caps.maps_peer_memory;
+}
+
+bool lendable_bucket(const Plan& plan, int32_t bucket) {
+  for (const PlanItem& item : plan.items(bucket)) {
+    const Copy c = plan.resolve(item);
+    if (c.fp8 || c.view_box != c.hf_box) return false;
+  }
+  return true;
+}
+
+std::vector<int> lent_params(const Plan& plan, const std::vector<int32_t>& buckets) {
+  std::vector<int> out;
+  for (int32_t b : buckets) {
+    if (!lendable_bucket(plan, b)) continue;
+    for (const PlanItem& item : plan.items(b)) out.push_back(plan.resolve(item).dst_param);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
 FragmentRoute direct_route(const TensorView& tensor, const Box& box, const Capabilities& caps,
                            const WireOptions& wire) {
   FragmentRoute r;

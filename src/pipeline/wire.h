@@ -141,6 +141,38 @@ inline constexpr std::size_t kMaxSlotDepth = 64;
 std::size_t slot_depth(std::size_t slot_bytes, int64_t bucket_bytes, std::size_t buckets,
                        bool broadcast_buckets, const WireOptions& wire, const Capabilities& caps);
 
+// ---- lent buckets (WireOptions::lend) --------------------------------------
+//
+// Where the transport maps a peer's memory (Capabilities::maps_peer_memory),
+// each step begins with every engine rank lending each trainer rank it
+// receives lendable buckets from the params those buckets write
+// (lent_params, in that order), under lend_tag(step). The trainer rank maps
+// them, or declines (its tensors are not in the transport's memory), and an
+// engine rank that cannot lend (a param not contiguous or not in that
+// memory) lends an empty list. Where the loan was mapped, each lendable
+// bucket of the pair is then one copy program on the trainer, from its
+// tensors straight into the engine's params (add_pack_apply), and one
+// zero-byte message with the bucket's tag once it completed; every other
+// bucket travels as fragments. Both sides derive all but the loan's outcome
+// from the plan, and both see that outcome (the expose and the map).
+
+// The tag of step `step`'s loans: no bucket's (bucket ids stay below 2^31 - 1).
+inline uint64_t lend_tag(int64_t step) noexcept {
+  return bucket_tag(step, 0x7FFFFFFF, 0);
+}
+
+// Whether buckets may be lent at all: a p2p plan without checksums or delta
+// sync, with WireOptions::lend, over a transport that maps peer memory.
+bool lending_possible(const Plan& plan, const WireOptions& wire, const Capabilities& caps);
+
+// Whether p2p bucket `bucket` may be lent: none of its items is quantized by
+// its sender, and each is packed as its HF box.
+bool lendable_bucket(const Plan& plan, int32_t bucket);
+
+// The engine params (indices of the rank layout) that the lendable buckets
+// among `buckets` write, ascending and distinct: what the engine rank lends.
+std::vector<int> lent_params(const Plan& plan, const std::vector<int32_t>& buckets);
+
 // The seed of fragment `index` of a bucket of `step` for checksum64.
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {
   return static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL + index;

@@ -11,6 +11,7 @@
 #include <weightsync/publisher.h>
 #include <weightsync/subscriber.h>
 #include "pipeline/delta_frame.h"
+#include "pipeline/item_copies.h"
 #include "pipeline/wire.h"
 #include "transport/staging.h"
 
@@ -129,15 +130,130 @@ TEST(Wire, MoreSlotsWhenTheyAreSmallNextToTheBuckets) {
   EXPECT_EQ(slot_depth(8, kBucket, 100, false, wire, nccl), 2u);
 }
 
+// add_pack_apply (a lent bucket's one copy, trainer tensor straight into the
+// engine param) writes what add_pack into a slot and add_apply out of it
+// write, and nothing else: sub-boxes of rows and of columns, strided
+// sources, transposed params, leading length-1 dims on either side.
+TEST(Wire, PackApplyInOneCopyWritesWhatPackThenApplyWrite) {
+  struct Case {
+    const char* what;
+    Shape src_shape;
+    Box src_box;
+    Shape dst_shape;
+    Box dst_box;
+    Box hf_box;
+    bool transpose = false;
+    bool padded = false;  // the source seen through a padded view
+  };
+  const std::vector<Case> cases{
+      {"rows", {8, 6}, box({2, 0}, {3, 6}), {5, 6}, box({1, 0}, {3, 6}), box({4, 0}, {3, 6})},
+      {"columns", {4, 10}, box({0, 2}, {4, 5}), {4, 5}, box({0, 0}, {4, 5}), box({0, 0}, {4, 5})},
+      {"transposed",
+       {4, 6},
+       box({0, 0}, {4, 6}),
+       {8, 4},
+       box({2, 0}, {6, 4}),
+       box({0, 0}, {4, 6}),
+       true},
+      {"transposed from a strided source",
+       {5, 7},
+       box({1, 1}, {3, 5}),
+       {5, 3},
+       box({0, 0}, {5, 3}),
+       box({0, 0}, {3, 5}),
+       true,
+       true},
+      {"expert dim on the param",
+       {5, 6},
+       box({0, 0}, {5, 6}),
+       {3, 5, 6},
+       box({1, 0, 0}, {1, 5, 6}),
+       box({0, 0}, {5, 6})},
+      {"leading one on the source",
+       {1, 5, 6},
+       box({0, 0, 0}, {1, 5, 6}),
+       {5, 6},
+       box({0, 0}, {5, 6}),
+       box({0, 0}, {5, 6})},
+      {"leading one the source lacks",
+       {5, 6},
+       box({0, 0}, {5, 6}),
+       {2, 5, 6},
+       box({1, 0, 0}, {1, 5, 6}),
+       box({0, 0, 0}, {1, 5, 6})},
+      {"strided rows",
+       {6, 8},
+       box({1, 3}, {4, 4}),
+       {4, 4},
+       box({0, 0}, {4, 4}),
+       box({0, 0}, {4, 4}),
+       false,
+       true},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    Copy c;
+    c.src_param = 0;
+    c.dst_param = 0;
+    c.src_box = k.src_box;
+    c.dst_box = k.dst_box;
+    c.hf_box = k.hf_box;
+    c.view_box = k.hf_box;
+    c.transpose = k.transpose;
+    c.dtype = DType::BF16;
+    c.bytes = k.hf_box.numel() * 2;
+    // The source: 2-byte elements numbered, through a padded view or not.
+    Shape strides = contiguous_strides(k.src_shape);
+    int64_t elements = numel(k.src_shape);
+    if (k.padded) {
+      const int64_t row = k.src_shape.back() + 3;
+      for (size_t d = 0; d + 1 < k.src_shape.size(); ++d)
+        strides[d] = strides[d] / k.src_shape.back() * row;
+      elements = numel(k.src_shape) / k.src_shape.back() * row;
+    }
+    std::vector<uint16_t> src(static_cast<size_t>(elements));
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint16_t>(i + 1);
+    TensorView sv = host_view(src.data(), DType::BF16, k.src_shape);
+    sv.strides = strides;
+    std::vector<uint16_t> two_copies(static_cast<size_t>(numel(k.dst_shape)), 0);
+    std::vector<uint16_t> one_copy = two_copies;
+    std::vector<char> slot(static_cast<size_t>(c.bytes));
+    CopyProgram pack, apply, once;
+    pipeline::add_pack(pack, c, sv, 0);
+    execute_host(pack, 0, pipeline::addr(slot.data()));
+    pipeline::add_apply(apply, c, host_view(two_copies.data(), DType::BF16, k.dst_shape), 0);
+    execute_host(apply, pipeline::addr(slot.data()), 0);
+    pipeline::add_pack_apply(once, c, sv, host_view(one_copy.data(), DType::BF16, k.dst_shape));
+    execute_host(once, 0, 0);
+    EXPECT_EQ(std::count(two_copies.begin(), two_copies.end(), 0),
+              numel(k.dst_shape) - k.hf_box.numel())
+        << "the box was written";
+    EXPECT_EQ(one_copy, two_copies);
+  }
+  // An item not packed as its HF box (a broadcast apply item's view) or
+  // quantized by its sender has no one-copy form.
+  Copy c;
+  c.src_box = c.dst_box = c.hf_box = box({0, 0}, {2, 2});
+  c.view_box = box({0, 0}, {4, 2});
+  std::vector<uint16_t> a(8), b(8);
+  CopyProgram p;
+  EXPECT_THROW(pipeline::add_pack_apply(p, c, host_view(a.data(), DType::BF16, {4, 2}),
+                                        host_view(b.data(), DType::BF16, {4, 2})),
+               Error);
+}
+
 TEST(Wire, OptionsJson) {
   WireOptions w;
   w.checksums = true;
   w.direct_min_bytes = 12345;
+  w.lend = false;
   const WireOptions back = WireOptions::from_json(w.to_json());
   EXPECT_TRUE(back.checksums);
   EXPECT_EQ(back.direct_min_bytes, 12345);
+  EXPECT_FALSE(back.lend);
   EXPECT_FALSE(WireOptions::from_json(nlohmann::json::object()).checksums) << "off by default";
-  for (const char* bad : {R"({"checksums": "yes"})", R"({"direct_min_bytes": 0})",
+  EXPECT_TRUE(WireOptions::from_json(nlohmann::json::object()).lend) << "on by default";
+  for (const char* bad : {R"({"checksums": "yes"})", R"({"lend": 1})", R"({"direct_min_bytes": 0})",
                           R"({"direct_min_bytes": 1.5})", R"([1])"}) {
     try {
       WireOptions::from_json(nlohmann::json::parse(bad));

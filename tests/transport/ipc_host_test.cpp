@@ -156,13 +156,24 @@ class SlicedCopy final : public ipc::Copy {
   std::size_t n_, at_ = 0;
 };
 
+// With `local` (ipc_host?local=1), memory outside the arena is accepted too,
+// exported as its address: reachable by transports of its own process only
+// (which use their own memory directly), so that a whole Publisher and
+// Subscriber, whose slots come from the heap, run in threads of one process.
+constexpr uint32_t kLocalHandle = 101;
+
 class HostShmMemory final : public ipc::IpcMemory {
  public:
+  explicit HostShmMemory(bool local = false) : local_(local) {}
   MemoryKind memory() const override { return MemoryKind::host; }
 
   ipc::Located locate(const Buffer& b) override {
     ipc::Piece piece;
     std::size_t offset = 0;
+    if (local_ && !arena().find(b.data, piece, offset)) {
+      const auto base = reinterpret_cast<uintptr_t>(b.data);
+      return ipc::Located{base, b.bytes, {ipc::Piece{base, b.bytes, 0}}, true};
+    }
     if (!arena().find(b.data, piece, offset) ||
         reinterpret_cast<uintptr_t>(b.data) + b.bytes > piece.base + piece.bytes)
       fail(Errc::unsupported, "ipc_host: the ", b.bytes, "-byte buffer at ", b.data,
@@ -175,8 +186,12 @@ class HostShmMemory final : public ipc::IpcMemory {
   ipc::Export export_region(const ipc::Located& where) override {
     ipc::Piece piece;
     std::size_t offset = 0;
-    if (!arena().find(reinterpret_cast<const void*>(where.base), piece, offset))
-      fail(Errc::internal, "ipc_host: exporting memory outside the arena");
+    if (!arena().find(reinterpret_cast<const void*>(where.base), piece, offset)) {
+      if (!local_) fail(Errc::internal, "ipc_host: exporting memory outside the arena");
+      ipc::Export ex;
+      ex.kind = kLocalHandle;
+      return ex;
+    }
     ipc::Export ex;
     ex.kind = kArenaHandle;
     ex.handle.resize(sizeof(offset));
@@ -188,6 +203,8 @@ class HostShmMemory final : public ipc::IpcMemory {
   std::unique_ptr<ipc::Mapping> import(uint32_t kind, const std::vector<uint8_t>& handle,
                                        std::vector<ipc::UniqueFd> fds, std::size_t bytes) override {
     std::size_t offset = 0;
+    if (kind == kLocalHandle)
+      fail(Errc::unsupported, "ipc_host: a peer's memory outside its arena cannot be mapped");
     if (kind != kArenaHandle || fds.size() != 1 || handle.size() != sizeof(offset))
       fail(Errc::protocol, "ipc_host: unexpected handle (kind ", kind, ")");
     std::memcpy(&offset, handle.data(), sizeof(offset));
@@ -201,6 +218,9 @@ class HostShmMemory final : public ipc::IpcMemory {
   std::unique_ptr<ipc::Copy> copy(void* dst, const Buffer& src) override {
     return std::make_unique<SlicedCopy>(dst, src);
   }
+
+ private:
+  bool local_;
 };
 
 }  // namespace
@@ -216,7 +236,10 @@ void shared_host_free(void* p) {
 void register_test_transports() {
   static const bool registered = [] {
     register_transport("ipc_host", [](const TransportOptions& o) -> std::unique_ptr<Transport> {
-      return std::make_unique<ipc::IpcTransport>(o, std::make_unique<HostShmMemory>(), "ipc_host");
+      auto local = o.params.find("local");
+      return std::make_unique<ipc::IpcTransport>(
+          o, std::make_unique<HostShmMemory>(local != o.params.end() && local->second == "1"),
+          "ipc_host");
     });
     return true;
   }();

@@ -1,0 +1,209 @@
+// Lent buckets (WireOptions::lend, pipeline/wire.h) end to end: a Publisher
+// and the Subscribers of a tp=2 replica, through their C++ API, over
+// ipc_host (cuda_ipc's protocol over host memory; "local=1" lets the heap's
+// memory be used within this process, where they run as threads). Where the
+// engine ranks can lend, every bucket is written by the trainer straight
+// into their params and travels as one zero-byte message; where one cannot
+// (a param seen through a padded view), or lending is off or impossible
+// (checksums), its buckets travel as fragments. Every step moves other
+// bytes, and every version is bit-exact. Lending between processes, over
+// the transport alone, is IpcScenarios.LentMemoryIsWrittenThroughTheMappedAddresses.
+#include "e2e/e2e_helpers.h"
+#include "harness.h"
+
+#include <weightsync/backend/transport.h>
+#include <weightsync/control.h>
+#include <weightsync/publisher.h>
+#include <weightsync/subscriber.h>
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <thread>
+
+namespace weightsync::transport_test {
+namespace {
+
+using e2e::make_model;
+using e2e::Model;
+
+// Host memory for a tensor of `shape`, seen through a padded view (rows 3
+// elements longer: no box of it is a dense run but a row) when asked.
+struct Storage {
+  std::vector<char> bytes;
+  TensorView view;
+};
+
+Storage make_storage(DType dtype, const Shape& shape, bool padded) {
+  Storage s;
+  Shape strides = contiguous_strides(shape);
+  int64_t elements = numel(shape);
+  if (padded && shape.size() >= 2) {
+    const int64_t row = shape.back() + 3;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) strides[d] = strides[d] / shape.back() * row;
+    elements = numel(shape) / std::max<int64_t>(shape.back(), 1) * row;
+  }
+  s.bytes.assign(static_cast<size_t>(std::max<int64_t>(elements, 1)) * itemsize(dtype), '\0');
+  s.view = host_view(s.bytes.data(), dtype, shape);
+  if (padded) s.view.strides = strides;
+  return s;
+}
+
+// Version `step` of dense `data`: the first byte of every element that is
+// not zero flipped by the step's pattern (so that trainer shards and engine
+// params, laid out differently, agree; the engine's zero padding stays).
+void version(char* data, size_t bytes, size_t item, int64_t step) {
+  for (size_t at = 0; at + item <= bytes; at += item)
+    if (std::any_of(data + at, data + at + item, [](char c) { return c != 0; }))
+      data[at] = static_cast<char>(data[at] ^ static_cast<char>(step));
+}
+
+std::vector<char> read_view(const TensorView& v) {
+  std::vector<char> out(static_cast<size_t>(v.numel()) * itemsize(v.dtype));
+  copy_box(v, Box::full(v.shape), host_view(out.data(), v.dtype, v.shape), Box::full(v.shape));
+  return out;
+}
+
+struct LendCase {
+  std::string label;
+  bool lend = true;
+  bool checksums = false;
+  bool padded_trainer = false;  // every other trainer shard strided
+  int padded_engine = -1;       // this engine rank's params seen through padded views
+  std::string model = "tiny-llama";
+};
+
+class LendSync : public ::testing::TestWithParam<LendCase> {
+ protected:
+  void SetUp() override { register_test_transports(); }
+};
+
+TEST_P(LendSync, BucketsWrittenIntoLentParamsAreBitExactEveryStep) {
+  const LendCase lc = GetParam();
+  constexpr int64_t kSteps = 3;
+  const std::string transport = "ipc_host?local=1";
+  const Model m = make_model(lc.model, "fsdp=1", 2, 1);
+  const Checkpoint ckpt = Checkpoint::open(m.checkpoint);
+  const TrainerLayout layout = TrainerLayout::load(m.trainer);
+  const EngineConfig config = EngineConfig::load(m.engine);
+  const EngineLayout engine_layout = make_engine_layout(config);
+  control::Coordinator coordinator(control::CoordinatorOptions{});
+
+  // Each engine rank keeps its params as each version committed them.
+  std::vector<std::vector<Storage>> params(2);
+  std::vector<std::map<int64_t, std::vector<std::vector<char>>>> held(2);
+  std::vector<std::vector<StepOutcome>> outcomes(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> engines;
+  for (int r = 0; r < 2; ++r) {
+    const EngineRankLayout& rl = engine_layout.rank_layout(r);
+    for (const EngineParam& p : rl.params)
+      params[r].push_back(make_storage(p.dtype, p.shape, lc.padded_engine == r));
+    engines.emplace_back([&, r, rl] {
+      try {
+        SubscriberOptions so;
+        so.coordinator = coordinator.address();
+        so.engine = config;
+        so.rank = r;
+        so.transport = transport;
+        Subscriber sub(so);
+        for (size_t i = 0; i < rl.params.size(); ++i)
+          sub.register_param(rl.params[i].name, params[r][i].view);
+        sub.on_end([&, r](int64_t s) {
+          if (sub.version() != s) return;
+          for (const Storage& p : params[r]) held[r][s].push_back(read_view(p.view));
+        });
+        for (int i = 0; i < 300 && sub.version() < kSteps; ++i)
+          if (auto o = sub.run_step(std::chrono::milliseconds(200))) outcomes[r].push_back(*o);
+      } catch (const Error& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  std::vector<Storage> shards;
+  std::vector<std::vector<char>> pristine;
+  std::vector<PushResult> results;
+  std::vector<size_t> sent_buckets;
+  std::string trainer_error;
+  try {
+    PublisherOptions po;
+    po.coordinator = coordinator.address();
+    po.layout = layout;
+    po.engine = config;
+    po.transport = transport;
+    po.plan.bucket_bytes = 16384;
+    po.wire.checksums = lc.checksums;
+    po.wire.lend = lc.lend;
+    po.wire.direct_min_bytes = 256;
+    Publisher pub(po);
+    for (size_t i = 0; i < layout.params.size(); ++i) {
+      const LoadSpec& spec = layout.params[i];
+      const Shape shape = local_shape(spec, layout.mesh, 0);
+      shards.push_back(make_storage(spec.dtype, shape, lc.padded_trainer && i % 2 == 0));
+      pristine.emplace_back(static_cast<size_t>(numel(shape)) * itemsize(spec.dtype));
+      fill_local_tensor(ckpt, spec, layout.mesh, 0,
+                        host_view(pristine.back().data(), spec.dtype, shape));
+      pub.register_tensor(spec.name, shards.back().view);
+    }
+    for (int64_t step = 1; step <= kSteps; ++step) {
+      for (size_t i = 0; i < shards.size(); ++i) {
+        std::vector<char> v = pristine[i];
+        version(v.data(), v.size(), itemsize(layout.params[i].dtype), step);
+        const TensorView& t = shards[i].view;
+        copy_box(host_view(v.data(), t.dtype, t.shape), Box::full(t.shape), t, Box::full(t.shape));
+      }
+      results.push_back(pub.push(step));
+      EXPECT_EQ(results.back().committed, (std::vector<int>{0, 1})) << "step " << step;
+    }
+    for (int r = 0; r < 2; ++r) sent_buckets.push_back(0);
+    for (int32_t b : pub.plan().buckets_sent_by(0))
+      ++sent_buckets[static_cast<size_t>(pub.plan().buckets()[static_cast<size_t>(b)].dst_rank)];
+  } catch (const Error& e) {
+    trainer_error = e.what();
+  }
+  for (auto& t : engines) t.join();
+  ASSERT_EQ(trainer_error, "");
+  ASSERT_EQ(sent_buckets.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "") << "engine rank " << r;
+    const EngineRankLayout& rl = engine_layout.rank_layout(r);
+    for (int64_t step = 1; step <= kSteps; ++step) {
+      ASSERT_TRUE(held[r].count(step)) << "engine rank " << r << " did not commit step " << step;
+      for (size_t i = 0; i < rl.params.size(); ++i) {
+        std::vector<char> expected(static_cast<size_t>(numel(rl.params[i].shape)) *
+                                   itemsize(rl.params[i].dtype));
+        fill_param(ckpt, rl.params[i], expected.data());
+        version(expected.data(), expected.size(), itemsize(rl.params[i].dtype), step);
+        ASSERT_EQ(held[r].at(step)[i], expected)
+            << "engine rank " << r << ", step " << step << ", " << rl.params[i].name;
+      }
+    }
+  }
+  // Which buckets were lent: every one of an engine rank that can lend.
+  std::vector<uint64_t> lent_expected(2, 0);
+  for (int r = 0; r < 2; ++r)
+    if (lc.lend && !lc.checksums && lc.padded_engine != r) lent_expected[r] = sent_buckets[r];
+  for (const PushResult& result : results) {
+    EXPECT_EQ(result.buckets_lent, lent_expected[0] + lent_expected[1]) << "step " << result.step;
+    if (lent_expected[0] + lent_expected[1] == sent_buckets[0] + sent_buckets[1])
+      EXPECT_EQ(result.bytes_direct, result.bytes_sent) << "all of it straight into the params";
+  }
+  for (int r = 0; r < 2; ++r)
+    for (const StepOutcome& o : outcomes[r]) {
+      EXPECT_TRUE(o.committed) << o.reason;
+      EXPECT_EQ(o.buckets_lent, lent_expected[r]) << "engine rank " << r << ", step " << o.step;
+    }
+  if (lc.lend && !lc.checksums) EXPECT_GT(lent_expected[0] + lent_expected[1], 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, LendSync,
+    ::testing::Values(LendCase{"Lent"}, LendCase{"LentFromStridedShards", true, false, true},
+                      LendCase{"OneRankCannotLend", true, false, false, 1},
+                      LendCase{"LendingOff", false}, LendCase{"WithChecksums", true, true},
+                      // Fused experts (leading expert dims), fused QKV.
+                      LendCase{"MoeExperts", true, false, false, -1, "tiny-qwen3-moe"}),
+    [](const auto& info) { return info.param.label; });
+
+}  // namespace
+}  // namespace weightsync::transport_test
