@@ -125,6 +125,7 @@ void bind_publisher(nb::module_& m) {
       .def_ro("failed", &PushResult::failed)
       .def_ro("bytes_sent", &PushResult::bytes_sent)
       .def_ro("bytes_direct", &PushResult::bytes_direct)
+      .def_ro("buckets_lent", &PushResult::buckets_lent)
       .def_ro("delta_buckets", &PushResult::delta_buckets)
       .def_ro("delta_bytes_whole", &PushResult::delta_bytes_whole)
       .def_ro("delta_base_bytes", &PushResult::delta_base_bytes)

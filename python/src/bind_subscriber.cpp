@@ -144,6 +144,7 @@ void bind_outcome(nb::module_& m) {
       .def_ro("reason", &StepOutcome::reason)
       .def_ro("bytes", &StepOutcome::bytes)
       .def_ro("bytes_direct", &StepOutcome::bytes_direct)
+      .def_ro("buckets_lent", &StepOutcome::buckets_lent)
       .def_ro("delta_buckets", &StepOutcome::delta_buckets)
       .def_ro("weights_handed", &StepOutcome::weights_handed)
       .def_ro("checksum", &StepOutcome::checksum)

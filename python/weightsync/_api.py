@@ -72,6 +72,8 @@ class PushResult:
         bytes_sent: payload bytes this rank put on the wire.
         bytes_direct: of those, sent straight from the registered tensors
             (zero copy).
+        buckets_lent: buckets written straight into the engine's lent params
+            (one copy, over cuda_ipc: docs/transports.md).
         delta_buckets: delta sync: buckets sent as the elements that changed.
         delta_bytes_whole: the bytes those buckets hold whole.
         delta_base_bytes: delta sync: host memory this rank keeps as its
@@ -88,6 +90,7 @@ class PushResult:
     failed: list[tuple[int, str]]
     bytes_sent: int
     bytes_direct: int
+    buckets_lent: int
     delta_buckets: int
     delta_bytes_whole: int
     delta_base_bytes: int
@@ -113,6 +116,7 @@ class StepOutcome:
         reason: why not, when not committed; or why the on_end hook failed.
         bytes: payload bytes received.
         bytes_direct: of those, landed straight in the params (or staging).
+        buckets_lent: buckets its trainers wrote into its lent params.
         delta_buckets: delta sync: buckets that came as deltas.
         weights_handed: load_weights mode: HF tensors handed to on_weights.
         checksum: the checksum this rank acked.
@@ -125,6 +129,7 @@ class StepOutcome:
     reason: str
     bytes: int
     bytes_direct: int
+    buckets_lent: int
     delta_buckets: int
     weights_handed: int
     checksum: int

@@ -43,7 +43,7 @@ constexpr const char* kUsage =
     "                        [--checkpoint C --trainer T.json --engine E.json]\n"
     "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
-    "                        [--checksums] [--device cpu|cuda] [--fp8]\n"
+    "                        [--checksums] [--no-lend] [--device cpu|cuda] [--fp8]\n"
     "                        [--fp8-site sender|engine] [--metrics-overhead]\n"
     "                        [--delta [--no-delta-verify]]\n"
     "                        [--update random:F|adamw[:lr=X]]\n"
@@ -68,6 +68,9 @@ constexpr const char* kUsage =
     "--mesh fsdp=1 --tp 1 --replicas 1 (1 -> 1); --mesh fsdp=2 --tp 1 --replicas 1\n"
     "(2 -> 1).\n"
     "--checksums turns on per-bucket checksums (off by default, as in the library).\n"
+    "--no-lend: buckets travel as fragments even where the transport maps the engine's\n"
+    "params (cuda_ipc: each bucket is otherwise one copy into them); buckets_lent says\n"
+    "how many of a step's buckets were.\n"
     "--bucket-bytes defaults to 64 MiB; --steps to 5; --timeout (s per step) to 600.\n"
     "--checkpoint C --trainer T.json --engine E.json: the job of these files instead\n"
     "(as `weightsync demo` takes them; --size-gb then does not apply), e.g. a\n"
@@ -294,10 +297,12 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
                             const nlohmann::json& summary, const nlohmann::json& peer) {
   std::vector<double> sync;
   int64_t rank_bytes = 0;
+  int64_t lent = 0;  // the last timed step's buckets written into lent params
   nlohmann::json phases = nlohmann::json::array();
   for (const auto& row : summary["steps"]) {
     if (row["step"].get<int64_t>() == 1) continue;  // warm-up
     sync.push_back(row["sync_s"].get<double>());
+    lent = row.value("buckets_lent", int64_t{0});
     rank_bytes = std::max(rank_bytes, row["engine_rank_bytes"].get<int64_t>());
     phases.push_back(row["phases"]);
   }
@@ -337,6 +342,8 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"peak_rss_mb", {{"trainer", rss_t}, {"engine", rss_e}}},
           {"bucket_bytes", job.bucket_bytes},
           {"checksums", job.checksums},
+          {"lend", job.lend},
+          {"buckets_lent", lent},
           {"delta", job.delta},
           {"delta_verify", job.delta_verify},
           {"update_fraction", job.update_fraction},
@@ -467,7 +474,8 @@ int run_adamw_bench(const Args& args, const std::string& update, int steps, doub
 
 int run_sync_bench(const std::vector<std::string>& argv) {
   Args args(argv,
-            {"json", "no-peer", "checksums", "fp8", "metrics-overhead", "delta", "no-delta-verify"},
+            {"json", "no-peer", "checksums", "no-lend", "fp8", "metrics-overhead", "delta",
+             "no-delta-verify"},
             {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
              "transport", "device", "checkpoint", "trainer", "engine", "fp8-site", "update", "mesh",
              "tp", "replicas"});
@@ -485,6 +493,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.verify = false;
   job.checksums = args.flag("checksums");
+  job.lend = !args.flag("no-lend");
   const bool delta = args.flag("delta");
   job.delta_verify = !args.flag("no-delta-verify");
   if (auto u = args.get("update"); u && u->rfind("adamw", 0) == 0) {

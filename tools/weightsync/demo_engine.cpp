@@ -161,6 +161,7 @@ nlohmann::json outcome_json(const StepOutcome& o) {
           {"bytes", o.bytes},
           {"delta_buckets", o.delta_buckets},
           {"bytes_direct", o.bytes_direct},
+          {"buckets_lent", o.buckets_lent},
           {"seconds", o.seconds},
           {"phases",
            {{"receive", o.phases.receive},

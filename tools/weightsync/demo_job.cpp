@@ -40,6 +40,7 @@ nlohmann::json JobSpec::to_json() const {
       {"timeout_ms", timeout_ms},
       {"staging", staging},
       {"checksums", checksums},
+      {"lend", lend},
       {"delta", delta},
       {"delta_verify", delta_verify},
       {"update_fraction", update_fraction},
@@ -75,6 +76,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.timeout_ms = j.at("timeout_ms").get<int64_t>();
     s.staging = j.at("staging").get<bool>();
     s.checksums = j.at("checksums").get<bool>();
+    s.lend = j.value("lend", true);
     s.delta = j.value("delta", false);
     s.delta_verify = j.value("delta_verify", true);
     s.update_fraction = j.value("update_fraction", -1.0);

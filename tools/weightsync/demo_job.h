@@ -54,6 +54,7 @@ struct JobSpec {
   int64_t timeout_ms = 120000;      // per step; connection setup gets the same
   bool staging = false;
   bool checksums = false;       // per-bucket checksums on the wire (WireOptions)
+  bool lend = true;             // WireOptions::lend
   bool delta = false;           // PublisherOptions::delta auto
   bool delta_verify = true;     // PublisherOptions::delta_verify
   double update_fraction = -1;  // sparse versions of about this fraction (-1: every byte)

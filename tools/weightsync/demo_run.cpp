@@ -219,7 +219,7 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
   for (int64_t s = 1; s <= job.steps; ++s) {
     nlohmann::json row = {{"step", s}};
     double sync = 0, pack = 0, gather = 0, wire = 0, receive = 0, apply = 0, commit = 0;
-    int64_t rank_bytes = 0, total = 0, delta_buckets = 0, delta_base = 0;
+    int64_t rank_bytes = 0, total = 0, delta_buckets = 0, delta_base = 0, buckets_lent = 0;
     nlohmann::json committed = nlohmann::json::array(), verified = nlohmann::json::array();
     nlohmann::json engine_committed = nlohmann::json::array();
     bool decided = false;  // a trainer saw the coordinator's decision
@@ -230,6 +230,7 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
       decided = true;
       sync = std::max(sync, st->value("seconds", 0.0));
       delta_buckets += st->value("delta_buckets", int64_t{0});
+      buckets_lent += st->value("buckets_lent", int64_t{0});
       delta_base += st->value("delta_base_bytes", int64_t{0});
       pack = std::max(pack, phase(st, "pack"));
       gather = std::max(gather, phase(st, "gather"));
@@ -256,6 +257,7 @@ nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
     row["engine_rank_bytes"] = rank_bytes;
     row["engine_bytes_total"] = total;
     row["delta_buckets"] = delta_buckets;  // sent as deltas, by every trainer rank
+    row["buckets_lent"] = buckets_lent;    // written into lent params, by every trainer rank
     row["delta_base_bytes"] = delta_base;  // the trainer ranks' bases, after the step
     row["engine_rank_gbps"] = sync > 0 ? static_cast<double>(rank_bytes) / sync / 1e9 : 0.0;
     row["total_gbps"] = sync > 0 ? static_cast<double>(total) / sync / 1e9 : 0.0;

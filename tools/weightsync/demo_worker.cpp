@@ -47,6 +47,7 @@ nlohmann::json push_json(const PushResult& r) {
           {"seconds", r.seconds},
           {"bytes_sent", r.bytes_sent},
           {"bytes_direct", r.bytes_direct},
+          {"buckets_lent", r.buckets_lent},
           {"delta_buckets", r.delta_buckets},
           {"delta_bytes_whole", r.delta_bytes_whole},
           {"delta_base_bytes", r.delta_base_bytes},
@@ -113,6 +114,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.plan.bucket_bytes = job.bucket_bytes;
   opt.plan.fp8_site = parse_fp8_site(job.fp8_site);
   opt.wire.checksums = job.checksums;
+  opt.wire.lend = job.lend;
   opt.delta = job.delta ? DeltaMode::automatic : DeltaMode::off;
   opt.delta_verify = job.delta_verify;
   opt.elastic = job.elastic;
