@@ -135,6 +135,10 @@ sync_section() {
   # the headline, and 2 -> 1; then 4 trainers + 4 engine ranks on the GPU.
   section sync 300 ./bin/weightsync bench --device cuda --mesh fsdp=1 --tp 1 --replicas 1 \
     --size-gb 8 --steps 3
+  # The same job with its buckets as fragments (no lent params): what the
+  # one-copy path gains, on the same bytes and the same GPU.
+  section sync 150 ./bin/weightsync bench --device cuda --mesh fsdp=1 --tp 1 --replicas 1 \
+    --size-gb 8 --steps 3 --no-lend --no-peer
   section sync 200 ./bin/weightsync bench --device cuda --mesh fsdp=2 --tp 1 --replicas 1 \
     --size-gb 8 --steps 3
   section sync 200 ./bin/weightsync bench --device cuda --size-gb 8 --steps 3
