@@ -118,17 +118,9 @@ void ReceivePipeline::begin_loans(int64_t step, Transport& t, pipeline::Loop& lo
     l.expose = t.expose(l.src, lend_tag(step), l.buffers);
   }
   for (Loan& l : loans_) {
-    std::optional<Error> failure;
-    loop.until(
-        [&] {
-          try {
-            return l.expose->test();
-          } catch (const Error& e) {
-            failure = e;
-            return true;
-          }
-        },
-        [&] { return cat("the loan to trainer rank ", l.src, " (", l.expose->describe(), ")"); });
+    const std::optional<Error> failure = loop.settle(*l.expose, [&] {
+      return cat("the loan to trainer rank ", l.src, " (", l.expose->describe(), ")");
+    });
     l.expose.reset();
     // Declined, or the trainer rank could not map it: fragments, which the
     // trainer rank knows to send. A dead trainer fails the step.

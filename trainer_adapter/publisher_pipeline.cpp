@@ -801,17 +801,9 @@ void SendPipeline::begin_loans(int64_t step, Transport& t, std::vector<bool>& de
   bool changed = false;
   for (Loan& l : loans_) {
     if (!l.map) continue;
-    std::optional<Error> failure;
-    loop_->until(
-        [&] {
-          try {
-            return l.map->test();
-          } catch (const Error& e) {
-            failure = e;
-            return true;
-          }
-        },
-        [&] { return cat("the loan of engine rank ", l.engine, " (", l.map->describe(), ")"); });
+    const std::optional<Error> failure = loop_->settle(*l.map, [&] {
+      return cat("the loan of engine rank ", l.engine, " (", l.map->describe(), ")");
+    });
     const bool declined = l.map->transferred() == 0 && l.addresses.empty();
     l.map.reset();
     if (failure) {

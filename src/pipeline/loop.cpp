@@ -29,6 +29,21 @@ void Loop::until(const std::function<bool()>& ready, const std::function<std::st
   }
 }
 
+std::optional<Error> Loop::settle(Request& request, const std::function<std::string()>& what) {
+  std::optional<Error> failure;
+  until(
+      [&] {
+        try {
+          return request.test();
+        } catch (const Error& e) {
+          failure = e;
+          return true;
+        }
+      },
+      what);
+  return failure;
+}
+
 void Posted::add(std::unique_ptr<Request> request, int owner) {
   requests_.push_back(std::move(request));
   owners_.push_back(owner);

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,10 @@ class Loop {
   // (waited <s> s for it)".
   void until(const std::function<bool()>& ready, const std::function<std::string()>& what,
              bool progress = false);
+
+  // Waits until `request` settles: its failure, if it failed (the loop's
+  // own, from the poll or the deadline, is thrown).
+  std::optional<Error> settle(Request& request, const std::function<std::string()>& what);
 
   Transport& transport() const noexcept { return transport_; }
   const std::string& who() const noexcept { return who_; }

@@ -36,6 +36,29 @@ inline bool have_ucx() {
 #define REQUIRE_UCX() \
   if (!::weightsync::e2e::have_ucx()) GTEST_SKIP() << "weightsync was built without UCX"
 
+// Host memory for a tensor of `shape`, optionally seen through a view whose
+// rows are padded (3 elements longer: not contiguous), so that no box of it
+// is a dense run unless it is a single row.
+struct Storage {
+  std::vector<char> bytes;
+  TensorView view;
+};
+
+inline Storage make_storage(DType dtype, const Shape& shape, bool padded) {
+  Storage s;
+  Shape strides = contiguous_strides(shape);
+  int64_t elements = numel(shape);
+  if (padded && shape.size() >= 2) {
+    const int64_t row = shape.back() + 3;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) strides[d] = strides[d] / shape.back() * row;
+    elements = numel(shape) / std::max<int64_t>(shape.back(), 1) * row;
+  }
+  s.bytes.assign(static_cast<size_t>(std::max<int64_t>(elements, 1)) * itemsize(dtype), '\0');
+  s.view = host_view(s.bytes.data(), dtype, shape);
+  if (padded) s.view.strides = strides;
+  return s;
+}
+
 // The HF config of a model under configs/models/.
 inline std::string config_path(const std::string& model) {
   return std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs/models/" + model + "/config.json";

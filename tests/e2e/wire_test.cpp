@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 namespace weightsync::e2e {
@@ -203,18 +204,12 @@ TEST(Wire, PackApplyInOneCopyWritesWhatPackThenApplyWrite) {
     c.dtype = DType::BF16;
     c.bytes = k.hf_box.numel() * 2;
     // The source: 2-byte elements numbered, through a padded view or not.
-    Shape strides = contiguous_strides(k.src_shape);
-    int64_t elements = numel(k.src_shape);
-    if (k.padded) {
-      const int64_t row = k.src_shape.back() + 3;
-      for (size_t d = 0; d + 1 < k.src_shape.size(); ++d)
-        strides[d] = strides[d] / k.src_shape.back() * row;
-      elements = numel(k.src_shape) / k.src_shape.back() * row;
+    Storage src = make_storage(DType::BF16, k.src_shape, k.padded);
+    for (size_t i = 0; i < src.bytes.size() / 2; ++i) {
+      const auto v = static_cast<uint16_t>(i + 1);
+      std::memcpy(src.bytes.data() + 2 * i, &v, 2);
     }
-    std::vector<uint16_t> src(static_cast<size_t>(elements));
-    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint16_t>(i + 1);
-    TensorView sv = host_view(src.data(), DType::BF16, k.src_shape);
-    sv.strides = strides;
+    const TensorView& sv = src.view;
     std::vector<uint16_t> two_copies(static_cast<size_t>(numel(k.dst_shape)), 0);
     std::vector<uint16_t> one_copy = two_copies;
     std::vector<char> slot(static_cast<size_t>(c.bytes));
@@ -503,30 +498,6 @@ TEST(Wire, FragmentsCoverEachBucketBackToBack) {
       EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()) + 2);
     }
   }
-}
-
-// Host memory for a tensor of `shape`, optionally seen through a view whose
-// rows are padded (not contiguous), so that no box of it is a dense run
-// unless it is a single row.
-struct Storage {
-  std::vector<char> bytes;
-  TensorView view;
-};
-
-Storage make_storage(DType dtype, const Shape& shape, bool padded) {
-  Storage s;
-  Shape strides = contiguous_strides(shape);
-  int64_t elements = numel(shape);
-  if (padded && shape.size() >= 2) {
-    const int64_t row = shape.back() + 3;
-    strides = contiguous_strides(shape);
-    for (size_t d = 0; d + 1 < shape.size(); ++d) strides[d] = strides[d] / shape.back() * row;
-    elements = numel(shape) / std::max<int64_t>(shape.back(), 1) * row;
-  }
-  s.bytes.assign(static_cast<size_t>(std::max<int64_t>(elements, 1)) * itemsize(dtype), '\0');
-  s.view = host_view(s.bytes.data(), dtype, shape);
-  if (padded) s.view.strides = strides;
-  return s;
 }
 
 struct WireCase {

@@ -25,29 +25,9 @@ namespace weightsync::transport_test {
 namespace {
 
 using e2e::make_model;
+using e2e::make_storage;
 using e2e::Model;
-
-// Host memory for a tensor of `shape`, seen through a padded view (rows 3
-// elements longer: no box of it is a dense run but a row) when asked.
-struct Storage {
-  std::vector<char> bytes;
-  TensorView view;
-};
-
-Storage make_storage(DType dtype, const Shape& shape, bool padded) {
-  Storage s;
-  Shape strides = contiguous_strides(shape);
-  int64_t elements = numel(shape);
-  if (padded && shape.size() >= 2) {
-    const int64_t row = shape.back() + 3;
-    for (size_t d = 0; d + 1 < shape.size(); ++d) strides[d] = strides[d] / shape.back() * row;
-    elements = numel(shape) / std::max<int64_t>(shape.back(), 1) * row;
-  }
-  s.bytes.assign(static_cast<size_t>(std::max<int64_t>(elements, 1)) * itemsize(dtype), '\0');
-  s.view = host_view(s.bytes.data(), dtype, shape);
-  if (padded) s.view.strides = strides;
-  return s;
-}
+using e2e::Storage;
 
 // Version `step` of dense `data`: the first byte of every element that is
 // not zero flipped by the step's pattern (so that trainer shards and engine

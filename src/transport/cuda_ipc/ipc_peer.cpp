@@ -266,26 +266,33 @@ void PeerLink::on_recv_posted(const RecvPosted& m) {
   match(m.tag);
 }
 
-void PeerLink::on_cancel(const Cancel& m) {
-  if (auto e = expose_index_.find(m.recv_id); e != expose_index_.end()) {
-    auto& queue = remote_exposes_[e->second];
-    auto pos = std::find_if(queue.begin(), queue.end(),
-                            [&](const Expose& x) { return x.expose_id == m.recv_id; });
-    if (pos != queue.end()) queue.erase(pos);
-    if (queue.empty()) remote_exposes_.erase(e->second);
-    expose_index_.erase(e);
-    send(Cancelled{m.recv_id});
-    return;
-  }
-  auto idx = remote_index_.find(m.recv_id);
-  if (idx == remote_index_.end()) return;  // already taken: its completion is on the way
-  auto& queue = remote_recvs_[idx->second];
-  auto pos = std::find_if(queue.begin(), queue.end(),
-                          [&](const RecvPosted& r) { return r.recv_id == m.recv_id; });
+namespace {
+
+// Withdraws the receiver's message `id` (a posted receive or a loan) from
+// the sender's queues, by its tag in `index`; false when it is not there
+// (already taken: its completion is on the way).
+template <class Queued, class IdOf>
+bool withdraw(std::map<Tag, std::deque<Queued>>& queues, std::map<uint64_t, Tag>& index,
+              uint64_t id, IdOf id_of) {
+  auto idx = index.find(id);
+  if (idx == index.end()) return false;
+  auto& queue = queues[idx->second];
+  auto pos =
+      std::find_if(queue.begin(), queue.end(), [&](const Queued& q) { return id_of(q) == id; });
   if (pos != queue.end()) queue.erase(pos);
-  if (queue.empty()) remote_recvs_.erase(idx->second);
-  remote_index_.erase(idx);
-  send(Cancelled{m.recv_id});
+  if (queue.empty()) queues.erase(idx->second);
+  index.erase(idx);
+  return true;
+}
+
+}  // namespace
+
+void PeerLink::on_cancel(const Cancel& m) {
+  const bool withdrawn = withdraw(remote_recvs_, remote_index_, m.recv_id,
+                                  [](const RecvPosted& r) { return r.recv_id; }) ||
+                         withdraw(remote_exposes_, expose_index_, m.recv_id,
+                                  [](const Expose& e) { return e.expose_id; });
+  if (withdrawn) send(Cancelled{m.recv_id});
 }
 
 std::shared_ptr<IpcOp> PeerLink::take_recv(uint64_t recv_id, const char* what) {
