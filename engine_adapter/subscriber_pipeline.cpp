@@ -268,6 +268,21 @@ void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_d
     for (const RecvAction& a : actions_) programs.push_back(&a.frame_apply);
   }
   copier_.prepare(programs, memory_, 3);
+  if (lent_regions_.empty())
+    for (Loan& l : loans_) {
+      try {
+        for (Buffer& b : l.buffers) {
+          if (b.bytes == 0) continue;
+          lent_regions_.push_back(transport.register_memory(b));
+          b.region = lent_regions_.back().get();
+        }
+      } catch (const Error& e) {
+        // Memory the transport cannot share (e.g. from a CUDA memory pool):
+        // this loan lends nothing, and its buckets come as fragments.
+        if (e.code() != Errc::unsupported) throw;
+        l.buffers.clear();
+      }
+    }
   if (slot_bytes_ == 0) return;
   for (Slot& s : slots_) s.buffer = allocate_staging(transport, slot_bytes_, slots, slot_device);
   if (wire_.delta) {

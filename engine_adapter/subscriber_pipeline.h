@@ -218,6 +218,9 @@ class ReceivePipeline {
   std::vector<bool> items_changed_;  // settle_frame's, by item
   int64_t version_ = -1;
   std::vector<Loan> loans_;
+  // The lent params, registered once (prepare): a loan then finds its
+  // regions without a lookup, and they stay lent while the pipeline lives.
+  std::vector<std::unique_ptr<MemoryRegion>> lent_regions_;
   MemoryKind lend_memory_ = MemoryKind::cuda;
   pipeline::Copier copier_;
   std::function<void(size_t)> on_bucket_;
