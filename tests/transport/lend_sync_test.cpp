@@ -6,8 +6,10 @@
 // into their params and travels as one zero-byte message; where one cannot
 // (a param seen through a padded view), or lending is off or impossible
 // (checksums), its buckets travel as fragments. Every step moves other
-// bytes, and every version is bit-exact. Lending between processes, over
-// the transport alone, is IpcScenarios.LentMemoryIsWrittenThroughTheMappedAddresses.
+// bytes, and every version is bit-exact. LendSyncAcrossProcesses runs the
+// engine rank in a process of its own, its params in memory the trainer's
+// process maps; IpcScenarios.LentMemoryIsWrittenThroughTheMappedAddresses
+// lends between processes over the transport alone.
 #include "e2e/e2e_helpers.h"
 #include "harness.h"
 
@@ -18,6 +20,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -185,5 +189,102 @@ INSTANTIATE_TEST_SUITE_P(
                       LendCase{"MoeExperts", true, false, false, -1, "tiny-qwen3-moe"}),
     [](const auto& info) { return info.param.label; });
 
+// The engine rank of LendSyncAcrossProcesses, in its own process
+// (WS_LEND_COORDINATOR, WS_LEND_MODEL: the coordinator and the model's
+// directory): its params in the tests' shared arena, so that the trainer's
+// process maps them; every committed version bit-exact, and every bucket
+// lent. Its transport from the harness is not used.
+void lend_engine(ScenarioContext&) {
+  const auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    require(v != nullptr, cat(name, " is not set"));
+    return std::string(v);
+  };
+  const std::string dir = env("WS_LEND_MODEL");
+  const Checkpoint ckpt = Checkpoint::open(dir + "/model.safetensors");
+  const EngineConfig config = EngineConfig::load(dir + "/engine.json");
+  const EngineRankLayout rl = make_engine_layout(config).rank_layout(0);
+  std::vector<TensorView> params;
+  for (const EngineParam& p : rl.params) {
+    const size_t bytes = static_cast<size_t>(numel(p.shape)) * itemsize(p.dtype);
+    void* data = shared_host_alloc(bytes);
+    std::memset(data, 0, bytes);
+    params.push_back(host_view(data, p.dtype, p.shape));
+  }
+  SubscriberOptions so;
+  so.coordinator = env("WS_LEND_COORDINATOR");
+  so.engine = config;
+  so.transport = "ipc_host?local=1";
+  Subscriber sub(so);
+  for (size_t i = 0; i < rl.params.size(); ++i) sub.register_param(rl.params[i].name, params[i]);
+  int64_t checked = 0;
+  for (int i = 0; i < 600 && checked < 3; ++i) {
+    const auto o = sub.run_step(std::chrono::milliseconds(200));
+    if (!o) continue;
+    require(o->committed, cat("step ", o->step, ": ", o->reason));
+    require(o->buckets_lent > 0 && o->bytes_direct == o->bytes,
+            cat("step ", o->step, ": ", o->buckets_lent, " buckets lent, ", o->bytes_direct, " of ",
+                o->bytes, " bytes straight into the params"));
+    for (size_t k = 0; k < rl.params.size(); ++k) {
+      std::vector<char> expected(static_cast<size_t>(params[k].nbytes()));
+      fill_param(ckpt, rl.params[k], expected.data());
+      version(expected.data(), expected.size(), itemsize(rl.params[k].dtype), o->step);
+      require(std::memcmp(params[k].data, expected.data(), expected.size()) == 0,
+              cat("step ", o->step, ": ", rl.params[k].name, " differs"));
+    }
+    checked = o->step;
+  }
+  require(checked == 3, cat("the engine rank checked versions up to ", checked, " of 3"));
+}
+
+TEST(LendSyncAcrossProcesses, TheTrainerWritesStraightIntoTheParamsOfAnEngineProcess) {
+  register_test_transports();
+  const Model m = make_model("tiny-llama", "fsdp=1", 1, 1);
+  const Checkpoint ckpt = Checkpoint::open(m.checkpoint);
+  const TrainerLayout layout = TrainerLayout::load(m.trainer);
+  control::Coordinator coordinator(control::CoordinatorOptions{});
+  ::setenv("WS_LEND_COORDINATOR", coordinator.address().c_str(), 1);
+  ::setenv("WS_LEND_MODEL", m.dir.c_str(), 1);
+  TempDir store;
+  PeerProcesses engine("lend_engine", "ipc_host", 2, store.path, "t");
+  ::unsetenv("WS_LEND_COORDINATOR");
+  ::unsetenv("WS_LEND_MODEL");
+  PublisherOptions po;
+  po.coordinator = coordinator.address();
+  po.layout = layout;
+  po.engine = EngineConfig::load(m.engine);
+  po.transport = "ipc_host?local=1";
+  po.plan.bucket_bytes = 16384;
+  // Gone before the engine process ends: its mappings with it, so that the
+  // engine's deregistration does not wait for them.
+  auto pub_owner = std::make_unique<Publisher>(po);
+  Publisher& pub = *pub_owner;
+  std::vector<std::vector<char>> shards;
+  for (const LoadSpec& spec : layout.params) {
+    const Shape shape = local_shape(spec, layout.mesh, 0);
+    shards.emplace_back(static_cast<size_t>(numel(shape)) * itemsize(spec.dtype));
+    pub.register_tensor(spec.name, host_view(shards.back().data(), spec.dtype, shape));
+  }
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const LoadSpec& spec = layout.params[i];
+      const Shape shape = local_shape(spec, layout.mesh, 0);
+      fill_local_tensor(ckpt, spec, layout.mesh, 0, host_view(shards[i].data(), spec.dtype, shape));
+      version(shards[i].data(), shards[i].size(), itemsize(spec.dtype), step);
+    }
+    const PushResult r = pub.push(step);
+    EXPECT_EQ(r.committed, (std::vector<int>{0})) << "step " << step;
+    EXPECT_EQ(r.buckets_lent, pub.plan().buckets_sent_by(0).size()) << "step " << step;
+    EXPECT_EQ(r.bytes_direct, r.bytes_sent) << "step " << step;
+  }
+  pub_owner.reset();
+  EXPECT_EQ(engine.join(std::chrono::seconds(120)), "");
+}
+
 }  // namespace
+
+Scenario find_lend_scenario(const std::string& name) {
+  return name == "lend_engine" ? lend_engine : nullptr;
+}
+
 }  // namespace weightsync::transport_test

@@ -252,6 +252,8 @@ void fault_drop_send(ScenarioContext& c);
 void fault_truncate_send(ScenarioContext& c);
 // Defined in ipc_scenarios_test.cpp: cuda_ipc's own scenarios, or nullptr.
 Scenario find_ipc_scenario(const std::string& name);
+// Defined in lend_sync_test.cpp: the lending sync's engine process, or nullptr.
+Scenario find_lend_scenario(const std::string& name);
 
 Scenario find_scenario(const std::string& name) {
   static const std::map<std::string, Scenario> scenarios{
@@ -272,6 +274,7 @@ Scenario find_scenario(const std::string& name) {
   auto it = scenarios.find(name);
   if (it != scenarios.end()) return it->second;
   if (Scenario s = find_ipc_scenario(name)) return s;
+  if (Scenario s = find_lend_scenario(name)) return s;
   fail(Errc::not_found, "no transport test scenario '", name, "'");
 }
 
