@@ -169,15 +169,18 @@ TEST_P(LendSync, BucketsWrittenIntoLentParamsAreBitExactEveryStep) {
     if (lc.lend && !lc.checksums && lc.padded_engine != r) lent_expected[r] = sent_buckets[r];
   for (const PushResult& result : results) {
     EXPECT_EQ(result.buckets_lent, lent_expected[0] + lent_expected[1]) << "step " << result.step;
-    if (lent_expected[0] + lent_expected[1] == sent_buckets[0] + sent_buckets[1])
+    if (lent_expected[0] + lent_expected[1] == sent_buckets[0] + sent_buckets[1]) {
       EXPECT_EQ(result.bytes_direct, result.bytes_sent) << "all of it straight into the params";
+    }
   }
   for (int r = 0; r < 2; ++r)
     for (const StepOutcome& o : outcomes[r]) {
       EXPECT_TRUE(o.committed) << o.reason;
       EXPECT_EQ(o.buckets_lent, lent_expected[r]) << "engine rank " << r << ", step " << o.step;
     }
-  if (lc.lend && !lc.checksums) EXPECT_GT(lent_expected[0] + lent_expected[1], 0u);
+  if (lc.lend && !lc.checksums) {
+    EXPECT_GT(lent_expected[0] + lent_expected[1], 0u);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
