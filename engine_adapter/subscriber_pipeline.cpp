@@ -89,11 +89,12 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
 void ReceivePipeline::plan_loans(const Plan& plan, const std::vector<TensorView>& targets) {
   lend_memory_ = caps_.cuda_memory ? MemoryKind::cuda : MemoryKind::host;
   std::map<int, std::vector<int32_t>> lendable;  // by trainer rank
-  for (RecvAction& a : actions_) {
-    if (!lendable_bucket(plan, a.bucket)) continue;
-    auto [it, added] = lendable.try_emplace(a.src);
-    it->second.push_back(a.bucket);
+  std::vector<bool> is_lendable;                 // by action
+  for (const RecvAction& a : actions_) {
+    is_lendable.push_back(lendable_bucket(plan, a.bucket));
+    if (is_lendable.back()) lendable[a.src].push_back(a.bucket);
   }
+  std::map<int, int> loan_of;  // trainer rank -> loans_ index
   for (const auto& [src, buckets] : lendable) {
     Loan l;
     l.src = src;
@@ -106,10 +107,12 @@ void ReceivePipeline::plan_loans(const Plan& plan, const std::vector<TensorView>
           Buffer{t.numel() > 0 ? t.data : nullptr, t.nbytes(), t.memory, t.device, nullptr});
     }
     if (!able) l.buffers.clear();  // lends nothing: the trainer rank sends fragments
-    for (RecvAction& a : actions_)
-      if (a.src == src && lendable_bucket(plan, a.bucket)) a.loan = static_cast<int>(loans_.size());
+    loan_of[src] = static_cast<int>(loans_.size());
     loans_.push_back(std::move(l));
   }
+  // Each lendable bucket rides on its trainer rank's loan.
+  for (size_t k = 0; k < actions_.size(); ++k)
+    if (is_lendable[k]) actions_[k].loan = loan_of.at(actions_[k].src);
 }
 
 void ReceivePipeline::begin_loans(int64_t step, Transport& t, pipeline::Loop& loop) {

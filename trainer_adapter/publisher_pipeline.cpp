@@ -804,7 +804,6 @@ void SendPipeline::begin_loans(int64_t step, Transport& t, std::vector<bool>& de
     const std::optional<Error> failure = loop_->settle(*l.map, [&] {
       return cat("the loan of engine rank ", l.engine, " (", l.map->describe(), ")");
     });
-    const bool declined = l.map->transferred() == 0 && l.addresses.empty();
     l.map.reset();
     if (failure) {
       // Gone: dropped as a failed send drops it. Not mapped (an import
@@ -812,7 +811,8 @@ void SendPipeline::begin_loans(int64_t step, Transport& t, std::vector<bool>& de
       if (failure->code() == Errc::peer_failure) dead[static_cast<size_t>(l.engine)] = true;
       continue;
     }
-    if (declined || l.addresses.empty() || l.targets.size() != l.params.size()) continue;
+    // Declined (no addresses asked for) or lent nothing: fragments.
+    if (l.addresses.empty()) continue;
     if (l.addresses.size() != l.params.size())
       fail(Errc::mismatch, "trainer rank ", rank_, ": step ", step, ": engine rank ", l.engine,
            " lent ", l.addresses.size(), " params, where the plan has ", l.params.size(),

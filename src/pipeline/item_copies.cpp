@@ -28,6 +28,40 @@ Shape lead(Shape s, size_t n, int64_t value) {
   return s;
 }
 
+// Errc::internal unless c.src_box has the HF box's lengths (leading ones
+// aside): the item's source and its packed bytes differ in size.
+void check_src_box(const Copy& c) {
+  if (!same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths))
+    fail(Errc::internal, "plan item of trainer param ", c.src_param, ": source box ",
+         box_str(c.src_box), " and HF box ", box_str(c.hf_box), " differ in size");
+}
+
+// c.dst_box of `target` seen in HF orientation: the address of its first
+// element, the param's strides (the last two swapped when c.transpose), and
+// how many leading length-1 dims it has beyond the HF box. Errc::internal
+// naming the engine param when the boxes do not match.
+struct DstBox {
+  int64_t address = 0;
+  Shape strides;
+  size_t extra = 0;
+};
+
+DstBox dst_box_of(const Copy& c, const TensorView& target) {
+  if (c.dst_box.rank() < c.hf_box.rank())
+    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
+         " has fewer dims than HF box ", box_str(c.hf_box));
+  DstBox d;
+  d.extra = c.dst_box.rank() - c.hf_box.rank();
+  const Shape offsets = c.transpose ? swap_last_two(c.dst_box.offsets) : c.dst_box.offsets;
+  const Shape lengths = c.transpose ? swap_last_two(c.dst_box.lengths) : c.dst_box.lengths;
+  if (lengths != lead(c.hf_box.lengths, d.extra, 1))
+    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
+         " does not match HF box ", box_str(c.hf_box), c.transpose ? " transposed" : "");
+  d.address = element_address(target, offsets);
+  d.strides = c.transpose ? swap_last_two(target.effective_strides()) : target.effective_strides();
+  return d;
+}
+
 }  // namespace
 
 int64_t element_address(const TensorView& tensor, const Shape& offsets) {
@@ -41,69 +75,43 @@ void add_gather(CopyProgram& program, const TensorView& tensor, const Box& box, 
 }
 
 void add_pack(CopyProgram& program, const Copy& c, const TensorView& tensor, int64_t base) {
-  if (!same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths))
-    fail(Errc::internal, "plan item of trainer param ", c.src_param, ": source box ",
-         box_str(c.src_box), " and HF box ", box_str(c.hf_box), " differ in size");
+  check_src_box(c);
   add_gather(program, tensor, c.src_box, c.offset - base);
 }
 
 void add_apply(CopyProgram& program, const Copy& c, const TensorView& target, int64_t shift) {
-  if (c.dst_box.rank() < c.hf_box.rank())
-    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
-         " has fewer dims than HF box ", box_str(c.hf_box));
-  const size_t extra = c.dst_box.rank() - c.hf_box.rank();
+  const DstBox dst = dst_box_of(c, target);
   const auto item = static_cast<int64_t>(itemsize(target.dtype));
   const Box src = c.hf_box.relative_to(c.view_box);
   const Shape packed_strides = contiguous_strides(c.view_box.lengths);
-  const Shape lengths = lead(c.hf_box.lengths, extra, 1);
   // Seen through a transposed view, the param box has the HF box's lengths.
-  const Shape strides = target.effective_strides();
-  const Shape dst_offsets = c.transpose ? swap_last_two(c.dst_box.offsets) : c.dst_box.offsets;
-  const Shape dst_lengths = c.transpose ? swap_last_two(c.dst_box.lengths) : c.dst_box.lengths;
-  if (dst_lengths != lengths)
-    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
-         " does not match HF box ", box_str(c.hf_box), c.transpose ? " transposed" : "");
   program.add(c.offset + shift + dot(src.offsets, packed_strides) * item,
-              lead(packed_strides, extra, 0), element_address(target, dst_offsets),
-              c.transpose ? swap_last_two(strides) : strides, lengths, itemsize(target.dtype));
+              lead(packed_strides, dst.extra, 0), dst.address, dst.strides,
+              lead(c.hf_box.lengths, dst.extra, 1), itemsize(target.dtype));
 }
 
 void add_pack_apply(CopyProgram& program, const Copy& c, const TensorView& tensor,
                     const TensorView& target) {
-  if (!same_lengths_but_leading_ones(c.src_box.lengths, c.hf_box.lengths))
-    fail(Errc::internal, "plan item of trainer param ", c.src_param, ": source box ",
-         box_str(c.src_box), " and HF box ", box_str(c.hf_box), " differ in size");
+  check_src_box(c);
   if (c.fp8 || c.view_box != c.hf_box)
     fail(Errc::internal, "plan item of trainer param ", c.src_param, " into engine param ",
          c.dst_param, ": not packed as its HF box, so not written in one copy");
   if (tensor.dtype != target.dtype)
     fail(Errc::internal, "plan item of trainer param ", c.src_param, " (", dtype_name(tensor.dtype),
          ") into engine param ", c.dst_param, " (", dtype_name(target.dtype), ")");
-  const Shape& lengths = c.hf_box.lengths;
-  const size_t h = lengths.size();
-  if (c.dst_box.rank() < h)
-    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
-         " has fewer dims than HF box ", box_str(c.hf_box));
-  const size_t extra = c.dst_box.rank() - h;
-  const Shape dst_offsets = c.transpose ? swap_last_two(c.dst_box.offsets) : c.dst_box.offsets;
-  const Shape dst_lengths = c.transpose ? swap_last_two(c.dst_box.lengths) : c.dst_box.lengths;
-  if (dst_lengths != lead(lengths, extra, 1))
-    fail(Errc::internal, "plan copy into engine param ", c.dst_param, ": box ", box_str(c.dst_box),
-         " does not match HF box ", box_str(c.hf_box), c.transpose ? " transposed" : "");
+  const DstBox dst = dst_box_of(c, target);
   // Both sides' strides over the HF box's dims: dims a side has beyond them
   // are leading ones, and leading HF dims the source lacks are ones too
   // (stride 0).
-  const Shape dst_all =
-      c.transpose ? swap_last_two(target.effective_strides()) : target.effective_strides();
-  const Shape dst_strides(dst_all.end() - static_cast<std::ptrdiff_t>(h), dst_all.end());
+  const Shape& lengths = c.hf_box.lengths;
+  const auto h = static_cast<std::ptrdiff_t>(lengths.size());
+  const Shape dst_strides(dst.strides.end() - h, dst.strides.end());
   const Shape src_all = tensor.effective_strides();
-  Shape src_strides;
-  if (src_all.size() >= h)
-    src_strides.assign(src_all.end() - static_cast<std::ptrdiff_t>(h), src_all.end());
-  else
-    src_strides = lead(src_all, h - src_all.size(), 0);
-  program.add(element_address(tensor, c.src_box.offsets), src_strides,
-              element_address(target, dst_offsets), dst_strides, lengths, itemsize(tensor.dtype));
+  const auto n = static_cast<std::ptrdiff_t>(src_all.size());
+  const Shape src_strides = n >= h ? Shape(src_all.end() - h, src_all.end())
+                                   : lead(src_all, static_cast<size_t>(h - n), 0);
+  program.add(element_address(tensor, c.src_box.offsets), src_strides, dst.address, dst_strides,
+              lengths, itemsize(tensor.dtype));
 }
 
 bool packed_as_dst_box(const Copy& c) {

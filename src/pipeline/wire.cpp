@@ -55,10 +55,8 @@ bool lendable_bucket(const Plan& plan, int32_t bucket) {
 
 std::vector<int> lent_params(const Plan& plan, const std::vector<int32_t>& buckets) {
   std::vector<int> out;
-  for (int32_t b : buckets) {
-    if (!lendable_bucket(plan, b)) continue;
+  for (int32_t b : buckets)
     for (const PlanItem& item : plan.items(b)) out.push_back(plan.resolve(item).dst_param);
-  }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;

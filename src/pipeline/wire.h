@@ -169,8 +169,8 @@ bool lending_possible(const Plan& plan, const WireOptions& wire, const Capabilit
 // its sender, and each is packed as its HF box.
 bool lendable_bucket(const Plan& plan, int32_t bucket);
 
-// The engine params (indices of the rank layout) that the lendable buckets
-// among `buckets` write, ascending and distinct: what the engine rank lends.
+// The engine params (indices of the rank layout) that `buckets` (lendable
+// ones) write, ascending and distinct: what the engine rank lends.
 std::vector<int> lent_params(const Plan& plan, const std::vector<int32_t>& buckets);
 
 // The seed of fragment `index` of a bucket of `step` for checksum64.

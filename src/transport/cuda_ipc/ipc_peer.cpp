@@ -285,6 +285,28 @@ bool withdraw(std::map<Tag, std::deque<Queued>>& queues, std::map<uint64_t, Tag>
   return true;
 }
 
+// Per tag, the oldest local operation meets the oldest of the peer's queued
+// messages (a posted receive, a loan), in posting order both ways: each pair
+// leaves its queues (and the message its index) and goes to `start`.
+template <class Remote, class IdOf, class Start>
+void pair_oldest(std::map<Tag, std::deque<std::shared_ptr<IpcOp>>>& local,
+                 std::map<Tag, std::deque<Remote>>& remote, std::map<uint64_t, Tag>& index, Tag tag,
+                 IdOf id_of, Start start) {
+  auto l = local.find(tag);
+  auto r = remote.find(tag);
+  if (l == local.end() || r == remote.end()) return;
+  while (!l->second.empty() && !r->second.empty()) {
+    auto op = std::move(l->second.front());
+    l->second.pop_front();
+    const Remote message = std::move(r->second.front());
+    r->second.pop_front();
+    index.erase(id_of(message));
+    start(op, message);
+  }
+  if (l->second.empty()) local.erase(l);
+  if (r->second.empty()) remote.erase(r);
+}
+
 }  // namespace
 
 void PeerLink::on_cancel(const Cancel& m) {
@@ -372,19 +394,9 @@ void PeerLink::on_expose(Expose m) {
 }
 
 void PeerLink::match_maps(Tag tag) {
-  auto m = maps_.find(tag);
-  auto e = remote_exposes_.find(tag);
-  if (m == maps_.end() || e == remote_exposes_.end()) return;
-  while (!m->second.empty() && !e->second.empty()) {
-    auto op = std::move(m->second.front());
-    m->second.pop_front();
-    const Expose lent = std::move(e->second.front());
-    e->second.pop_front();
-    expose_index_.erase(lent.expose_id);
-    map_exposed(*op, lent);
-  }
-  if (m->second.empty()) maps_.erase(m);
-  if (e->second.empty()) remote_exposes_.erase(e);
+  pair_oldest(
+      maps_, remote_exposes_, expose_index_, tag, [](const Expose& e) { return e.expose_id; },
+      [&](const std::shared_ptr<IpcOp>& op, const Expose& lent) { map_exposed(*op, lent); });
 }
 
 // Every entry mapped (each region once, kept until the peer releases it), or
@@ -419,19 +431,9 @@ void PeerLink::map_exposed(IpcOp& op, const Expose& lent) {
 
 // Per tag, the oldest send meets the oldest receive: posting order both ways.
 void PeerLink::match(Tag tag) {
-  auto s = sends_.find(tag);
-  auto r = remote_recvs_.find(tag);
-  if (s == sends_.end() || r == remote_recvs_.end()) return;
-  while (!s->second.empty() && !r->second.empty()) {
-    auto op = std::move(s->second.front());
-    s->second.pop_front();
-    const RecvPosted recv = r->second.front();
-    r->second.pop_front();
-    remote_index_.erase(recv.recv_id);
-    start(op, recv);
-  }
-  if (s->second.empty()) sends_.erase(s);
-  if (r->second.empty()) remote_recvs_.erase(r);
+  pair_oldest(
+      sends_, remote_recvs_, remote_index_, tag, [](const RecvPosted& r) { return r.recv_id; },
+      [&](const std::shared_ptr<IpcOp>& op, const RecvPosted& recv) { start(op, recv); });
 }
 
 void PeerLink::start(const std::shared_ptr<IpcOp>& op, const RecvPosted& r) {
