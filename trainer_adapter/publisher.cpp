@@ -292,6 +292,9 @@ PushResult Publisher::Impl::push(int64_t step) {
     result = decide(step, deadline);
     out.phases.commit = seconds_since(t);
   }
+  // Decided: what this rank sent for the step arrived or is no longer wanted,
+  // so a close need not wait for the peers to flush it.
+  transport->sends_settled();
   // Delta sync: what each engine rank holds of this rank's sends now.
   std::fill(held.begin(), held.end(), int64_t{-1});
   if (result.trainers_ok)

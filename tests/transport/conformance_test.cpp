@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <functional>
 
 namespace weightsync::transport_test {
@@ -86,6 +87,41 @@ TEST_P(Conformance, MessageLargerThanReceiveBufferIsAnError) {
 
 TEST_P(Conformance, BroadcastToAllAndToASubset) {
   run("broadcast", 3);
+}
+
+// A sender that learned its messages arrived (sends_settled) closes without
+// waiting for the peer: rank 1 receives a small and a large message, answers,
+// then does not progress its transport until rank 0's close has returned. A
+// graceful UCX close waits for the peer to progress (10 s at most, then it
+// forces the close); settled, it does not wait at all.
+TEST_P(Conformance, ClosingAfterSettledSendsDoesNotWaitForAnIdlePeer) {
+  if (GetParam().name.rfind("nccl", 0) == 0 && gpu::device_count() < 2)
+    GTEST_SKIP() << "NCCL refuses two ranks of one communicator on one GPU";
+  TempDir dir;
+  PeerProcesses peer("idle_after_answer", GetParam().name, 2, dir.path, "t");
+  double close_seconds = 0;
+  {
+    auto t = make_test_transport(GetParam().name, dir.path, 0, 2);
+    const MemoryKind memory = memory_for(*t);
+    TestBuffer small(64, memory), large(8 << 20, memory), answer(1, memory);
+    small.fill(1);
+    large.fill(2);
+    auto sent_small = t->send(1, 1, small.buffer());
+    auto sent_large = t->send(1, 2, large.buffer());
+    EXPECT_EQ(t->recv(1, 3, answer.buffer())->wait(std::chrono::seconds(60)), 1u);
+    EXPECT_EQ(sent_small->wait(std::chrono::seconds(60)), 64u);
+    EXPECT_EQ(sent_large->wait(std::chrono::seconds(60)), std::size_t{8} << 20);
+    sent_small.reset();
+    sent_large.reset();
+    t->sends_settled();
+    const auto start = std::chrono::steady_clock::now();
+    t.reset();
+    close_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  std::ofstream(dir.path + "/closed") << "closed\n";
+  EXPECT_EQ(peer.join(std::chrono::seconds(120)), "");
+  // Far below UCX's bounded wait for a peer (10 s): the close did not wait.
+  EXPECT_LT(close_seconds, 5.0) << GetParam().name << ": closing waited for the idle peer";
 }
 
 // A transport lends memory (rank 0 to itself here: the loan is used in place)

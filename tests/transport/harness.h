@@ -126,6 +126,9 @@ void register_test_transports();
 // no cuda_ipc transport"; "" when it is built in. Tests skip with it.
 std::string not_built_reason(const std::string& name);
 
+// The memory the scenarios use with `t`: host where it takes host memory.
+MemoryKind memory_for(const Transport& t);
+
 // Creates a transport for rank `rank` of `world` over a file store in `dir`.
 std::unique_ptr<Transport> make_test_transport(const std::string& name, const std::string& dir,
                                                int rank, int world,

@@ -35,10 +35,6 @@ std::string self_exe() {
   return std::filesystem::read_symlink("/proc/self/exe").string();
 }
 
-MemoryKind memory_for(const Transport& t) {
-  return t.capabilities().host_memory ? MemoryKind::host : MemoryKind::cuda;
-}
-
 // A peer process: WS_TP_SCENARIO names the scenario, WS_TP_TRANSPORT the
 // transport, WS_TP_RANK / WS_TP_WORLD its place, WS_TP_STORE / WS_TP_PREFIX
 // the bootstrap store.
@@ -285,6 +281,10 @@ std::string not_built_reason(const std::string& name) {
   const auto it = needs.find(base);
   if (it == needs.end()) return cat("there is no '", base, "' transport in this build");
   return cat("weightsync was built without ", it->second, ": no ", base, " transport");
+}
+
+MemoryKind memory_for(const Transport& t) {
+  return t.capabilities().host_memory ? MemoryKind::host : MemoryKind::cuda;
 }
 
 std::unique_ptr<Transport> make_test_transport(const std::string& name, const std::string& dir,

@@ -3,6 +3,8 @@
 #include "harness.h"
 #include "transport/staging.h"
 
+#include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <thread>
 
@@ -255,6 +257,32 @@ Scenario find_ipc_scenario(const std::string& name);
 // Defined in lend_sync_test.cpp: the lending sync's engine process, or nullptr.
 Scenario find_lend_scenario(const std::string& name);
 
+// Rank 1 of Conformance.ClosingAfterSettledSendsDoesNotWaitForAnIdlePeer
+// (rank 0 is the test itself): receives a small and a large message from
+// rank 0, answers, then leaves its transport alone (no progress) until rank
+// 0 has closed its own (the file `closed` in the store's directory).
+void idle_after_answer(ScenarioContext& c) {
+  Transport& t = c.transport;
+  require(t.rank() == 1, "idle_after_answer runs as rank 1 only");
+  constexpr std::size_t kLarge = 8 << 20;  // past UCX's eager limit: rendezvous
+  auto small = zeroed(64, c.memory);
+  auto large = zeroed(kLarge, c.memory);
+  auto got_small = t.recv(0, 1, small->buffer());
+  auto got_large = t.recv(0, 2, large->buffer());
+  require_holds(*small, got_small->wait(kWait), 64, 1, "the small message");
+  require_holds(*large, got_large->wait(kWait), kLarge, 2, "the large message");
+  auto answer = filled(1, c.memory, 3);
+  t.send(0, 3, answer->buffer())->wait(kWait);
+  const char* store = std::getenv("WS_TP_STORE");
+  require(store != nullptr, "no WS_TP_STORE");
+  const auto closed = std::filesystem::path(store) / "closed";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!std::filesystem::exists(closed)) {
+    require(std::chrono::steady_clock::now() < deadline, "rank 0 did not close within 60 s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 Scenario find_scenario(const std::string& name) {
   static const std::map<std::string, Scenario> scenarios{
       {"ordering", ordering},
@@ -266,6 +294,7 @@ Scenario find_scenario(const std::string& name) {
       {"peer_death", peer_death},
       {"truncation", truncation},
       {"broadcast", broadcast},
+      {"idle_after_answer", idle_after_answer},
       {"fault_corrupt_recv", fault_corrupt_recv},
       {"fault_corrupt_send", fault_corrupt_send},
       {"fault_drop_send", fault_drop_send},

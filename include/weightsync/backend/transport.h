@@ -188,6 +188,12 @@ class Transport {
   // address the new process publishes (waited for up to bootstrap_timeout).
   // Errc::unsupported where the backend cannot (NCCL: a communicator is fixed).
   virtual void reconnect(int peer);
+  // The caller learned that every message sent so far has arrived or is no
+  // longer wanted (a trainer, once its step is decided): closing need not
+  // flush them. A graceful UCX close waits for its peer to progress, which an
+  // engine between steps does not: without this, a trainer's close waited
+  // 10 s for each idle engine. The default does nothing.
+  virtual void sends_settled() {}
 
   // Broadcast of `buffer` from `root` to every rank of `ranks` (which includes
   // root); called by each of those ranks with the same arguments and a buffer

@@ -166,6 +166,7 @@ class FaultTransport final : public Transport {
     return plan_.dead(peer) || inner_->peer_failed(peer);
   }
   void reconnect(int peer) override { inner_->reconnect(peer); }
+  void sends_settled() override { inner_->sends_settled(); }
 
   std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override {
     if (releases_) release_tag(tag);

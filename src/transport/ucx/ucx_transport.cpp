@@ -224,6 +224,16 @@ UcxTransport::~UcxTransport() {
   }
 }
 
+// A peer whose sends are all settled closes at once (sends_settled); while a
+// send of this transport to it is still posted, sends_settled() leaves it.
+void UcxTransport::sends_settled() {
+  std::set<int> posting;
+  for (const UcxOp* op : ops_)
+    if (op->kind == Request::Kind::send && !op->done) posting.insert(op->peer);
+  for (int peer = 0; peer < static_cast<int>(peers_.size()); ++peer)
+    if (!posting.count(peer)) peers_[static_cast<size_t>(peer)].sent = false;
+}
+
 // Graceful close first (flushes what was sent, so the last message of a
 // sender that exits at once still arrives), forced after a bounded wait.
 void UcxTransport::close_endpoints() {
@@ -232,9 +242,10 @@ void UcxTransport::close_endpoints() {
     if (!p.ep) continue;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    // Nothing sent over it, nothing to flush: no wait for the peer (an
-    // engine leaving between steps need not wait for trainers that are not
-    // progressing their workers).
+    // Nothing sent over it since its sends were settled, nothing to flush:
+    // no wait for the peer (an engine leaving between steps, or a trainer
+    // after its last step, need not wait for peers that are not progressing
+    // their workers).
     param.flags = p.failed || !p.sent ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
     if (UCS_PTR_IS_PTR(r)) closing.push_back(r);

@@ -50,8 +50,8 @@ struct UcxPeer {
   ucp_ep_h ep = nullptr;
   bool failed = false;
   bool failure_handled = false;
-  bool sent = false;                   // a send was posted over `ep` (its close then flushes)
-  std::string failure;                 // why, for messages
+  bool sent = false;    // a send over `ep` is not known to be settled (its close then flushes)
+  std::string failure;  // why, for messages
   std::vector<uint8_t> address;        // the worker address the endpoint was made for
   std::vector<uint8_t> stale_address;  // after reconnect(): the old process's address
 };
@@ -73,6 +73,7 @@ class UcxTransport final : public Transport {
   void connect(int peer) override;
   bool peer_failed(int peer) const override;
   void reconnect(int peer) override;
+  void sends_settled() override;
 
   // Used by UcxRequest.
   void cancel(UcxOp& op);
