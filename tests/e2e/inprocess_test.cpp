@@ -118,8 +118,9 @@ class InProcess : public ::testing::Test {
     for (int64_t step = first; step <= to; ++step) {
       set_shards(pristine, step, last);
       results.push_back(pub.push(step));
-      if (expect_commit)
+      if (expect_commit) {
         EXPECT_EQ(results.back().committed, (std::vector<int>{0})) << "step " << step;
+      }
     }
   }
   using Versions = std::map<int64_t, std::vector<std::vector<char>>>;
@@ -370,9 +371,10 @@ TEST_P(InProcessDelta, AVersionThatChangesEverythingGoesWholeAndDeltasComeBack) 
   for (int64_t step : {1, 2, 3, 4, 5, 8, 9}) {
     const size_t i = static_cast<size_t>(step - 1);
     EXPECT_EQ(results[i].delta_buckets, 0u) << "step " << step;
-    if (mode_ == PlanMode::p2p)  // a broadcast bucket lands in a slot
+    if (mode_ == PlanMode::p2p) {  // a broadcast bucket lands in a slot
       EXPECT_GT(outcomes_[i].bytes_direct, outcomes_[i].bytes / 2)
           << "step " << step << ": whole bytes land straight in the params";
+    }
   }
   for (int64_t step : {6, 7})
     EXPECT_GT(results[static_cast<size_t>(step - 1)].delta_buckets, buckets / 2) << "step " << step;

@@ -479,7 +479,9 @@ TEST(Wire, FragmentsCoverEachBucketBackToBack) {
           const int64_t n = plan.resolve(items[i]).bytes;
           bytes += n;
           // A big item travels alone; small ones are grouped.
-          if (n >= min) EXPECT_EQ(f.count, 1u) << "bucket " << b.id << " item " << i;
+          if (n >= min) {
+            EXPECT_EQ(f.count, 1u) << "bucket " << b.id << " item " << i;
+          }
         }
         EXPECT_EQ(f.bytes, bytes);
         next += f.bytes;
@@ -487,8 +489,12 @@ TEST(Wire, FragmentsCoverEachBucketBackToBack) {
       }
       EXPECT_EQ(next, b.bytes) << "bucket " << b.id;
       EXPECT_EQ(item, items.size()) << "bucket " << b.id;
-      if (min == 1) EXPECT_EQ(frags.size(), items.size());
-      if (min == (int64_t{1} << 40)) EXPECT_EQ(frags.size(), 1u);
+      if (min == 1) {
+        EXPECT_EQ(frags.size(), items.size());
+      }
+      if (min == (int64_t{1} << 40)) {
+        EXPECT_EQ(frags.size(), 1u);
+      }
       WireOptions w;
       w.direct_min_bytes = min;
       EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()));
