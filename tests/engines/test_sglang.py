@@ -65,7 +65,13 @@ MODELS = {
 CASES = [("dense", 1), ("moe", 1), ("moe", 2), ("dense", 2), ("deepseek", 2)]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 NEW_TOKENS = 8
-STEPS = 2  # checkpoints 1..STEPS pushed as versions 1..STEPS
+# Two checkpoints: the engine starts from 0; versions 1..STEPS are checkpoints
+# 1 then 0 (each step's bytes differ from what the engine holds). Checkpoint
+# 0's reference is the engine under test before its first sync (a fresh
+# engine of it), so a case starts one fresh engine besides its own.
+CHECKPOINTS = 2
+STEP_CHECKPOINTS = [1, 0]
+STEPS = len(STEP_CHECKPOINTS)
 # Step STEPS + 1 fails midway: the trainer's transport drops the sends of its
 # last bucket (a bucket's sends carry bucket_tag(step, bucket, 0) = step << 32
 # | bucket << 1), so the engine rank it was for loads what the other buckets
@@ -94,7 +100,7 @@ def checkpoints(tmp_path_factory):
     def get(kind):
         if kind not in made:
             made[kind] = [_make_checkpoint(kind, c, tmp_path_factory.mktemp(f"{kind}-ckpt{c}"))
-                          for c in range(STEPS + 1)]
+                          for c in range(CHECKPOINTS)]
         return made[kind]
 
     return get
@@ -121,31 +127,43 @@ def _make_checkpoint(kind, seed, out):
     return str(out)
 
 
-@pytest.fixture(scope="session")
-def references(checkpoints, tmp_path_factory):
-    """reference(kind, tp, c): a fresh engine started from checkpoint c: its
-    tokens for PROMPTS and every rank's dumped parameters (computed once)."""
-    cache: dict = {}
+class References:
+    """reference(kind, tp, c): what a fresh engine started from checkpoint c
+    answers: its tokens for PROMPTS and every rank's dumped parameters
+    (computed once). c: a checkpoint's index in checkpoints(kind), or
+    another checkpoint's directory."""
 
-    def get(kind, tp, c):
-        """c: a checkpoint's index in checkpoints(kind), or another
-        checkpoint's directory."""
+    def __init__(self, checkpoints, tmp_path_factory):
+        self._checkpoints, self._tmp = checkpoints, tmp_path_factory
+        self._cache: dict = {}
+
+    def __call__(self, kind, tp, c):
         key = (kind, tp, c)
-        if key not in cache:
-            path = checkpoints(kind)[c] if isinstance(c, int) else c
+        if key not in self._cache:
+            path = self._checkpoints(kind)[c] if isinstance(c, int) else c
             engine = start_engine(path, tp)
             try:
                 log(f"fresh engine {kind} tp={tp} checkpoint {c}: started in "
                     f"{engine.call('started_in'):.1f} s")
-                tokens = [o["tokens"] for o in _generate(engine)] if MODELS[kind][2] else None
-                dump = str(tmp_path_factory.mktemp(f"ref-{kind}-tp{tp}"))
-                engine.call("dump", path=dump)
+                self.record(kind, tp, c, engine)
             finally:
                 engine.close()
-            cache[key] = {"tokens": tokens, "params": _load_dump(dump, tp)}
-        return cache[key]
+        return self._cache[key]
 
-    return get
+    def record(self, kind, tp, c, engine):
+        """Takes the reference of checkpoint c from `engine`, started from it
+        and not updated since: it is a fresh engine of c (the engine under
+        test, before its first sync, saves starting one more)."""
+        assert (kind, tp, c) not in self._cache, (kind, tp, c)
+        tokens = [o["tokens"] for o in _generate(engine)] if MODELS[kind][2] else None
+        dump = str(self._tmp.mktemp(f"ref-{kind}-tp{tp}"))
+        engine.call("dump", path=dump)
+        self._cache[(kind, tp, c)] = {"tokens": tokens, "params": _load_dump(dump, tp)}
+
+
+@pytest.fixture(scope="session")
+def references(checkpoints, tmp_path_factory):
+    return References(checkpoints, tmp_path_factory)
 
 
 def _generate(engine):
@@ -268,7 +286,7 @@ class Live:
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
-def live(request, checkpoints, tmp_path_factory):
+def live(request, checkpoints, references, tmp_path_factory):
     kind, tp = request.param
     ckpts = checkpoints(kind)
     config = {"framework": "hf", "hf_config": os.path.join(ckpts[0], "config.json"), "tp": tp,
@@ -278,6 +296,7 @@ def live(request, checkpoints, tmp_path_factory):
         try:
             log(f"engine under test {kind} tp={tp}: started in "
                 f"{engine.call('started_in'):.1f} s")
+            references.record(kind, tp, 0, engine)
             ranks = engine.call("connect", coordinator=coord.address, engine_config=config,
                                 replica=0, mode="load_weights",
                                 step_timeout=ENGINE_STEP_TIMEOUT)
@@ -299,20 +318,43 @@ def live(request, checkpoints, tmp_path_factory):
             engine.close()
 
 
+@pytest.fixture(scope="session")
+def delta_versions(tmp_path_factory):
+    """versions(held) -> (nearby, partial): checkpoints about 1 % of the
+    elements away from `held`, and 5 % of layer 1's only (made once)."""
+    made: dict = {}
+
+    def get(held):
+        if held not in made:
+            out = tmp_path_factory.mktemp("delta-versions")
+            nearby = nearby_checkpoint(held, str(out / "nearby"), seed=11)
+            partial = nearby_checkpoint(held, str(out / "partial"), seed=18, fraction=0.05,
+                                        prefix="model.layers.1.")
+            made[held] = (nearby, partial)
+        return made[held]
+
+    return get
+
+
 # ---- the tests ---------------------------------------------------------------
 
+def _other(checkpoint):
+    """The checkpoint the engine does not hold."""
+    return 1 - checkpoint
+
+
 def test_steps_equal_fresh_engines(live, references, tmp_path):
-    for step in range(1, STEPS + 1):
+    for step, checkpoint in enumerate(STEP_CHECKPOINTS, start=1):
         t = time.monotonic()
-        out, pushed = live.sync(step, checkpoint=step)
+        out, pushed = live.sync(step, checkpoint=checkpoint)
         log(f"{live.kind} tp={live.tp} step {step}: update {time.monotonic() - t:.2f} s, "
             f"{[r['outcome']['bytes'] for r in out['ranks']]} bytes per rank")
         assert pushed["committed"] == list(range(live.tp)) and not pushed["failed"], pushed
         assert out["step"] == step and out["committed"] and out["version"] == step, out
         assert all(r["outcome"]["batches"] > 0 and not r["outcome"]["restored"]
                    for r in out["ranks"]), out
-        live.version, live.checkpoint = step, step
-        live.check(references(live.kind, live.tp, step), tmp_path, step)
+        live.version, live.checkpoint = step, checkpoint
+        live.check(references(live.kind, live.tp, checkpoint), tmp_path, step)
 
 
 def test_step_failing_midway_leaves_previous_version(live, references, tmp_path):
@@ -321,7 +363,7 @@ def test_step_failing_midway_leaves_previous_version(live, references, tmp_path)
     weight version stays; the next step commits."""
     if live.version != FAILING_STEP - 1:
         pytest.skip("needs versions 1..STEPS committed (test_steps_equal_fresh_engines)")
-    before, new = live.checkpoint, 1 if live.checkpoint != 1 else 2
+    before, new = live.checkpoint, _other(live.checkpoint)
     t = time.monotonic()
     out, pushed = live.sync(FAILING_STEP, checkpoint=new, may_fail=True)
     log(f"{live.kind} tp={live.tp} failing step {FAILING_STEP} ({time.monotonic() - t:.1f} s): "
@@ -352,7 +394,7 @@ def test_trainer_killed_mid_step_then_a_new_trainer_commits(live, references, tm
         pytest.skip("needs a committed version first")
     live.close()  # the case's trainer leaves; a new one comes, and is killed mid-step
     live._trainer = None
-    before, new = live.checkpoint, 1 if live.checkpoint != 1 else 2
+    before, new = live.checkpoint, _other(live.checkpoint)
     step = live.version + 1
     bad = live.trainer(transport=f"fault:ucx?drop_send=1&tag={(step << 32) | (1 << 1)}")
     try:
@@ -381,7 +423,7 @@ def test_trainer_killed_mid_step_then_a_new_trainer_commits(live, references, tm
 
 
 @pytest.mark.parametrize("mode", ["p2p", "broadcast"])
-def test_delta_sync_moves_only_the_changes(live, references, tmp_path, mode):
+def test_delta_sync_moves_only_the_changes(live, references, delta_versions, tmp_path, mode):
     """delta="auto" through SGLang's weight-update session (load_weights
     mode, tp=2, MoE): a new trainer process's first step goes whole, then
     versions about 1 % of the elements apart go as deltas of a small part of
@@ -391,7 +433,8 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path, mode):
     broadcast: one delta for both ranks, each checking what it reads). Each
     rank loads only the tensors that changed (WorkerSync's changed_only):
     every one at the whole step, the ones that differ after it, and at a last
-    version that moves only layer 1 (a partly frozen model), only those."""
+    version that moves only layer 1 (a partly frozen model), only those.
+    Both modes push the same versions (their fresh engines start once)."""
     if (live.kind, live.tp) != ("moe", 2):
         pytest.skip("run for moe-tp2 only (engine starts are slow)")
     if live.version < 0:
@@ -399,9 +442,7 @@ def test_delta_sync_moves_only_the_changes(live, references, tmp_path, mode):
     live.close()  # the case's trainer leaves; one with delta on takes rank 0
     live._trainer = None
     held = live.ckpts[live.checkpoint]
-    nearby = nearby_checkpoint(held, str(tmp_path / "nearby"), seed=live.version)
-    partial = nearby_checkpoint(held, str(tmp_path / "partial"), seed=live.version + 7,
-                                fraction=0.05, prefix="model.layers.1.")
+    nearby, partial = delta_versions(held)
     moved, moved_partly = differing_keys(held, nearby), differing_keys(held, partial)
     assert 0 < len(moved_partly) < len(moved), (moved, moved_partly)
     trainer = start_trainer(live.coord.address, live.config, [held, nearby, held, partial],

@@ -56,6 +56,12 @@ class Engine:
                          for i in range(count)]
         self.llm = vs.start_engine(self.versions[0], tp)
         self.current = 0
+        # Version 0's reference is this engine as started, before anything
+        # connects to it: a fresh engine of v0 (saves starting one more; the
+        # fresh engines of the other versions run without the transfer
+        # engine, so that one of them still compares the two setups).
+        _REFS[(self.versions[0], tp)] = {"states": vs.worker_states(self.llm),
+                                         "tokens": vs.generate(self.llm)}
 
     def reference(self, i: int) -> dict:
         key = (self.versions[i], self.tp)
