@@ -23,3 +23,7 @@ endforeach()
 # cancelled. The UCX transport now retires such endpoints (closed when it ends)
 # and fails their pending sends at once (ucx_transport.cpp, retired_): 12 of 12
 # runs passed by hand, and it runs in CTest again.
+
+# tools/bench/shaped_link.sh (benchmarks on a link of a given rate, docs/delta.md).
+add_test(NAME netns_shaped_link COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/shaped_link_test.sh)
+set_tests_properties(netns_shaped_link PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 60 LABELS netns)
