@@ -12,7 +12,7 @@ foreach(_s ${_netns_scenarios})
   add_test(NAME netns_${_s}
     COMMAND ${WEIGHTSYNC_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/netns_faults.py
             --cli $<TARGET_FILE:weightsync_cli> --scenario ${_s})
-  set_tests_properties(netns_${_s} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 180 RUN_SERIAL TRUE
+  set_tests_properties(netns_${_s} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 300 RUN_SERIAL TRUE
                        LABELS netns)
 endforeach()
 

@@ -686,7 +686,11 @@ def scenario_trainer_link_flap(cli, work):
         # (its RTO grows with the up to 400 ms the rate limit queues behind the
         # bulk data), then that queue again. 3 s was seen to be exceeded on a
         # loaded 2-core machine; the data path, not the timeout, is under test.
-        job = Job(cli, net, work, steps=steps, step_gap_ms=200, timeout_ms=20000,
+        # The step timeout likewise: a send spanning outages waits for TCP's
+        # retransmissions, whose backoff doubles at each one that falls in an
+        # outage; one CI run saw a 64 KiB send take over 18 s of a 20 s step
+        # timeout (2026-11-28; steps otherwise take 2-8 s here).
+        job = Job(cli, net, work, steps=steps, step_gap_ms=200, timeout_ms=45000,
                   heartbeat_ms=8000)
         host = job.trainer_hosts[victim]
         host.limit_rate("40mbit", inbound=False)
