@@ -136,6 +136,17 @@ TEST_P(DeltaSizes, PicksListsForScatteredChangesRunsForClusteredOnesDenseForAll)
     EXPECT_EQ(r.bytes, 4 * (2 + 4 * 4 + 4 * 64 * e));
   }
   {
+    // One run of 8 elements a chunk (the encoder's path for chunks where few
+    // blocks hold a change): runs.
+    Bytes next = old;
+    for (int64_t i = 0; i < elements; ++i)
+      if (i % kChunkElements >= 100 && i % kChunkElements < 108)
+        next[static_cast<size_t>(i * e)] ^= 1;
+    const RoundTrip r = round_trip(old, next, e);
+    EXPECT_EQ(r.stats.chunks[static_cast<int>(ChunkKind::runs)], 4);
+    EXPECT_EQ(r.bytes, 4 * (2 + 4 + 8 * e));
+  }
+  {
     // Every element changed: dense (with a few unchanged among wide
     // elements, runs can still be smaller, and are taken).
     const RoundTrip r = round_trip(old, changed(old, e, 1.0, 9), e);
