@@ -23,8 +23,19 @@ using pipeline::seconds_since;
 
 using pipeline::slot_event;
 
-// Steps a bucket goes whole, untried, after its delta came out nearly whole.
+// Steps a bucket goes whole, untried, after its delta came out nearly whole:
+// 3, then twice as many after each try that came out nearly whole again, up
+// to 24. A bucket whose elements all change every step is then seldom tried
+// (each try and the step before it copy the bucket into its base), and one
+// whose changes thin out is tried again within 24 steps.
 constexpr int kWholeStepsBeforeRetry = 3;
+constexpr int kMostWholeStepsBeforeRetry = 24;
+
+// A delta came out (or looked) nearly whole: the steps to go whole.
+void back_off(DeltaBase& d) {
+  d.skip_deltas = std::min(kWholeStepsBeforeRetry << d.whole_tries, kMostWholeStepsBeforeRetry);
+  if ((kWholeStepsBeforeRetry << d.whole_tries) < kMostWholeStepsBeforeRetry) ++d.whole_tries;
+}
 
 // Delta sync, one bucket's choices (p2p post_frame, broadcast
 // post_root_frame). Whether this step tries a delta: its receivers must hold
@@ -420,6 +431,7 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
           pipeline::store_frame_header(slot.frame.data, h);
           const int64_t bytes = with_trailer(slot.frame.data, n, step);
           d.delta = true;
+          d.whole_tries = 0;
           d.frame_base = d.last_step;
           d.last_step = step;
           if (d.left > 0) d.frame.assign(slot.frame.data, slot.frame.data + bytes);
@@ -428,7 +440,7 @@ int64_t SendPipeline::post_frame(size_t index, int k, int64_t step, const std::v
         }
       }
       phases.pack += seconds_since(encode_start);
-      if (!d.delta) d.skip_deltas = kWholeStepsBeforeRetry;
+      if (!d.delta) back_off(d);
     }
     if (!d.delta) take = base_takes_whole(d, step, base_is_next);
   } else {
@@ -665,6 +677,7 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
         h.delta = true;
         h.base = d.last_step;
         h.has_digest = delta_verify_;
+        d.whole_tries = 0;
         pipeline::store_frame_header(slot.frame.data, h);
         for (size_t r = 0; digests > 0 && r < a.reads.size(); ++r)
           store_le64(slot.frame.data + pipeline::kFrameHeaderBytes + 8 * r,
@@ -679,7 +692,7 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
         return bytes;
       }
     }
-    d.skip_deltas = kWholeStepsBeforeRetry;
+    back_off(d);
   }
   // The whole bytes.
   if (base_takes_whole(d, step, base_is_next)) keep_base(a, packed);

@@ -108,6 +108,7 @@ struct DeltaBase {
   int64_t bytes = 0;                  // last_sent's
   int64_t last_step = -1;             // -1: nothing yet
   int skip_deltas = 0;                // whole steps left before a delta is tried again
+  int whole_tries = 0;                // tries in a row that came out nearly whole (back_off)
   bool last_delta_small = false;      // its last encoding was under 1/4 of the bytes
   // p2p twins: the engine ranks they go to, and this step's decision.
   std::vector<int> engines;

@@ -136,7 +136,7 @@ class InProcess : public ::testing::Test {
             if (sub.version() == s) held[s] = params_;
           });
         },
-        last, 10);
+        last, std::max(10, static_cast<int>(last)));
     auto pub = publisher([&](PublisherOptions& o) {
       o.delta = DeltaMode::automatic;
       if (tweak) tweak(o);
@@ -378,6 +378,35 @@ TEST_P(InProcessDelta, AVersionThatChangesEverythingGoesWholeAndDeltasComeBack) 
   }
   for (int64_t step : {6, 7})
     EXPECT_GT(results[static_cast<size_t>(step - 1)].delta_buckets, buckets / 2) << "step " << step;
+  expect_versions_held(held, last);
+  expect_params_match_checkpoint();
+}
+
+// A bucket whose tries keep coming out whole is tried less often: after the
+// first such try 3 steps go whole untried, after the second 6. Steps 2 and
+// 6 change every element; the steps between change 1 % and would go as
+// deltas if they were tried: 3-5 and 7-12 go whole untried, 13 tries again
+// and goes as a delta, and the count of tries starts over (step 15 changes
+// everything, 16-18 go whole untried, 19 as a delta).
+TEST_P(InProcessDelta, TriesThatKeepComingOutWholeAreMadeLessOften) {
+  const int64_t last = 19;
+  percent_ = [](int64_t step) { return step == 2 || step == 6 || step == 15 ? 100 : 1; };
+  Versions held;
+  std::vector<PushResult> results;
+  auto pub = push_delta_run(last, held, results,
+                            [](PublisherOptions& o) { o.wire.direct_min_bytes = 64; });
+  ASSERT_EQ(engine_error_, "");
+  ASSERT_EQ(outcomes_.size(), static_cast<size_t>(last));
+  const uint64_t buckets = pub->plan().buckets().size();
+  for (int64_t step = 1; step <= last; ++step) {
+    const bool delta = step == 13 || step == 14 || step == 19;
+    const uint64_t got = results[static_cast<size_t>(step - 1)].delta_buckets;
+    if (delta) {
+      EXPECT_GT(got, buckets / 2) << "step " << step;
+    } else {
+      EXPECT_EQ(got, 0u) << "step " << step;
+    }
+  }
   expect_versions_held(held, last);
   expect_params_match_checkpoint();
 }
