@@ -78,8 +78,13 @@ inline uint64_t element_flags(uint64_t bytes) {
   return bytes & kFirst;
 }
 
-// Set bits (no popcount instruction in x86-64's baseline).
+// Set bits. x86-64's baseline has no popcount instruction: where the build
+// does not assume one, the encoder is compiled twice, with (Pop, chosen at
+// run time when the CPU has it: encode_all_popcnt) and without it (this
+// arithmetic).
+template <bool Pop>
 inline int64_t count_bits(uint64_t x) {
+  if constexpr (Pop) return __builtin_popcountll(x);
   x = x - ((x >> 1) & 0x5555555555555555ULL);
   x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
   x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
@@ -112,7 +117,7 @@ RecordBytes record_bytes(int64_t n, int64_t changed, int64_t runs) {
 // and a branch on that mispredicts half the time. For E >= 2 a block's
 // flags sit at every E-th bit, so the flags of E blocks are counted in one
 // word.
-template <int E>
+template <int E, bool Pop>
 void count_changes(const uint8_t* next, const uint8_t* base, size_t bytes, uint64_t* flags,
                    int64_t& changed, int64_t& runs) {
   uint64_t carry = 0;  // 1: the previous block's last element changed
@@ -150,8 +155,8 @@ void count_changes(const uint8_t* next, const uint8_t* base, size_t bytes, uint6
       start_words[l / E] |= (f[l] & ~((f[l] << E) | carry)) << (l % E);
       carry = (f[l] >> (64 - E)) & 1;
     }
-    changed += count_bits(changed_words[0]) + count_bits(changed_words[1]);
-    runs += count_bits(start_words[0]) + count_bits(start_words[1]);
+    changed += count_bits<Pop>(changed_words[0]) + count_bits<Pop>(changed_words[1]);
+    runs += count_bits<Pop>(start_words[0]) + count_bits<Pop>(start_words[1]);
   }
 }
 
@@ -159,14 +164,14 @@ void count_changes(const uint8_t* next, const uint8_t* base, size_t bytes, uint6
 // `next`. A first pass counts the changed elements and their runs, which
 // decides the record's kind and its layout; a second pass, for a list or
 // runs, writes them.
-template <int E>
+template <int E, bool Pop>
 int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out,
                      EncodeStats* stats) {
   const auto bytes = static_cast<size_t>(n * E);
   const size_t blocks = (bytes + 63) / 64;
   int64_t k = 0, runs = 0;
   uint64_t flags[kChunkElements * 8 / 64];  // by block, for the second pass
-  count_changes<E>(next, base, bytes, flags, k, runs);
+  count_changes<E, Pop>(next, base, bytes, flags, k, runs);
   if (stats) stats->changed += k;
   if (k == 0) {
     put_u16(out, head(ChunkKind::unchanged, 0));
@@ -269,7 +274,7 @@ int64_t estimate_all(const uint8_t* next, const uint8_t* base, int64_t elements)
     const size_t at = start + jitter / 64 * 64;
     const size_t len = std::min(kSampleWindow, bytes - at);
     int64_t k = 0, runs = 0;
-    count_changes<E>(next + at, base + at, len, nullptr, k, runs);
+    count_changes<E, false>(next + at, base + at, len, nullptr, k, runs);
     const RecordBytes kinds = record_bytes<E>(static_cast<int64_t>(len / E), k, runs);
     cost += std::min({kinds.list, kinds.runs, kinds.dense});
     sampled += static_cast<int64_t>(len);
@@ -278,13 +283,13 @@ int64_t estimate_all(const uint8_t* next, const uint8_t* base, int64_t elements)
                               static_cast<double>(sampled));
 }
 
-template <int E>
+template <int E, bool Pop>
 int64_t encode_all(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t* out,
                    EncodeStats* stats, Digest* hash) {
   int64_t at = 0;
   for (int64_t first = 0, chunk = 0; first < elements; first += kChunkElements, ++chunk) {
     const int64_t n = std::min(kChunkElements, elements - first);
-    at += encode_chunk<E>(next + first * E, base + first * E, n, out + at, stats);
+    at += encode_chunk<E, Pop>(next + first * E, base + first * E, n, out + at, stats);
     // While the chunk is in cache.
     if (hash)
       hash->sum +=
@@ -292,6 +297,46 @@ int64_t encode_all(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t
   }
   return at;
 }
+
+#if defined(__x86_64__) && !defined(__POPCNT__) && defined(__GNUC__)
+// The encoder with the popcount instruction, for CPUs that have it (all
+// x86-64 CPUs since about 2008): everything it calls is inlined into it, so
+// that the instruction is used throughout.
+template <int E>
+__attribute__((target("popcnt"), flatten)) int64_t encode_all_popcnt(const uint8_t* next,
+                                                                     uint8_t* base,
+                                                                     int64_t elements, uint8_t* out,
+                                                                     EncodeStats* stats,
+                                                                     Digest* hash) {
+  return encode_all<E, true>(next, base, elements, out, stats, hash);
+}
+
+bool cpu_has_popcnt() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("popcnt") != 0;
+  }();
+  return has;
+}
+
+template <int E>
+int64_t encode_items(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t* out,
+                     EncodeStats* stats, Digest* hash) {
+  return cpu_has_popcnt() ? encode_all_popcnt<E>(next, base, elements, out, stats, hash)
+                          : encode_all<E, false>(next, base, elements, out, stats, hash);
+}
+#else
+template <int E>
+int64_t encode_items(const uint8_t* next, uint8_t* base, int64_t elements, uint8_t* out,
+                     EncodeStats* stats, Digest* hash) {
+#if defined(__x86_64__) && !defined(__POPCNT__)
+  constexpr bool kPop = false;  // a compiler without the target attribute
+#else
+  constexpr bool kPop = true;
+#endif
+  return encode_all<E, kPop>(next, base, elements, out, stats, hash);
+}
+#endif
 
 // A record as apply reads it: where its parts start inside the encoding.
 struct Record {
@@ -462,21 +507,41 @@ decltype(auto) with_element_size(int element_bytes, F&& f) {
   }
 }
 
-int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
-               EncodeStats* stats, Digest* hash) {
+namespace {
+
+// encode and encode_baseline: the checks, the element size, the stats.
+template <bool Baseline>
+int64_t encode_checked(const void* next, void* base, int64_t elements, int element_bytes, void* out,
+                       EncodeStats* stats, Digest* hash) {
   check_element_bytes(element_bytes);
   if (elements < 0) fail(Errc::invalid_argument, "delta: ", elements, " elements");
   const auto* n = static_cast<const uint8_t*>(next);
   auto* b = static_cast<uint8_t*>(base);
   auto* o = static_cast<uint8_t*>(out);
   const int64_t bytes = with_element_size(element_bytes, [&](auto e) {
-    return encode_all<decltype(e)::value>(n, b, elements, o, stats, hash);
+    constexpr int kE = decltype(e)::value;
+    if constexpr (Baseline)
+      return encode_all<kE, false>(n, b, elements, o, stats, hash);
+    else
+      return encode_items<kE>(n, b, elements, o, stats, hash);
   });
   if (stats) {
     stats->elements += elements;
     stats->bytes += bytes;
   }
   return bytes;
+}
+
+}  // namespace
+
+int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
+               EncodeStats* stats, Digest* hash) {
+  return encode_checked<false>(next, base, elements, element_bytes, out, stats, hash);
+}
+
+int64_t encode_baseline(const void* next, void* base, int64_t elements, int element_bytes,
+                        void* out, EncodeStats* stats, Digest* hash) {
+  return encode_checked<true>(next, base, elements, element_bytes, out, stats, hash);
 }
 
 int64_t estimate_encoded_bytes(const void* next, const void* base, int64_t elements,

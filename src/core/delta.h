@@ -72,6 +72,11 @@ uint64_t digest(const void* data, int64_t elements, int element_bytes, uint64_t 
 // in cache.
 int64_t encode(const void* next, void* base, int64_t elements, int element_bytes, void* out,
                EncodeStats* stats = nullptr, Digest* hash = nullptr);
+// encode without the popcount instruction, as on an x86-64 CPU that lacks
+// it (encode picks the instruction at run time where the CPU has it): the
+// same bytes, which the tests check.
+int64_t encode_baseline(const void* next, void* base, int64_t elements, int element_bytes,
+                        void* out, EncodeStats* stats = nullptr, Digest* hash = nullptr);
 
 // About what encode() would return for `next` against `base`, from samples
 // (256 bytes somewhere in every 16 KiB, about 1/64 of the bytes), without
