@@ -33,8 +33,9 @@ constexpr int kMostWholeStepsBeforeRetry = 24;
 
 // A delta came out (or looked) nearly whole: the steps to go whole.
 void back_off(DeltaBase& d) {
-  d.skip_deltas = std::min(kWholeStepsBeforeRetry << d.whole_tries, kMostWholeStepsBeforeRetry);
-  if ((kWholeStepsBeforeRetry << d.whole_tries) < kMostWholeStepsBeforeRetry) ++d.whole_tries;
+  const int doubled = kWholeStepsBeforeRetry << d.whole_tries;
+  d.skip_deltas = std::min(doubled, kMostWholeStepsBeforeRetry);
+  if (doubled < kMostWholeStepsBeforeRetry) ++d.whole_tries;
 }
 
 // Delta sync, one bucket's choices (p2p post_frame, broadcast

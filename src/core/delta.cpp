@@ -112,11 +112,10 @@ RecordBytes record_bytes(int64_t n, int64_t changed, int64_t runs) {
 
 // The changed elements of the `bytes` bytes at `next` against `base`, and
 // the runs they form (a flag per element, 64 bytes at a time); with
-// `flags`, each block's flags go there too. No branch depends on the data:
-// at a few percent of elements changed about half the blocks hold a change,
-// and a branch on that mispredicts half the time. For E >= 2 a block's
-// flags sit at every E-th bit, so the flags of E blocks are counted in one
-// word.
+// `flags`, each block's flags go there too. At a few percent of elements
+// changed about half the blocks hold a change, so no branch is taken on
+// that for a single block (it would mispredict half the time). For E >= 2 a
+// block's flags sit at every E-th bit, so E blocks are counted in one word.
 template <int E, bool Pop>
 void count_changes(const uint8_t* next, const uint8_t* base, size_t bytes, uint64_t* flags,
                    int64_t& changed, int64_t& runs) {
@@ -194,6 +193,10 @@ int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out
   // written into the base).
   uint16_t index[kChunkElements + 2];
   uint8_t* values = out + 2 + (list ? 2 * k : 4 * runs);
+  auto take_value = [&](int64_t i, int64_t e) {  // changed element e, the i-th
+    std::memcpy(values + i * E, next + e * E, E);
+    std::memcpy(base + e * E, next + e * E, E);
+  };
   int64_t t = 0;
   if (static_cast<size_t>(k) * 8 < blocks || static_cast<size_t>(k) > 2 * blocks) {
     // Few blocks hold a change (a branch past the others goes one way), or
@@ -203,9 +206,7 @@ int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out
       for (uint64_t f = flags[j]; f; f &= f - 1) {
         const auto e = static_cast<int64_t>(j * (64 / E)) + std::countr_zero(f) / E;
         index[t] = static_cast<uint16_t>(e);
-        std::memcpy(values + t * E, next + e * E, E);
-        std::memcpy(base + e * E, next + e * E, E);
-        ++t;
+        take_value(t++, e);
       }
     }
   } else {
@@ -225,11 +226,7 @@ int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out
       f &= f - 1;
       for (; f; f &= f - 1) index[t++] = static_cast<uint16_t>(first + std::countr_zero(f) / E);
     }
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t e = index[i];
-      std::memcpy(values + i * E, next + e * E, E);
-      std::memcpy(base + e * E, next + e * E, E);
-    }
+    for (int64_t i = 0; i < k; ++i) take_value(i, index[i]);
   }
   uint8_t* table = out + 2;
   if (list) {
