@@ -150,8 +150,9 @@ TEST_P(DeltaSizes, PicksListsForScatteredChangesRunsForClusteredOnesDenseForAll)
     EXPECT_EQ(r.bytes, 4 * (2 + 4 * 4 + 4 * 64 * e));
   }
   {
-    // One run of 8 elements a chunk (the encoder's path for chunks where few
-    // blocks hold a change): runs.
+    // One run of 8 elements a chunk (for E >= 2 the encoder's path for
+    // chunks where few blocks hold a change; for E = 1 the two-slot one):
+    // runs.
     Bytes next = old;
     for (int64_t i = 0; i < elements; ++i)
       if (i % kChunkElements >= 100 && i % kChunkElements < 108)
