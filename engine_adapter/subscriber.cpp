@@ -175,10 +175,9 @@ void Subscriber::Impl::build_receiver(const Plan& p) {
   std::unique_ptr<engine::Fp8Staging> quant;
   if (engine::has_fp8(rank_layout()))
     quant = std::make_unique<engine::Fp8Staging>(p, p.engine_template(global), rank_layout(),
-                                                 params, who);
+                                                 params, *transport, who);
   auto receiver = std::make_unique<engine::ReceivePipeline>(
-      p, global, quant ? quant->targets() : params, opt.staging, memory, wire,
-      transport->capabilities());
+      p, global, quant ? quant->targets() : params, opt.staging, memory, wire, *transport);
   receiver->prepare(*transport, slots, slot_device);
   if (on_weights) receiver->on_bucket([this](size_t k) { deliver(k); });
   pipeline = std::move(receiver);

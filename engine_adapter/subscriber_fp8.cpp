@@ -21,7 +21,8 @@ bool has_fp8(const EngineRankLayout& layout) {
 }
 
 Fp8Staging::Fp8Staging(const Plan& plan, int engine_template, const EngineRankLayout& layout,
-                       const std::vector<TensorView>& params, const std::string& who)
+                       const std::vector<TensorView>& params, Transport& transport,
+                       const std::string& who)
     : targets_(params) {
   std::map<std::string_view, DType> source;
   for (const PlanKey& k : plan.keys()) source.emplace(k.name, k.dtype);
@@ -61,7 +62,7 @@ Fp8Staging::Fp8Staging(const Plan& plan, int engine_template, const EngineRankLa
       data = device_buffers_.back().data();
       targets_[i] = tensor_view(data, src, p.shape, MemoryKind::cuda, device);
     } else {
-      buffers_.emplace_back(new char[std::max<size_t>(bytes, 1)]());
+      buffers_.push_back(transport.allocate_host(std::max<size_t>(bytes, 1)));
       data = buffers_.back().get();
       targets_[i] = tensor_view(data, src, p.shape, MemoryKind::host, -1);
     }

@@ -2,12 +2,15 @@
 // senders quantize it (Plan::fp8_on_sender), the plan sends a quantized
 // weight in its trainer's dtype (BF16, F16 or F32); the receive
 // pipeline lands those bytes in a staging tensor of that dtype, one per FP8
-// param, kept here in the params' memory; quantize() then writes every FP8
-// param and its scale param from them: the host quantizer (core/fp8.h) for
-// host params, one kernel launch (gpu::DeviceQuant, the same arithmetic) for
-// CUDA params. Either gives the bytes `weightsync materialize` writes.
+// param, kept here in the params' memory (host ones from the transport's
+// allocate_host, so that it can land and lend into them); quantize() then
+// writes every FP8 param and its scale param from them: the host quantizer
+// (core/fp8.h) for host params, one kernel launch (gpu::DeviceQuant, the
+// same arithmetic) for CUDA params. Either gives the bytes `weightsync
+// materialize` writes.
 #pragma once
 
+#include <weightsync/backend/transport.h>
 #include <weightsync/engine_layout.h>
 #include <weightsync/plan.h>
 #include <weightsync/tensor.h>
@@ -28,7 +31,7 @@ class Fp8Staging {
   // `engine_template`: the rank's (Plan::engine_template); params the plan
   // quantizes on the senders (Plan::fp8_on_sender) are not staged.
   Fp8Staging(const Plan& plan, int engine_template, const EngineRankLayout& layout,
-             const std::vector<TensorView>& params, const std::string& who);
+             const std::vector<TensorView>& params, Transport& transport, const std::string& who);
 
   bool empty() const noexcept { return staged_ == 0; }
   // The tensors the receive pipeline writes: each FP8 weight's staging
@@ -40,7 +43,7 @@ class Fp8Staging {
 
  private:
   std::vector<TensorView> targets_;
-  std::vector<std::unique_ptr<char[]>> buffers_;
+  std::vector<std::shared_ptr<char>> buffers_;
   std::vector<gpu::Memory> device_buffers_;
   fp8::QuantProgram program_;
   int device_ = -1;  // the params' CUDA device; -1: host

@@ -39,7 +39,7 @@ using pipeline::addr;
 ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
                                  const std::vector<TensorView>& params, bool staging,
                                  const pipeline::RankMemory& memory, const WireOptions& wire,
-                                 const Capabilities& caps)
+                                 Transport& transport)
     : global_rank_(global_rank),
       trainer_world_(plan.trainer_world()),
       engine_world_(plan.engine_world()),
@@ -47,9 +47,9 @@ ReceivePipeline::ReceivePipeline(const Plan& plan, int global_rank,
       engine_template_(plan.engine_template(global_rank)),
       engine_templates_(plan.engine_templates()),
       wire_(wire),
-      caps_(caps),
+      caps_(transport.capabilities()),
       memory_(memory) {
-  const std::vector<TensorView> targets = staging ? make_staging(params) : params;
+  const std::vector<TensorView> targets = staging ? make_staging(params, transport) : params;
   const int engine_template = plan.engine_template(global_rank);
   const auto& buckets = plan.buckets();
   // The plan's order, which the trainers follow (publisher_pipeline.h).
@@ -138,7 +138,8 @@ void ReceivePipeline::mark_changed(const RecvAction& a) {
 
 // Private copies of the params in their memory, and the program that
 // publishes them.
-std::vector<TensorView> ReceivePipeline::make_staging(const std::vector<TensorView>& params) {
+std::vector<TensorView> ReceivePipeline::make_staging(const std::vector<TensorView>& params,
+                                                      Transport& transport) {
   std::vector<TensorView> out;
   for (const TensorView& p : params) {
     StagingCopy copy;
@@ -148,7 +149,7 @@ std::vector<TensorView> ReceivePipeline::make_staging(const std::vector<TensorVi
       copy.device = gpu::Memory(bytes, gpu::MemoryPlace::device, memory_.device);
       data = copy.device.data();
     } else {
-      copy.host.reset(new char[bytes]());
+      copy.host = transport.allocate_host(bytes);
       data = copy.host.get();
     }
     out.push_back(tensor_view(data, p.dtype, p.shape, p.memory, p.device));

@@ -90,11 +90,13 @@ class ReceivePipeline {
  public:
   // `params`: this rank's registered params, indexed like
   // EngineRankLayout::params, all in `memory`. With `staging`, applies go
-  // into private copies allocated here. `caps` are the transport's: which
-  // memory a fragment may land in.
+  // into private copies allocated here (host ones from
+  // transport.allocate_host, so that the transport can land and lend into
+  // them as into the params). The transport's capabilities say which memory
+  // a fragment may land in.
   ReceivePipeline(const Plan& plan, int global_rank, const std::vector<TensorView>& params,
                   bool staging, const pipeline::RankMemory& memory, const WireOptions& wire,
-                  const Capabilities& caps);
+                  Transport& transport);
 
   std::size_t slot_bytes() const { return slot_bytes_; }
   // The slots' memory in all.
@@ -135,7 +137,7 @@ class ReceivePipeline {
     bool fragments = false;  // delta sync: the header came, then the fragments
   };
   struct StagingCopy {
-    std::unique_ptr<char[]> host;
+    std::shared_ptr<char> host;
     gpu::Memory device;
   };
   // What this rank lends one trainer rank each step: the targets its
@@ -154,7 +156,7 @@ class ReceivePipeline {
   bool lent(const RecvAction& a) const {
     return a.loan >= 0 && loans_[static_cast<size_t>(a.loan)].lent;
   }
-  std::vector<TensorView> make_staging(const std::vector<TensorView>& params);
+  std::vector<TensorView> make_staging(const std::vector<TensorView>& params, Transport& transport);
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   void compile_frame(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
   // Delta sync, broadcast plans: a.items, a.gather and a.reads for `apply`,

@@ -1,5 +1,7 @@
 #include "builtin.h"
 
+#include "cuda_ipc/ipc_host_memory.h"
+
 namespace weightsync::transport {
 
 std::vector<BuiltinTransport> builtin_transports() {
@@ -13,6 +15,8 @@ std::vector<BuiltinTransport> builtin_transports() {
 #ifdef WEIGHTSYNC_HAVE_CUDA
       {"cuda_ipc", make_cuda_ipc_transport},
 #endif
+      // cuda_ipc's stand-in over shared host memory: builds and runs everywhere.
+      {"ipc_host", cuda_ipc::make_ipc_host_transport, cuda_ipc::shared_host_buffer},
       {"fault", make_fault_transport},
   };
 }

@@ -11,6 +11,7 @@ namespace weightsync::transport {
 struct BuiltinTransport {
   std::string name;
   TransportFactory factory;
+  HostAllocator host = {};  // allocate_host_memory's, where not the heap's
 };
 
 std::vector<BuiltinTransport> builtin_transports();

@@ -36,7 +36,12 @@ struct StagingBuffer {
   // host memory to a transport).
   Buffer buffer(std::size_t offset, std::size_t n) const;
 };
-// Errc::unsupported for pinned or device memory without CUDA.
+// Host memory from the heap: `bytes` zeroed, page-aligned (so that
+// registration covers whole pages). Transport::allocate_host's default.
+std::shared_ptr<char> heap_host_buffer(std::size_t bytes);
+// Host slots come from transport.allocate_host (memory its peers can map,
+// where it maps host memory). Errc::unsupported for pinned or device memory
+// without CUDA.
 StagingBuffer allocate_staging(Transport& transport, std::size_t bytes, SlotMemory memory,
                                int device);
 

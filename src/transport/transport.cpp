@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <new>
 #include <thread>
 
 namespace weightsync {
@@ -19,6 +20,7 @@ namespace {
 struct Registry {
   std::mutex mutex;
   std::map<std::string, TransportFactory> factories;
+  std::map<std::string, HostAllocator> host_allocators;
 };
 
 // Backends live in a static library, so self-registering globals in their
@@ -27,8 +29,10 @@ struct Registry {
 Registry& registry() {
   static Registry* r = [] {
     auto* reg = new Registry;
-    for (const auto& builtin : transport::builtin_transports())
+    for (const auto& builtin : transport::builtin_transports()) {
       reg->factories.emplace(builtin.name, builtin.factory);
+      if (builtin.host) reg->host_allocators.emplace(builtin.name, builtin.host);
+    }
     return reg;
   }();
   return *r;
@@ -167,6 +171,26 @@ void register_transport(const std::string& name, TransportFactory factory) {
   r.factories[name] = std::move(factory);
 }
 
+void register_host_allocator(const std::string& name, HostAllocator allocate) {
+  auto& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.host_allocators[name] = std::move(allocate);
+}
+
+std::shared_ptr<char> allocate_host_memory(const std::string& name, std::size_t bytes) {
+  // The transport that moves the bytes: past the wrappers, before the ?params.
+  std::string base = name.substr(0, name.find('?'));
+  if (const auto colon = base.rfind(':'); colon != std::string::npos) base = base.substr(colon + 1);
+  HostAllocator allocate;
+  {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    if (auto it = r.host_allocators.find(base); it != r.host_allocators.end())
+      allocate = it->second;
+  }
+  return allocate ? allocate(bytes) : heap_host_buffer(bytes);
+}
+
 std::vector<std::string> transport_names() {
   auto& r = registry();
   std::lock_guard lock(r.mutex);
@@ -217,18 +241,27 @@ Buffer StagingBuffer::buffer(std::size_t offset, std::size_t n) const {
                 on_device ? device : -1, region.get()};
 }
 
+std::shared_ptr<char> heap_host_buffer(std::size_t bytes) {
+  constexpr std::size_t kAlign = 4096;
+  const std::size_t n = std::max<std::size_t>(bytes, 1);
+  void* p = ::operator new[](n, std::align_val_t{kAlign});
+  std::memset(p, 0, n);
+  return std::shared_ptr<char>(static_cast<char*>(p),
+                               [](char* q) { ::operator delete[](q, std::align_val_t{kAlign}); });
+}
+
+std::shared_ptr<char> Transport::allocate_host(std::size_t bytes) {
+  return heap_host_buffer(bytes);
+}
+
 StagingBuffer allocate_staging(Transport& transport, std::size_t bytes, SlotMemory memory,
                                int device) {
   StagingBuffer b;
   b.memory = memory;
   b.bytes = bytes;
   if (memory == SlotMemory::host) {
-    // Page-aligned so that registration covers whole pages.
-    constexpr std::size_t kAlign = 4096;
-    std::shared_ptr<char[]> raw(new char[bytes + kAlign]);
-    b.data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw.get()) + kAlign - 1) &
-                                     ~uintptr_t{kAlign - 1});
-    std::memset(b.data, 0, bytes);
+    std::shared_ptr<char> raw = transport.allocate_host(bytes);
+    b.data = raw.get();
     b.owner = std::move(raw);
   } else {
     auto mem = std::make_shared<gpu::Memory>(

@@ -15,7 +15,6 @@ namespace {
 class Conformance : public ::testing::TestWithParam<TransportSpec> {
  protected:
   void SetUp() override {
-    register_test_transports();
     if (const std::string why = not_built_reason(GetParam().name); !why.empty())
       GTEST_SKIP() << why;
     // A world of one shows whether the transport can run here at all.

@@ -117,9 +117,6 @@ std::string run_scenario(const std::string& scenario, const std::string& transpo
 // so that another process can map them (ipc_host_test.cpp).
 void* shared_host_alloc(std::size_t bytes);
 void shared_host_free(void* p);
-// Registers the transports that exist only in the tests ("ipc_host": the
-// cuda_ipc protocol over shared host memory). Idempotent.
-void register_test_transports();
 
 // Why the transport `name` (with its ?params; behind fault: wrappers, the
 // inner one) is not in this build, e.g. "weightsync was built without CUDA:

@@ -270,7 +270,6 @@ TempDir::~TempDir() {
 }
 
 std::string not_built_reason(const std::string& name) {
-  register_test_transports();
   std::string base = name.substr(0, name.find('?'));
   while (base.rfind("fault:", 0) == 0) base = base.substr(std::strlen("fault:"));
   const auto built = transport_names();
@@ -291,7 +290,6 @@ std::unique_ptr<Transport> make_test_transport(const std::string& name, const st
                                                int rank, int world, const std::string& prefix) {
   // The store outlives the transport's bootstrap: transports keep a pointer
   // for their first contact with each peer.
-  register_test_transports();
   static std::vector<std::unique_ptr<Store>> stores;
   stores.push_back(make_file_store(dir));
   TransportOptions o;

@@ -300,7 +300,6 @@ void ipc_lent_memory(ScenarioContext& c) {
 class IpcScenarios : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    register_test_transports();
     if (const std::string why = not_built_reason(GetParam()); !why.empty()) GTEST_SKIP() << why;
     TempDir dir;
     try {

@@ -57,10 +57,7 @@ struct LendCase {
   std::string model = "tiny-llama";
 };
 
-class LendSync : public ::testing::TestWithParam<LendCase> {
- protected:
-  void SetUp() override { register_test_transports(); }
-};
+class LendSync : public ::testing::TestWithParam<LendCase> {};
 
 TEST_P(LendSync, BucketsWrittenIntoLentParamsAreBitExactEveryStep) {
   const LendCase lc = GetParam();
@@ -241,7 +238,6 @@ void lend_engine(ScenarioContext&) {
 }
 
 TEST(LendSyncAcrossProcesses, TheTrainerWritesStraightIntoTheParamsOfAnEngineProcess) {
-  register_test_transports();
   const Model m = make_model("tiny-llama", "fsdp=1", 1, 1);
   const Checkpoint ckpt = Checkpoint::open(m.checkpoint);
   const TrainerLayout layout = TrainerLayout::load(m.trainer);

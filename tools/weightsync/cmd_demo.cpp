@@ -49,13 +49,17 @@ constexpr const char* kUsage =
     "  --device cpu|cuda    where every rank's tensors live (default cpu); with cuda\n"
     "                       in GPU memory, rank r of the transport world on GPU r\n"
     "                       modulo the GPUs here (all on GPU 0 of a one-GPU machine)\n"
-    "  --transport NAME     ucx (default; cuda_ipc with --device cuda), nccl, or a\n"
+    "  --transport NAME     ucx (default; cuda_ipc with --device cuda), nccl,\n"
+    "                       ipc_host (cuda_ipc's protocol over host memory the\n"
+    "                       processes map: its stand-in without a GPU), or a\n"
     "                       wrapper like fault:ucx?...\n"
     "  --bucket-bytes N     bucket size (default 268435456)\n"
     "  --timeout S          seconds per step, and for setup (default 120)\n"
     "  --trace F            write a Chrome trace (Perfetto) of every process's phases\n"
     "  --staging            engines apply into a copy swapped in at commit\n"
     "  --checksums          verify every bucket end to end (per-bucket checksums)\n"
+    "  --no-lend            buckets travel as fragments even where the transport maps\n"
+    "                       the engines' memory (cuda_ipc, ipc_host)\n"
     "  --delta              delta sync (PublisherOptions::delta auto, docs/delta.md);\n"
     "                       the versions then differ as --update says\n"
     "  --update random:F    sparse versions: each differs from the next in about a\n"
@@ -182,6 +186,7 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 120) * 1000);
   job.staging = args.flag("staging");
   job.checksums = args.flag("checksums");
+  job.lend = !args.flag("no-lend");
   job.delta = args.flag("delta");
   if (auto u = args.get("update"))
     job.update_fraction = demo::parse_update_fraction(*u, "--update");
@@ -252,7 +257,8 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
 }
 
 int run_demo(const std::vector<std::string>& argv) {
-  Args args(argv, {"staging", "checksums", "restart", "no-verify", "json", "elastic", "delta"},
+  Args args(argv,
+            {"staging", "checksums", "no-lend", "restart", "no-verify", "json", "elastic", "delta"},
             {"checkpoint", "trainer",
              "engine",     "steps",
              "mode",       "dump",

@@ -2,6 +2,8 @@
 
 #include <weightsync/error.h>
 
+#include <weightsync/backend/transport.h>
+
 #include <algorithm>
 
 namespace weightsync::demo {
@@ -21,9 +23,12 @@ int gpu_of(int rank) {
   return rank % std::max(1, gpu::device_count());
 }
 
-WorkerTensor::WorkerTensor(DType dtype, const Shape& shape, int gpu) {
+WorkerTensor::WorkerTensor(DType dtype, const Shape& shape, int gpu, const std::string& transport) {
   const size_t bytes = std::max<size_t>(static_cast<size_t>(numel(shape)) * itemsize(dtype), 1);
-  host_.reset(new char[bytes]());
+  if (gpu < 0 && !transport.empty())
+    host_ = allocate_host_memory(transport, bytes);
+  else
+    host_ = std::shared_ptr<char>(new char[bytes](), std::default_delete<char[]>());
   view_ = weightsync::host_view(host_.get(), dtype, shape);
   if (gpu < 0) return;
   device_ = gpu::Memory(bytes, gpu::MemoryPlace::device, gpu);

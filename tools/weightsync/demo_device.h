@@ -3,6 +3,9 @@
 // GPU r modulo the GPUs here, so on a one-GPU machine every process shares
 // GPU 0 (the colocated setup). The demo keeps a host copy of each tensor to
 // fill, change and check it; the device copy is what the library sees.
+// Over ipc_host (cuda_ipc's host stand-in) an engine rank's host tensors are
+// in its shared arena, as a cuda_ipc engine's are in cudaMalloc memory: the
+// trainers write into them, and they can be lent.
 #pragma once
 
 #include "demo_job.h"
@@ -27,8 +30,10 @@ int gpu_of(int rank);
 
 class WorkerTensor {
  public:
-  // Zeroed; `gpu` < 0: host memory only.
-  WorkerTensor(DType dtype, const Shape& shape, int gpu);
+  // Zeroed; `gpu` < 0: host memory only, allocated for receiving over
+  // `transport` when one is named (allocate_host_memory: ipc_host's shared
+  // arena), else from the heap.
+  WorkerTensor(DType dtype, const Shape& shape, int gpu, const std::string& transport = "");
 
   char* host() const noexcept { return host_.get(); }
   TensorView host_view() const;
@@ -39,7 +44,7 @@ class WorkerTensor {
   void download();  // device copy -> host copy (no-op on the host)
 
  private:
-  std::unique_ptr<char[]> host_;
+  std::shared_ptr<char> host_;
   gpu::Memory device_;
   TensorView view_;
 };

@@ -174,14 +174,16 @@ nlohmann::json outcome_json(const StepOutcome& o) {
 
 namespace {
 
-// Zeroed params (on GPU `gpu`, or in host memory for -1), plus the reference
-// (materialize) and coverage mask to check them.
-std::vector<Param> make_params(const JobSpec& job, const EngineRankLayout& rl, int gpu) {
+// Zeroed params (on GPU `gpu`, or in host memory for -1, allocated for
+// receiving over `transport`), plus the reference (materialize) and coverage
+// mask to check them.
+std::vector<Param> make_params(const JobSpec& job, const EngineRankLayout& rl, int gpu,
+                               const std::string& transport) {
   std::vector<Param> params;
   std::optional<Checkpoint> ckpt;
   if (job.verify) ckpt = Checkpoint::open(job.checkpoint);
   for (const EngineParam& p : rl.params) {
-    Param q{WorkerTensor(p.dtype, p.shape, gpu), nullptr, nullptr};
+    Param q{WorkerTensor(p.dtype, p.shape, gpu, transport), nullptr, nullptr};
     // An FP8 weight's reference: the weight unquantized, in the checkpoint's dtype.
     EngineParam plain = p;
     if (p.quant && job.verify) {
@@ -271,7 +273,8 @@ int run_engine_worker(const JobSpec& job, int global) {
   const EngineRankLayout& rl = layout.rank_layout(global);
   const auto [replica, rank] = replica_rank(layout, global);
   const int trainers = static_cast<int>(TrainerLayout::load(job.trainer).mesh.world());
-  std::vector<Param> params = make_params(job, rl, on_gpu(job) ? gpu_of(trainers + global) : -1);
+  std::vector<Param> params = make_params(job, rl, on_gpu(job) ? gpu_of(trainers + global) : -1,
+                                          worker_transport(job, "engine", global));
   std::unique_ptr<Tracer> tracer;
   if (job.trace) tracer = std::make_unique<Tracer>(cat("engine ", global), 1000 + global);
   Subscriber sub(subscriber_options(job, spec, layout, global, tracer.get()));

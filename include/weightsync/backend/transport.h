@@ -194,6 +194,12 @@ class Transport {
   // engine between steps does not: without this, a trainer's close waited
   // 10 s for each idle engine. The default does nothing.
   virtual void sends_settled() {}
+  // Host memory for the data path's own buffers (staging slots, staging
+  // copies of params): `bytes` zeroed and page-aligned, freed when the last
+  // owner lets go. Where the transport moves host memory by mapping it into
+  // its peers ("ipc_host"), memory they can map, so that those buffers can
+  // be received into and lent; elsewhere (the default) the heap's.
+  virtual std::shared_ptr<char> allocate_host(std::size_t bytes);
 
   // Broadcast of `buffer` from `root` to every rank of `ranks` (which includes
   // root); called by each of those ranks with the same arguments and a buffer
@@ -229,6 +235,15 @@ class Transport {
 using TransportFactory = std::function<std::unique_ptr<Transport>(const TransportOptions&)>;
 void register_transport(const std::string& name, TransportFactory factory);
 std::vector<std::string> transport_names();
+// Host memory for tensors that will be received into or lent over transport
+// `name` (wrappers and ?params allowed, e.g. "fault:ipc_host?seed=1"):
+// `bytes` zeroed and page-aligned, freed when the last owner lets go. Memory
+// its peers can map where the transport needs that ("ipc_host": its shared
+// arena, as "cuda_ipc" needs cudaMalloc memory); the heap's for every other.
+using HostAllocator = std::function<std::shared_ptr<char>(std::size_t bytes)>;
+std::shared_ptr<char> allocate_host_memory(const std::string& name, std::size_t bytes);
+// Registers the allocator allocate_host_memory() uses for transport `name`.
+void register_host_allocator(const std::string& name, HostAllocator allocate);
 // Errc::invalid_argument for an unknown name (listing the known ones);
 // Errc::unsupported when the backend cannot run here (e.g. NCCL without GPU).
 std::unique_ptr<Transport> make_transport(TransportOptions options);

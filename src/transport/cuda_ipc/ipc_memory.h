@@ -84,6 +84,10 @@ class IpcMemory {
   // poll then stops at the first that runs, rather than asking each of
   // hundreds in flight on every pass.
   virtual bool copies_in_order() const { return false; }
+  // Host memory for the data path's own buffers (Transport::allocate_host):
+  // memory peers can map where this backend moves host memory (ipc_host);
+  // the heap's elsewhere.
+  virtual std::shared_ptr<char> allocate_host(std::size_t bytes);
 };
 
 }  // namespace weightsync::transport::cuda_ipc

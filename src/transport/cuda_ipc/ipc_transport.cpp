@@ -115,6 +115,10 @@ void IpcTransport::new_link(int r) {
       });
 }
 
+std::shared_ptr<char> IpcMemory::allocate_host(std::size_t bytes) {
+  return heap_host_buffer(bytes);
+}
+
 Capabilities IpcTransport::capabilities() const {
   Capabilities c;
   c.host_memory = memory_->memory() == MemoryKind::host;

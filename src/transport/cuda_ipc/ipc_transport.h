@@ -14,9 +14,9 @@
 // it then fails with Errc::peer_failure. A connect refused at first contact
 // (nobody listens: the process is gone) is a peer failure too.
 //
-// The memory side (IpcMemory) is given at construction: CUDA memory for the
-// registered "cuda_ipc" (cuda_memory.cpp); tests use host memory shared with
-// memfd descriptors to run the same protocol on machines without a GPU.
+// The memory side (IpcMemory) is given at construction: CUDA memory for
+// "cuda_ipc" (cuda_memory.cpp), host memory shared with memfd descriptors
+// for "ipc_host" (ipc_host_memory.h), its stand-in on machines without a GPU.
 #pragma once
 
 #include <weightsync/backend/transport.h>
@@ -55,6 +55,9 @@ class IpcTransport final : public Transport {
   void connect(int peer) override;
   bool peer_failed(int peer) const override;
   void reconnect(int peer) override;
+  std::shared_ptr<char> allocate_host(std::size_t bytes) override {
+    return memory_->allocate_host(bytes);
+  }
 
   // Used by requests and regions.
   void cancel(IpcOp& op);

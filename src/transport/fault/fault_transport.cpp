@@ -167,6 +167,9 @@ class FaultTransport final : public Transport {
   }
   void reconnect(int peer) override { inner_->reconnect(peer); }
   void sends_settled() override { inner_->sends_settled(); }
+  std::shared_ptr<char> allocate_host(std::size_t bytes) override {
+    return inner_->allocate_host(bytes);
+  }
 
   std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override {
     if (releases_) release_tag(tag);
