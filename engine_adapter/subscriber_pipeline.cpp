@@ -124,11 +124,14 @@ void ReceivePipeline::begin_loans(int64_t step, Transport& t, pipeline::Loop& lo
     const std::optional<Error> failure = loop.settle(*l.expose, [&] {
       return cat("the loan to trainer rank ", l.src, " (", l.expose->describe(), ")");
     });
+    // What the trainer rank mapped: nothing where this rank's transport
+    // lent nothing (a fault wrapper answers loans that way).
+    const std::size_t mapped = failure ? 0 : l.expose->transferred();
     l.expose.reset();
     // Declined, or the trainer rank could not map it: fragments, which the
     // trainer rank knows to send. A dead trainer fails the step.
     if (failure && failure->code() == Errc::peer_failure) throw *failure;
-    l.lent = !failure && !l.buffers.empty();
+    l.lent = !failure && !l.buffers.empty() && mapped > 0;
   }
 }
 

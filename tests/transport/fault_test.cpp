@@ -161,6 +161,42 @@ TEST(FaultTransport, FailsEveryOperationAfterN) {
   }
 }
 
+// Loans through the wrapper (over ipc_host, which makes them): its rank
+// answers them, so that a peer never waits out a loan it would not make,
+// but lends nothing and declines what it is lent (writes into lent memory
+// would bypass its faults). Both transports live in this process, one
+// thread driving both.
+TEST(FaultTransport, AnswersLoansWithoutLendingOrMapping) {
+  TempDir dir;
+  auto plain = make_test_transport("ipc_host", dir.path, 0, 2);
+  auto faulty = make_test_transport("fault:ipc_host?seed=3", dir.path, 1, 2);
+  ASSERT_TRUE(faulty->capabilities().maps_peer_memory) << "it answers loans";
+  TestBuffer memory(4096, MemoryKind::host);
+  const auto settle = [](Request& a, Request& b) {
+    bool done_a = false, done_b = false;
+    for (int i = 0; i < 1000000 && !(done_a && done_b); ++i) {
+      done_a = done_a || a.test();
+      done_b = done_b || b.test();
+    }
+    ASSERT_TRUE(done_a && done_b);
+  };
+  // The faulty rank lends: its peer maps nothing, and the loan lent 0 bytes.
+  std::vector<void*> at{memory.buffer().data};
+  auto lend = faulty->expose(0, 7, {memory.buffer()});
+  auto map = plain->map_exposed(1, 7, &at);
+  settle(*lend, *map);
+  EXPECT_TRUE(at.empty());
+  EXPECT_EQ(lend->transferred(), 0u);
+  EXPECT_EQ(map->transferred(), 0u);
+  // The faulty rank is lent memory: it declines, and the lender learns it.
+  std::vector<void*> mapped{memory.buffer().data};
+  auto lend_to_faulty = plain->expose(1, 8, {memory.buffer()});
+  auto declined = faulty->map_exposed(0, 8, &mapped);
+  require_error([&] { settle(*lend_to_faulty, *declined); }, Errc::cancelled, {"rank 1"});
+  EXPECT_EQ(mapped, std::vector<void*>{memory.buffer().data})
+      << "nothing written into its addresses";
+}
+
 TEST(FaultTransport, DeadPeerFailsEveryOperationWithIt) {
   TempDir dir;
   auto t = self_transport(dir, "dead=1", 2);  // rank 1 never exists: it is never contacted

@@ -74,7 +74,10 @@ struct Capabilities {
   bool ordered_only = false;
   // expose() and map_exposed() work: a receiver lends registered memory to a
   // sender, whose own copies (one kernel writing many tensors) then write
-  // into it with no message per buffer (cuda_ipc).
+  // into it with no message per buffer (cuda_ipc, ipc_host). A wrapper may
+  // answer loans without making them: "fault:" lends nothing (its expose
+  // completes having lent 0 bytes) and declines what it is lent, so that
+  // its rank's peers still get their answer.
   bool maps_peer_memory = false;
   // The library that moves the bytes, as this process loaded it, e.g.
   // "UCX 1.22.0 (/path/libucp.so.0)"; empty where there is none to name.

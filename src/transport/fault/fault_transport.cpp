@@ -146,7 +146,6 @@ class FaultTransport final : public Transport {
   Capabilities capabilities() const override {
     Capabilities c = inner_->capabilities();
     c.native_broadcast = false;  // broadcasts fan out here so that faults apply per message
-    c.maps_peer_memory = false;  // writes into lent memory would bypass the faults
     return c;
   }
   std::unique_ptr<MemoryRegion> register_memory(const Buffer& buffer) override {
@@ -169,6 +168,19 @@ class FaultTransport final : public Transport {
   void sends_settled() override { inner_->sends_settled(); }
   std::shared_ptr<char> allocate_host(std::size_t bytes) override {
     return inner_->allocate_host(bytes);
+  }
+  // Loans (where the inner transport has them): this rank answers them, so
+  // that its peers never wait for a loan it would not make, but it lends
+  // nothing and declines what it is lent: writes into lent memory would
+  // bypass the faults, so its buckets travel as messages, through them.
+  std::unique_ptr<Request> expose(int peer, Tag tag, const std::vector<Buffer>& buffers) override {
+    if (!inner_->capabilities().maps_peer_memory) return Transport::expose(peer, tag, buffers);
+    return inner_->expose(peer, tag, {});
+  }
+  std::unique_ptr<Request> map_exposed(int peer, Tag tag, std::vector<void*>* addresses) override {
+    if (!inner_->capabilities().maps_peer_memory)
+      return Transport::map_exposed(peer, tag, addresses);
+    return inner_->map_exposed(peer, tag, nullptr);
   }
 
   std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) override {
