@@ -2,8 +2,7 @@
 
 #include <weightsync/error.h>
 
-#include <map>
-#include <string_view>
+#include "pipeline/wire.h"
 
 namespace weightsync::engine {
 namespace {
@@ -24,8 +23,7 @@ Fp8Staging::Fp8Staging(const Plan& plan, int engine_template, const EngineRankLa
                        const std::vector<TensorView>& params, Transport& transport,
                        const std::string& who)
     : targets_(params) {
-  std::map<std::string_view, DType> source;
-  for (const PlanKey& k : plan.keys()) source.emplace(k.name, k.dtype);
+  const std::vector<DType> received = received_dtypes(plan, engine_template, layout);
   for (size_t i = 0; i < layout.params.size(); ++i) {
     const EngineParam& p = layout.params[i];
     // Quantized by the senders: its codes and scales land in place.
@@ -46,11 +44,7 @@ Fp8Staging::Fp8Staging(const Plan& plan, int engine_template, const EngineRankLa
            " and '", p.name, "' on ", device < 0 ? "the host" : "CUDA",
            ": a rank's params must be in one place");
     device_ = device;
-    auto it = source.find(p.segments.front().hf_key);
-    if (it == source.end())
-      fail(Errc::internal, who, ": FP8 param '", p.name, "' reads '", p.segments.front().hf_key,
-           "', which the plan lacks");
-    const DType src = it->second;
+    const DType src = received[i];
     const size_t n = p.shape.size();
     const int64_t rows = p.shape[n - 2], cols = p.shape[n - 1];
     const int64_t slices = rows * cols > 0 ? numel(p.shape) / (rows * cols) : 0;

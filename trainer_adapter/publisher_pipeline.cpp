@@ -255,11 +255,16 @@ SendPipeline::SendPipeline(const Plan& plan, int rank, const std::vector<TensorV
     Loan l;
     l.engine = g;
     l.params = lent_params(plan, buckets);
-    for (int p : l.params) {
-      // Without the engine's layout the loans are declined: no views.
-      if (!engine) break;
-      const EngineParam& param = engine->rank_layout(g).params.at(static_cast<size_t>(p));
-      l.targets.push_back(tensor_view(nullptr, param.dtype, param.shape, lend_memory_, -1));
+    // Without the engine's layout the loans are declined: no views.
+    if (engine) {
+      // What the engine rank lends: the tensors it receives into (an FP8
+      // weight it quantizes itself: its staging of the trainer's dtype).
+      const EngineRankLayout& rl = engine->rank_layout(g);
+      const std::vector<DType> dtypes = received_dtypes(plan, plan.engine_template(g), rl);
+      for (int p : l.params)
+        l.targets.push_back(tensor_view(nullptr, dtypes.at(static_cast<size_t>(p)),
+                                        rl.params.at(static_cast<size_t>(p)).shape, lend_memory_,
+                                        -1));
     }
     loans_.push_back(std::move(l));
   }

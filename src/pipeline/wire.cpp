@@ -6,6 +6,8 @@
 #include "transport/staging.h"
 
 #include <algorithm>
+#include <map>
+#include <string_view>
 
 namespace weightsync {
 
@@ -59,6 +61,27 @@ std::vector<int> lent_params(const Plan& plan, const std::vector<int32_t>& bucke
     for (const PlanItem& item : plan.items(b)) out.push_back(plan.resolve(item).dst_param);
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::vector<DType> received_dtypes(const Plan& plan, int engine_template,
+                                   const EngineRankLayout& layout) {
+  std::map<std::string_view, DType> source;
+  std::vector<DType> out;
+  out.reserve(layout.params.size());
+  for (size_t i = 0; i < layout.params.size(); ++i) {
+    const EngineParam& p = layout.params[i];
+    out.push_back(p.dtype);
+    if (!p.quant || p.segments.empty() || plan.fp8_on_sender(engine_template, static_cast<int>(i)))
+      continue;
+    if (source.empty())
+      for (const PlanKey& k : plan.keys()) source.emplace(k.name, k.dtype);
+    const auto it = source.find(p.segments.front().hf_key);
+    if (it == source.end())
+      fail(Errc::internal, "FP8 param '", p.name, "' reads '", p.segments.front().hf_key,
+           "', which the plan lacks");
+    out.back() = it->second;
+  }
   return out;
 }
 

@@ -19,6 +19,7 @@
 #include <weightsync/backend/transport.h>
 #include <weightsync/box.h>
 #include <weightsync/checksum.h>
+#include <weightsync/engine_layout.h>
 #include <weightsync/plan.h>
 #include <weightsync/wire.h>
 
@@ -172,6 +173,16 @@ bool lendable_bucket(const Plan& plan, int32_t bucket);
 // The engine params (indices of the rank layout) that `buckets` (lendable
 // ones) write, ascending and distinct: what the engine rank lends.
 std::vector<int> lent_params(const Plan& plan, const std::vector<int32_t>& buckets);
+
+// The dtype each param of an engine rank (`layout`, of plan template
+// `engine_template`) is received in, by layout index: an FP8 weight that the
+// engine rank quantizes itself (not Plan::fp8_on_sender) arrives in its
+// trainer's dtype, into a staging tensor of that dtype
+// (engine_adapter/subscriber_fp8.h), which is also what the rank lends;
+// every other param in its own dtype. Both sides of a loan derive its views
+// from this.
+std::vector<DType> received_dtypes(const Plan& plan, int engine_template,
+                                   const EngineRankLayout& layout);
 
 // The seed of fragment `index` of a bucket of `step` for checksum64.
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {
