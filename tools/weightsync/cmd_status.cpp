@@ -3,6 +3,7 @@
 // times and failures), once or refreshed (--watch), as a table or one JSON
 // object (--json).
 #include "cli.h"
+#include "json_stdout.h"
 
 #include <weightsync/control.h>
 #include <weightsync/error.h>
@@ -26,7 +27,8 @@ constexpr const char* kUsage =
     "Membership, each engine rank's committed version and how far it lags the\n"
     "newest, the open step, and the last decided steps with their times and\n"
     "failures, as the coordinator sees them (it connects as an observer).\n\n"
-    "  --json         one JSON object on stdout (with --watch: one per line)\n"
+    "  --json         one JSON object on stdout (with --watch: one per line, each\n"
+    "                 as its refresh comes)\n"
     "  --watch        refresh every --interval seconds (default 1) until\n"
     "                 interrupted, or --count times\n";
 
@@ -112,7 +114,8 @@ int run_status(const std::vector<std::string>& argv) {
     if (i > 0) std::this_thread::sleep_for(std::chrono::duration<double>(interval));
     const auto s = nlohmann::json::parse(client.status_json());
     if (args.flag("json")) {
-      std::cout << s.dump() << std::endl;
+      // Each refresh as it comes: JSON lines with --watch.
+      emit_json_line(s.dump());
       continue;
     }
     // On a terminal each refresh replaces the last; elsewhere they follow

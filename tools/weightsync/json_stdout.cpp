@@ -21,6 +21,8 @@ void write_all(int fd, const std::string& text) {
   }
 }
 
+JsonStdout* living = nullptr;
+
 }  // namespace
 
 bool wants_json(const std::vector<std::string>& args) {
@@ -38,10 +40,28 @@ JsonStdout::JsonStdout(std::string command) : command_(std::move(command)) {
   real_stdout_ = ::dup(STDOUT_FILENO);
   if (real_stdout_ >= 0) ::dup2(STDERR_FILENO, STDOUT_FILENO);
   saved_ = std::cout.rdbuf(captured_.rdbuf());
+  living = this;
 }
 
 JsonStdout::~JsonStdout() {
   restore();
+  if (living == this) living = nullptr;
+}
+
+JsonStdout* JsonStdout::current() noexcept {
+  return living;
+}
+
+void JsonStdout::emit_line(const std::string& object) {
+  ++lines_;
+  write_all(real_stdout_ >= 0 ? real_stdout_ : STDOUT_FILENO, object + "\n");
+}
+
+void emit_json_line(const std::string& object) {
+  if (JsonStdout* out = JsonStdout::current())
+    out->emit_line(object);
+  else
+    std::cout << object << std::endl;
 }
 
 void JsonStdout::restore() {
@@ -62,6 +82,11 @@ int JsonStdout::finish(int rc, const std::optional<std::string>& error_code,
   finished_ = true;
   const std::string text = captured_.str();
   const bool blank = text.find_first_not_of(" \t\r\n") == std::string::npos;
+  // JSON lines went out as they came: only a failure adds one.
+  if (lines_ > 0 && blank && rc == 0) {
+    restore();
+    return rc;
+  }
   nlohmann::json out;
   if (!blank) {
     auto parsed = nlohmann::json::parse(text, nullptr, false);

@@ -11,6 +11,9 @@
 // (a bug) it shows the text on stderr and writes an error object instead. A
 // command that fails before printing its object gets an error object too:
 //   {"error": {"code": "invalid_argument", "message": "..."}, "command": "plan"}
+// A command that reports as it goes (`status --watch --json`) writes JSON
+// lines instead, each object as it comes (emit_json_line); a failure after
+// them is one more line, the error object.
 #pragma once
 
 #include <optional>
@@ -34,6 +37,10 @@ class JsonStdout {
   // are used when it printed nothing.
   int finish(int rc, const std::optional<std::string>& error_code = std::nullopt,
              const std::string& error_message = {});
+  // One object of a JSON-lines report, written to the real stdout at once.
+  void emit_line(const std::string& object);
+  // The one that lives in this process, or null.
+  static JsonStdout* current() noexcept;
 
  private:
   void restore();
@@ -43,7 +50,13 @@ class JsonStdout {
   std::ostringstream captured_;
   std::streambuf* saved_ = nullptr;
   bool finished_ = false;
+  int lines_ = 0;  // emitted by emit_line
 };
+
+// One object of a command's JSON-lines report (e.g. each refresh of `status
+// --watch --json`), on stdout at once: through the living JsonStdout, else
+// std::cout.
+void emit_json_line(const std::string& object);
 
 // True when `args` (after the command name) ask for --json output and not for help.
 bool wants_json(const std::vector<std::string>& args);
