@@ -34,10 +34,10 @@ else
 fi
 
 # The suites named above; the Python extension and CUDA are off (no GPU runs
-# here; the CUDA-less build compiles the same host code paths), and so are
-# the coordinator's Prometheus metrics: prometheus-cpp is a library these
-# sanitizers do not instrument, and the metrics are tested through Python in
-# the main leg (tests/python/test_metrics.py).
+# here; the CUDA-less build compiles the same host code paths). The
+# coordinator's Prometheus metrics are on: prometheus-cpp and civetweb are
+# not instrumented, but the `weightsync coordinator` command that serves
+# them is, and CoordinatorMetrics.* scrapes it here as in the main leg.
 targets=(ws_core_tests ws_engine_tests ws_planner_tests ws_control_tests ws_transport_tests
   ws_e2e_tests weightsync_cli)
 # Not in these legs: the GPU suite (not built), the fuzzers (they build their
@@ -80,7 +80,7 @@ leg() {
   echo "== sanitizer leg: $san ($dir)"
   "$cmake4" -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DWEIGHTSYNC_SANITIZE="$san" \
-    -DWEIGHTSYNC_WITH_CUDA=OFF -DWEIGHTSYNC_BUILD_PYTHON=OFF -DWEIGHTSYNC_WITH_PROMETHEUS=OFF \
+    -DWEIGHTSYNC_WITH_CUDA=OFF -DWEIGHTSYNC_BUILD_PYTHON=OFF -DWEIGHTSYNC_WITH_PROMETHEUS=ON \
     "${compilers[@]}" \
     "-DPython_EXECUTABLE=$venv/bin/python" >/dev/null
   "$cmake4" --build "$dir" -j"$(nproc)" --target "${targets[@]}"

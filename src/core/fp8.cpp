@@ -150,7 +150,13 @@ void dense_tile(const QuantTile& t, const QuantPart& p, std::uintptr_t src, std:
 // Any block: its elements gathered from the parts into FP32 first.
 void gathered_block(const QuantProgram& prog, const QuantTile& t, std::uintptr_t src_base,
                     std::uintptr_t dst, std::uintptr_t scale, int64_t c0, int64_t bc) {
-  thread_local float buf[kBlock * kBlock];
+  // On the heap: a thread_local array would be static TLS of 64 KiB, which
+  // glibc carves out of every thread's stack in a process that links this
+  // library statically (the `weightsync` command), leaving too little of a
+  // 100 KiB stack (civetweb's, serving /metrics) for the thread itself.
+  thread_local std::vector<float> block;
+  block.resize(kBlock * kBlock);
+  float* buf = block.data();
   const size_t item = itemsize(t.src_dtype);
   for (uint32_t i = t.first_part; i < t.first_part + t.num_parts; ++i) {
     const QuantPart& p = prog.parts()[i];

@@ -1,5 +1,6 @@
 // The real `weightsync coordinator` process: garbage in, still alive and
 // serving; tokens from a file; clean exit on SIGTERM.
+#include "control/coordinator_process.h"
 #include "control/raw_peer.h"
 
 #include <weightsync/control.h>
@@ -19,83 +20,9 @@ namespace weightsync::control {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::CoordinatorProcess;
 using testing::frame_of;
 using testing::RawPeer;
-
-// A child `weightsync coordinator` with its stdout on a pipe.
-class CoordinatorProcess {
- public:
-  explicit CoordinatorProcess(std::vector<std::string> extra) {
-    int out[2];
-    if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(out[1], 1);
-      ::close(out[0]);
-      ::close(out[1]);
-      std::vector<std::string> args = {WEIGHTSYNC_CLI, "coordinator",        "--listen",
-                                       "127.0.0.1:0",  "--hello-timeout-ms", "500"};
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    out_ = out[0];
-    first_line_ = read_line(20s);
-  }
-  ~CoordinatorProcess() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    ::close(out_);
-  }
-
-  const std::string& first_line() const { return first_line_; }
-  uint16_t port() const {
-    const auto colon = first_line_.rfind(':');
-    return colon == std::string::npos
-               ? 0
-               : static_cast<uint16_t>(std::stoi(first_line_.substr(colon + 1)));
-  }
-  bool alive() const { return pid_ > 0 && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
-
-  // Sends SIGTERM and returns the exit status, or -1 if it did not exit in time.
-  int terminate() {
-    ::kill(pid_, SIGTERM);
-    const auto deadline = std::chrono::steady_clock::now() + 20s;
-    while (std::chrono::steady_clock::now() < deadline) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(10ms);
-    }
-    return -1;
-  }
-
- private:
-  std::string read_line(std::chrono::milliseconds timeout) {
-    std::string line;
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < deadline) {
-      pollfd p{out_, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      char c;
-      if (::read(out_, &c, 1) != 1) break;
-      if (c == '\n') return line;
-      line += c;
-    }
-    return line;
-  }
-  pid_t pid_ = -1;
-  int out_ = -1;
-  std::string first_line_;
-};
 
 ClientOptions client_to(uint16_t port, const std::string& token = "") {
   ClientOptions o;
