@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from ._errors import Error
+from .vllm import marked
 
 
 @dataclass
@@ -64,6 +65,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     supports_draft_weight_update = False
 
     _sync: Any = None
+    _replica: int = 0
+    _tp_rank: int = 0
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -76,9 +79,10 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+        self._replica, self._tp_rank = init_info.replica, get_tensor_model_parallel_rank()
         self._sync = connect(self.model, self.model_config, self.vllm_config,
                              init_info.coordinator, init_info.engine, init_info.replica,
-                             get_tensor_model_parallel_rank(), init_info.mode,
+                             self._tp_rank, init_info.mode,
                              keep_previous=init_info.keep_previous,
                              transport=init_info.transport, token=init_info.token,
                              job=init_info.job, connect_timeout=init_info.connect_timeout,
@@ -101,18 +105,32 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        try:
+            self._receive(update_info)
+        except Error as e:
+            # vLLM passes on only the text: weightsync.vllm.receive reads the
+            # code and the message back from it.
+            raise marked(e) from e
+
+    def _receive(self, update_info: WeightsyncUpdateInfo) -> None:
         sync = self._connected()
+        who = self._who()
         out = sync.update(update_info.timeout)
         if out is None:
-            raise Error("timeout", f"weightsync: no weight update began within "
+            raise Error("timeout", f"weightsync: {who}: no weight update began within "
                         f"{update_info.timeout} s (the engine keeps version {sync.version})")
         if not out["committed"]:
             extra = f"; restored {out['restored']}" if out.get("restored") else ""
-            raise Error("peer_failure", f"weightsync: step {out['step']} was not committed on this "
-                        f"worker: {out['reason']} (the engine keeps version {sync.version}{extra})")
+            raise Error("peer_failure", f"weightsync: {who}: step {out['step']} was not committed: "
+                        f"{out['reason']} (the engine keeps version {sync.version}{extra})")
         if update_info.step is not None and out["step"] != update_info.step:
-            raise Error("mismatch", f"weightsync: expected step {update_info.step}, the trainers "
-                        f"pushed step {out['step']} (now the engine's version)")
+            raise Error("mismatch", f"weightsync: {who}: expected step {update_info.step}, the "
+                        f"trainers pushed step {out['step']} (now the engine's version)")
+
+    def _who(self) -> str:
+        sync = self._connected()
+        return (f"engine rank {sync.sub.global_rank} (replica {self._replica}, "
+                f"tensor-parallel rank {self._tp_rank})")
 
     def finish_weight_update(self) -> None:
         self._connected()

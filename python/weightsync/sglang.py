@@ -371,8 +371,9 @@ def update(engine: Any, timeout: float = 120.0, flush_cache: bool = True,
     no step began), "committed", "version" (the version every rank serves
     now), "ranks": [each rank's outcome, with "batches" and "restored"],
     "message" (SGLang's)}. Raises weightsync.Error when a rank's model is
-    left mixed (restore=False, or a restore failed): generation is then
-    paused until a step commits on every rank."""
+    left mixed (restore=False, or a restore failed), naming the step, the
+    rank and why the step failed there: generation is then paused until a
+    step commits on every rank."""
     results, message = _call(engine, {"op": "update", "timeout": timeout},
                              flush_cache=flush_cache)
     outcomes = [r.get("outcome") for r in results]
@@ -397,12 +398,17 @@ def update(engine: Any, timeout: float = 120.0, flush_cache: bool = True,
         out["reverted"] = [r["rank"] for r in reverted if r["reverted"]]
         versions = {r["version"] for r in reverted}
         out["version"] = min(versions)
-    mixed = [o["mixed"] for o in outcomes if o is not None and o.get("mixed")]
+    mixed = [(r["rank"], r["outcome"]) for r in results
+             if r.get("outcome") is not None and r["outcome"].get("mixed")]
     if mixed:
         # No rank may serve what it holds: generation waits (SGLang's
         # pause_generation) until a step commits on every rank.
         _pause(engine, True)
-        raise Error("cancelled", f"{mixed[0]}; generation is paused until then")
+        rank, outcome = mixed[0]
+        more = f" ({len(mixed) - 1} more ranks too)" if len(mixed) > 1 else ""
+        raise Error("cancelled", f"weightsync: step {outcome['step']} was not committed on SGLang "
+                    f"rank {rank}: {outcome.get('reason') or 'no reason given'}; "
+                    f"{outcome['mixed']}{more}; generation is paused until then")
     if len(versions) > 1:
         raise Error("protocol", f"SGLang's ranks hold different versions after a step: {out}")
     if committed:
@@ -430,9 +436,20 @@ def _call(engine: Any, request: dict, flush_cache: bool) -> tuple:
         try:
             success, message = _pair(engine.update_weights_from_tensor(
                 named_tensors=[(_CONTROL, payload)], load_format=LOADER, flush_cache=flush_cache))
-        finally:
-            _ok(engine.end_weight_update(), "end_weight_update")
+        except BaseException:
+            # The session ends all the same; a failure to end it must not
+            # hide why the update failed.
+            try:
+                engine.end_weight_update()
+            except Exception as e:  # noqa: BLE001 - logged, the first failure is raised
+                _log.warning("weightsync: SGLang's end_weight_update after a failed update "
+                             "failed too: %s", e)
+            raise
+        ended = engine.end_weight_update()
+        # The ranks' own errors (weightsync's, naming the rank and why) come
+        # before SGLang's about the session.
         results = _read_results(engine, directory, request["op"])
+        _ok(ended, "end_weight_update")
         if not success:
             if "custom" in message.lower() or "load_format" in message:
                 message += " (was the engine started with **weightsync.sglang.engine_args()?)"

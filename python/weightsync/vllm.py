@@ -27,7 +27,10 @@ Two ways in:
        llm.reset_prefix_cache()   # the KV cache holds what the old weights computed
 
    `update_weights` raises when the step did not commit (the engine is then
-   on its previous version). `receive(llm, step)` does these four calls.
+   on its previous version, and vLLM has ended the session on the worker
+   that raised: do not call finish_weight_update there). `receive(llm,
+   step)` does these four calls, and on a failed step raises weightsync's
+   own error (vLLM passes on only its text) after ending every session.
 
 2. A worker extension (vLLM's `worker_extension_cls`), driven with
    `collective_rpc`:
@@ -48,12 +51,13 @@ with a warning). `mode` may force either.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from ._errors import Error
 
 __all__ = ["WorkerExtension", "receive", "register_plugin", "register_weight_transfer_engine",
-           "update", "weight_transfer_engine_class"]
+           "update", "weight_transfer_engine_class", "worker_error"]
 
 #: The name weightsync's weight-transfer engine is registered under.
 ENGINE_NAME = "weightsync"
@@ -107,7 +111,10 @@ class WorkerExtension:
         """Runs the next weight update (waits up to `timeout` s for it to
         begin): {"step", "committed", "reason", "bytes", "delta_buckets", "weights_handed",
         "seconds", "version" (and "restored" / "poisoned" after a failed step)}, or None."""
-        return self._weightsync_sync().update(timeout)
+        try:
+            return self._weightsync_sync().update(timeout)
+        except Error as e:
+            raise marked(e) from e  # vLLM passes on only the text: update() reads it back
 
     def weightsync_start(self) -> None:
         """Serves weight updates on a background thread until weightsync_stop.
@@ -147,7 +154,10 @@ def update(llm: Any, timeout: float = 120.0, reset_prefix_cache: bool = True) ->
     cache is reset (its KV came from the old weights) and vLLM's weight
     version set to the step. Returns {"step", "committed", "workers": [each
     worker's outcome]}; raises weightsync.Error when no step began."""
-    outs = llm.collective_rpc("weightsync_update", kwargs={"timeout": timeout})
+    try:
+        outs = llm.collective_rpc("weightsync_update", kwargs={"timeout": timeout})
+    except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
+        raise worker_error(e, "weightsync_update") from e
     if any(o is None for o in outs):
         raise Error("timeout", f"no weight update began within {timeout} s on "
                     f"{sum(o is None for o in outs)} of {len(outs)} workers")
@@ -163,19 +173,55 @@ def update(llm: Any, timeout: float = 120.0, reset_prefix_cache: bool = True) ->
 def receive(llm: Any, step: Optional[int] = None, timeout: float = 120.0,
             reset_prefix_cache: bool = True) -> None:
     """One step through vLLM's weight-transfer API (backend "weightsync"):
-    start_weight_update, update_weights (raises if the step did not commit:
-    the engine keeps its version), finish_weight_update with the step as
-    weight version, then the prefix-cache reset."""
+    start_weight_update, update_weights, finish_weight_update with the step as
+    weight version, then the prefix-cache reset.
+
+    A step that did not commit raises the weightsync.Error of the worker that
+    failed it, with its code, naming the step, its engine rank and the
+    reason (vLLM passes on only the text, inside its own message). The
+    engine keeps its version; its update session is over (vLLM >= 0.32 ends
+    it on every worker whose update_weights raised, and weightsync fails a
+    step on every rank of a replica), and the prefix cache is reset all the
+    same."""
     llm.start_weight_update()
     info: dict = {"timeout": timeout}
     if step is not None:
         info["step"] = step
     try:
         llm.update_weights({"update_info": info})
-    finally:
-        llm.finish_weight_update(weight_version=None if step is None else str(step))
+    except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
+        error = worker_error(e, "update_weights")
         if reset_prefix_cache:
             llm.reset_prefix_cache()
+        raise error from e
+    llm.finish_weight_update(weight_version=None if step is None else str(step))
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+
+
+# A weightsync.Error raised in a vLLM worker reaches the process that owns
+# the LLM only as text inside vLLM's message ("Worker failed with error
+# '...', please check ..."): workers mark it with its code, and worker_error
+# reads both back.
+_MARKED = re.compile(r"\[weightsync:(\w+)\] (.*?)(?:', please check the stack trace|'?\s*$)",
+                     re.S)
+
+
+def marked(error: Error) -> Error:
+    """`error` as a worker raises it into vLLM: its message marked with its
+    code, for worker_error."""
+    return Error(error.code, f"[weightsync:{error.code}] {error.message}")
+
+
+def worker_error(error: BaseException, call: str) -> Error:
+    """The weightsync.Error a worker raised, from the exception vLLM's
+    collective `call` raised with its text; vLLM's own error otherwise."""
+    if isinstance(error, Error):
+        return error
+    found = _MARKED.search(str(error))
+    if found is None:
+        return Error("internal", f"weightsync: vLLM's {call} failed: {error}")
+    return Error(found.group(1), found.group(2))
 
 
 def _set_version(llm: Any, step: int) -> None:

@@ -80,6 +80,14 @@ def _engine_op(engine: Any, op: str, args: dict) -> Any:
         return wsg.connect(engine, **args)
     if op == "update":
         return wsg.update(engine, **args)
+    if op == "update_raising":  # what update() raised, as the caller sees it
+        import weightsync as ws
+
+        try:
+            return {"out": wsg.update(engine, **args)}
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return {"raised": {"type": type(e).__name__, "weightsync": isinstance(e, ws.Error),
+                               "code": getattr(e, "code", None), "message": str(e)}}
     if op == "close":
         return wsg.close(engine)
     if op == "shutdown":

@@ -483,3 +483,63 @@ def test_delta_sync_moves_only_the_changes(live, references, delta_versions, tmp
     assert loaded[0][0] >= len(moved) and loaded[0] == [loaded[0][0]] * live.tp, loaded
     assert loaded[1:4] == [[len(moved)] * live.tp] * 3, (loaded, moved)
     assert loaded[4] == [len(moved_partly)] * live.tp, (loaded, moved_partly)
+
+
+def test_step_left_mixed_raises_weightsyncs_reason(live, references, tmp_path):
+    """restore=False: a step that fails after the model loaded part of it
+    leaves the rank mixed, and update() raises weightsync's own error naming
+    the step, the rank and why the step failed (generation paused); the next
+    committed step makes the rank whole and generation resumes."""
+    if (live.kind, live.tp) != ("dense", 1):
+        pytest.skip("run for dense-tp1 only (engine starts are slow)")
+    if live.version < 0:
+        pytest.skip("needs a committed version first")
+    # Connected anew without snapshots; a step with the case's trainer (so
+    # that the engine knows its address when a new process takes rank 0
+    # over, as in the test above).
+    live.engine.call("connect", coordinator=live.coord.address, engine_config=live.config,
+                     replica=0, mode="load_weights", step_timeout=ENGINE_STEP_TIMEOUT,
+                     restore=False)
+    first, first_step = _other(live.checkpoint), live.version + 1
+    if first_step == FAILING_STEP:  # the case's trainer drops a bucket of that one
+        first_step += 1
+    out, pushed = live.sync(first_step, checkpoint=first)
+    assert out["committed"], out
+    live.version, live.checkpoint = first_step, first
+    live.close()  # the case's trainer leaves; this test's trainers take rank 0
+    live._trainer = None
+    step, new = live.version + 1, _other(live.checkpoint)
+    tag = (step << 32) | ((live.buckets - 1) << 1)  # its last bucket never arrives
+    bad = live.trainer(transport=f"fault:ucx?drop_send=1&tag={tag}",
+                       step_timeout=TRAINER_STEP_TIMEOUT)
+    try:
+        bad.send("push", step=step, checkpoint=new)
+        got = live.engine.call("update_raising", timeout=120.0)
+        try:
+            bad.result("push", timeout=120)
+        except AssertionError:
+            pass  # the push fails too
+    finally:
+        bad.close()
+    log(f"{live.kind} tp={live.tp} mixed step {step}: {got}")
+    raised = got.get("raised")
+    assert raised is not None, f"update() did not raise: {got}"
+    assert raised["weightsync"] and raised["code"] == "cancelled", raised
+    for part in (f"step {step}", "SGLang rank 0", "restore=False", "generation is paused"):
+        assert part in raised["message"], (part, raised)
+    # the reason the step failed there, not only that the model is mixed
+    assert "was not committed on SGLang rank 0: " in raised["message"], raised
+    reason = raised["message"].split("was not committed on SGLang rank 0: ", 1)[1]
+    assert not reason.startswith("no reason given"), raised
+
+    good = live.trainer()
+    try:
+        out, pushed = live.sync(step + 1, checkpoint=new, trainer=good)
+        assert out["committed"] and out["version"] == step + 1, out
+        live.version, live.checkpoint = step + 1, new
+        live.check(references(live.kind, live.tp, new), tmp_path, step + 1)
+        # Snapshots again, for whatever runs next on this engine.
+        live.engine.call("connect", coordinator=live.coord.address, engine_config=live.config,
+                         replica=0, mode="load_weights", step_timeout=ENGINE_STEP_TIMEOUT)
+    finally:
+        good.close()

@@ -302,6 +302,41 @@ def test_trainer_killed_mid_step_leaves_previous_version(dense1):
         job.close()
 
 
+def test_failed_step_under_receive_raises_weightsyncs_reason(dense1):
+    """receive() on a step whose trainer dies: weightsync's own error (the
+    step, the engine rank, the reason), not vLLM's follow-on complaint about
+    the session it ended; the engine keeps its version, and the next
+    receive() starts a new session and commits."""
+    eng = dense1
+    job = Job(eng, "hf", transport="fault:ucx?delay_ms=400", bucket_bytes=16 << 10)
+    try:
+        eng.llm.init_weight_transfer_engine({"init_info": dict(
+            coordinator=job.coord.address, engine=job.config, replica=0, step_timeout=30.0)})
+        before = eng.current
+        target = _other(eng)
+        job.trainer.push_and_die(1, eng.versions[target], seconds=2.0)
+        with pytest.raises(ws.Error) as raised:
+            wsv.receive(eng.llm, step=1, timeout=90)
+        message = str(raised.value)
+        print(f"\nreceive() raised: {raised.value!r}")
+        assert raised.value.code == "peer_failure", message
+        for part in ("step 1", "engine rank 0", "was not committed", "trainer rank 0",
+                     "keeps version -1"):  # this connection's: nothing committed yet
+            assert part in message, (part, message)
+        assert "start_weight_update" not in message, message
+        eng.check(before, "after the failed step")
+        job.trainer.close()
+        job.trainer = vs.Trainer(job.coord.address, job.config, eng.versions[0])
+        job.trainer.push(2, eng.versions[target])
+        wsv.receive(eng.llm, step=2, timeout=90)
+        assert job.trainer.pushed()["committed"] == [0]
+        eng.check(target, "the step after, through receive()")
+        assert eng.llm.get_weight_version() == "2"
+        eng.llm.shutdown_weight_transfer_engine()
+    finally:
+        job.close()
+
+
 def test_direct_mode_falls_back_to_the_reload_dense_tp1(dense1):
     eng = dense1
     infos = _extension_steps(eng, "vllm", steps=1)
