@@ -200,6 +200,24 @@ TEST(IpcHost, TrainerKilledMidStepLeavesEnginesOnTheirVersion) {
   expect_no_timeouts(m, 4);
 }
 
+// The benchmark over ipc_host, FP8 quantized by the engines: every timed step
+// commits (and is verified) with buckets lent, and the raw ceiling runs over
+// the same transport.
+TEST(IpcHost, BenchWithEngineSiteFp8CommitsEveryStepWithBucketsLent) {
+  const std::string work = temp_dir("ipc-host-bench");
+  const auto run =
+      run_cli({"bench", "--transport", "ipc_host", "--fp8", "--fp8-site", "engine", "--size-gb",
+               "0.02", "--steps", "2", "--no-peer", "--json", "--work-dir", work},
+              300);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto r = nlohmann::json::parse(run.output.substr(run.output.rfind("\n{") + 1));
+  EXPECT_TRUE(r["ok"].get<bool>()) << run.output;
+  EXPECT_EQ(r["transport"], "ipc_host");
+  EXPECT_EQ(r["sync_s"].size(), 2u);
+  EXPECT_GT(r["buckets_lent"].get<int64_t>(), 0) << run.output;
+  EXPECT_GT(r["raw_gbps"].get<double>(), 0) << run.output;
+}
+
 // A failing step over ipc_host's protocol: each trainer's first message of
 // step 1 goes out one byte short (the fault wrapper on every rank, which
 // answers loans without lending, so every bucket travels as fragments). An
