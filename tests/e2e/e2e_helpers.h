@@ -129,6 +129,36 @@ inline nlohmann::json read_json(const std::string& path) {
   return j.is_discarded() ? nlohmann::json(nullptr) : j;
 }
 
+// A `weightsync demo` run on a model's files and what its summary said.
+struct Demo {
+  CliRun run;
+  nlohmann::json summary;
+};
+
+// `weightsync demo` on `m` (its summary and work directory in m.dir), with
+// `extra` options and, when `dump` is given, the engines' dumps there.
+inline Demo run_model_demo(const Model& m, const std::vector<std::string>& extra,
+                           const std::string& dump = "", int timeout_s = 240) {
+  const std::string summary = m.dir + "/summary.json";
+  std::vector<std::string> args{"demo",    "--checkpoint", m.checkpoint,   "--trainer",
+                                m.trainer, "--engine",     m.engine,       "--summary",
+                                summary,   "--work-dir",   m.dir + "/work"};
+  if (!dump.empty()) {
+    args.push_back("--dump");
+    args.push_back(dump);
+  }
+  args.insert(args.end(), extra.begin(), extra.end());
+  Demo d;
+  d.run = run_cli(args, timeout_s);
+  d.summary = read_json(summary);
+  return d;
+}
+
+// A JSON list of ranks.
+inline std::vector<int> ints(const nlohmann::json& j) {
+  return j.get<std::vector<int>>();
+}
+
 inline Plan plan_of(const Model& m, const std::string& mode, int64_t bucket_bytes) {
   PlanOptions po;
   po.mode = parse_plan_mode(mode);

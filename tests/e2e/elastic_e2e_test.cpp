@@ -17,26 +17,9 @@
 namespace weightsync::e2e {
 namespace {
 
-struct Demo {
-  CliRun run;
-  nlohmann::json summary;
-};
-
 Demo run_elastic(const Model& m, std::vector<std::string> extra) {
-  const std::string summary = m.dir + "/summary.json";
-  std::vector<std::string> args{"demo",          "--checkpoint", m.checkpoint, "--trainer",
-                                m.trainer,       "--engine",     m.engine,     "--summary",
-                                summary,         "--timeout",    "60",         "--work-dir",
-                                m.dir + "/work", "--elastic"};
-  args.insert(args.end(), extra.begin(), extra.end());
-  Demo d;
-  d.run = run_cli(args);
-  d.summary = read_json(summary);
-  return d;
-}
-
-std::vector<int> ints(const nlohmann::json& j) {
-  return j.get<std::vector<int>>();
+  extra.insert(extra.begin(), {"--timeout", "60", "--elastic"});
+  return run_model_demo(m, extra);
 }
 
 bool has(const std::vector<int>& v, int x) {

@@ -22,30 +22,10 @@
 namespace weightsync::e2e {
 namespace {
 
-struct Demo {
-  CliRun run;
-  nlohmann::json summary;
-};
-
+// Over ipc_host, each step bounded by 20 s (no drill may wait that out).
 Demo run_demo(const Model& m, std::vector<std::string> extra, const std::string& dump = "") {
-  const std::string summary = m.dir + "/summary.json";
-  std::vector<std::string> args{"demo",       "--transport", "ipc_host",     "--checkpoint",
-                                m.checkpoint, "--trainer",   m.trainer,      "--engine",
-                                m.engine,     "--summary",   summary,        "--timeout",
-                                "20",         "--work-dir",  m.dir + "/work"};
-  if (!dump.empty()) {
-    args.push_back("--dump");
-    args.push_back(dump);
-  }
-  args.insert(args.end(), extra.begin(), extra.end());
-  Demo d;
-  d.run = run_cli(args, 300);
-  d.summary = read_json(summary);
-  return d;
-}
-
-std::vector<int> ints(const nlohmann::json& j) {
-  return j.get<std::vector<int>>();
+  extra.insert(extra.begin(), {"--transport", "ipc_host", "--timeout", "20"});
+  return run_model_demo(m, extra, dump, 300);
 }
 
 std::vector<int> upto(int n) {

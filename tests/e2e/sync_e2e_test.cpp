@@ -17,30 +17,9 @@
 namespace weightsync::e2e {
 namespace {
 
-struct Demo {
-  CliRun run;
-  nlohmann::json summary;
-};
-
 Demo run_demo(const Model& m, std::vector<std::string> extra, const std::string& dump = "") {
-  const std::string summary = m.dir + "/summary.json";
-  std::vector<std::string> args{"demo",         "--checkpoint", m.checkpoint, "--trainer",
-                                m.trainer,      "--engine",     m.engine,     "--summary",
-                                summary,        "--timeout",    "60",         "--work-dir",
-                                m.dir + "/work"};
-  if (!dump.empty()) {
-    args.push_back("--dump");
-    args.push_back(dump);
-  }
-  args.insert(args.end(), extra.begin(), extra.end());
-  Demo d;
-  d.run = run_cli(args);
-  d.summary = read_json(summary);
-  return d;
-}
-
-std::vector<int> ints(const nlohmann::json& j) {
-  return j.get<std::vector<int>>();
+  extra.insert(extra.begin(), {"--timeout", "60"});
+  return run_model_demo(m, extra, dump);
 }
 
 // Every step committed and verified on every engine rank, and the dumps

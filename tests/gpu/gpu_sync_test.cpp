@@ -20,31 +20,13 @@ namespace {
 
 using e2e::Model;
 
-struct Demo {
-  e2e::CliRun run;
-  nlohmann::json summary;
-};
+using e2e::Demo;
+using e2e::ints;
 
 Demo run_demo(const Model& m, const std::string& transport, std::vector<std::string> extra,
               const std::string& dump = "") {
-  const std::string summary = m.dir + "/summary.json";
-  std::vector<std::string> args{
-      "demo",       "--device",  "cuda",    "--transport", transport,      "--checkpoint",
-      m.checkpoint, "--trainer", m.trainer, "--engine",    m.engine,       "--summary",
-      summary,      "--timeout", "120",     "--work-dir",  m.dir + "/work"};
-  if (!dump.empty()) {
-    args.push_back("--dump");
-    args.push_back(dump);
-  }
-  args.insert(args.end(), extra.begin(), extra.end());
-  Demo d;
-  d.run = e2e::run_cli(args, 600);
-  d.summary = e2e::read_json(summary);
-  return d;
-}
-
-std::vector<int> ints(const nlohmann::json& j) {
-  return j.get<std::vector<int>>();
+  extra.insert(extra.begin(), {"--device", "cuda", "--transport", transport, "--timeout", "120"});
+  return e2e::run_model_demo(m, extra, dump, 600);
 }
 
 void expect_all_good(const Model& m, const Demo& d, int engines, const std::string& dump) {
