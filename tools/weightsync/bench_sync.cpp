@@ -78,6 +78,8 @@ constexpr const char* kUsage =
     "--device cuda: every rank's tensors in GPU memory (rank r on GPU r modulo the\n"
     "GPUs; all on GPU 0 of a one-GPU machine), transport cuda_ipc by default. Adds\n"
     "d2d_gbps/ratio_to_d2d (a device-to-device copy of the engine rank's bytes),\n"
+    "limit_gbps/ratio_to_limit (one device-to-device copy per tensor of the busiest\n"
+    "engine rank: the one-copy limit line of a colocated sync),\n"
     "over a host transport pinned_gbps/ratio_to_pinned (a pinned device-to-host\n"
     "copy of them), and the peer baselines become PyTorch's way over CUDA IPC\n"
     "(tools/bench/peer_ipc_baseline.py) and, 1 -> 1, checkpoint-engine's colocated\n"
@@ -274,16 +276,57 @@ nlohmann::json raw_result(const demo::JobRun& run) {
           {"gbps", p50 > 0 ? static_cast<double>(busiest) / p50 / 1e9 : 0.0}};
 }
 
+// The tensors of the limit line: the params of the engine rank that holds
+// the most bytes, each a multiple of 256 bytes apart (as allocators place
+// them).
+std::vector<size_t> limit_tensors(const std::string& engine) {
+  const EngineLayout layout = make_engine_layout(EngineSpec::load(engine));
+  std::vector<size_t> best;
+  size_t best_total = 0;
+  for (int g = 0; g < layout.world(); ++g) {
+    std::vector<size_t> sizes;
+    size_t total = 0;
+    for (const EngineParam& p : layout.rank_layout(g).params) {
+      const auto b = static_cast<size_t>(numel(p.shape)) * itemsize(p.dtype);
+      if (b == 0) continue;
+      sizes.push_back(b);
+      total += b;
+    }
+    if (total > best_total) best = std::move(sizes), best_total = total;
+  }
+  return best;
+}
+
 // A CUDA job's references, measured on GPU 0 after the job: a device-to-device
-// copy of one engine rank's bytes, and, when the transport staged through
-// pinned host memory, a pinned device-to-host copy of them.
-nlohmann::json gpu_references(int64_t bytes, const std::string& slot_memory) {
+// copy of one engine rank's bytes; the one-copy limit line of a colocated
+// sync (DESIGN.md "GPU data path"), one device-to-device copy per tensor of
+// the busiest engine rank, as PyTorch's per-tensor dst.copy_(src) makes it;
+// and, when the transport staged through pinned host memory, a pinned
+// device-to-host copy of the bytes.
+nlohmann::json gpu_references(int64_t bytes, const std::string& slot_memory,
+                              const std::vector<size_t>& tensors) {
   const auto n = static_cast<size_t>(std::max<int64_t>(bytes, 1));
   nlohmann::json out;
   gpu::Memory src(n, gpu::MemoryPlace::device, 0), dst(n, gpu::MemoryPlace::device, 0);
   const double d2d_s = gpu::time_gpu(
       [&](const gpu::Stream& s) { gpu::copy_async(dst.data(), src.data(), n, s); }, 0, 10);
   out["d2d_gbps"] = static_cast<double>(bytes) / d2d_s / 1e9;
+  size_t span = 0, total = 0;
+  for (size_t b : tensors) span += (b + 255) / 256 * 256, total += b;
+  if (total > 0) {
+    gpu::Memory from(span, gpu::MemoryPlace::device, 0), to(span, gpu::MemoryPlace::device, 0);
+    const double limit_s = gpu::time_gpu(
+        [&](const gpu::Stream& s) {
+          size_t at = 0;
+          for (size_t b : tensors) {
+            gpu::copy_async(to.data() + at, from.data() + at, b, s);
+            at += (b + 255) / 256 * 256;
+          }
+        },
+        0, 10);
+    out["limit_gbps"] = static_cast<double>(total) / limit_s / 1e9;
+    out["limit_tensors"] = tensors.size();
+  }
   if (slot_memory == "pinned") {
     gpu::Memory pinned(n, gpu::MemoryPlace::pinned, 0);
     const double d2h_s = gpu::time_gpu(
@@ -357,12 +400,18 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
 
 // CUDA jobs: GB/s against a device-to-device copy of the same bytes, and
 // over a host transport against a pinned device-to-host copy.
-void add_gpu_ratios(nlohmann::json& r) {
+void add_gpu_ratios(nlohmann::json& r, const std::string& engine) {
   if (r["device"] != "cuda") return;
-  const auto ref = gpu_references(r["engine_rank_bytes"].get<int64_t>(), r["slot_memory"]);
+  const auto ref = gpu_references(r["engine_rank_bytes"].get<int64_t>(), r["slot_memory"],
+                                  limit_tensors(engine));
   const double gbps = r["engine_rank_gbps"].get<double>();
   r["d2d_gbps"] = ref["d2d_gbps"];
   r["ratio_to_d2d"] = gbps / ref["d2d_gbps"].get<double>();
+  if (ref.contains("limit_gbps")) {
+    r["limit_gbps"] = ref["limit_gbps"];
+    r["limit_tensors"] = ref["limit_tensors"];
+    r["ratio_to_limit"] = gbps / ref["limit_gbps"].get<double>();
+  }
   if (ref.contains("pinned_gbps")) {
     r["pinned_gbps"] = ref["pinned_gbps"];
     r["ratio_to_pinned"] = gbps / ref["pinned_gbps"].get<double>();
@@ -385,6 +434,11 @@ void print_human(const nlohmann::json& r) {
   if (r.contains("d2d_gbps"))
     std::printf("device-to-device copy of those bytes: %.1f GB/s -> ratio_to_d2d %.2f\n",
                 r["d2d_gbps"].get<double>(), r["ratio_to_d2d"].get<double>());
+  if (r.contains("limit_gbps"))
+    std::printf(
+        "one copy per tensor (%zu tensors, the limit line): %.1f GB/s -> ratio_to_limit %.2f\n",
+        r["limit_tensors"].get<size_t>(), r["limit_gbps"].get<double>(),
+        r["ratio_to_limit"].get<double>());
   if (r.contains("pinned_gbps"))
     std::printf("pinned device-to-host copy of them: %.1f GB/s -> ratio_to_pinned %.2f\n",
                 r["pinned_gbps"].get<double>(), r["ratio_to_pinned"].get<double>());
@@ -607,7 +661,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   // Not ok: which step, which rank, and why (demo::summarize).
   for (const char* key : {"error", "failures"})
     if (summary.contains(key)) result[key] = summary[key];
-  add_gpu_ratios(result);
+  add_gpu_ratios(result, job.engine);
   if (args.flag("json")) {
     std::cout << result.dump() << "\n";
   } else {
