@@ -83,7 +83,7 @@ Subscriber::WeightsHook weights_callback(nb::object fn) {
       for (const auto& [name, view] : tensors) batch.append(nb::make_tuple(name, torch_view(view)));
       nb::handle(ref->obj)(batch);
     } catch (nb::python_error& e) {  // converted while the GIL is held
-      fail(Errc::cancelled, "the on_weights hook raised ", e.what());
+      fail(Errc::cancelled, "the on_weights hook raised ", python_error_line(e));
     } catch (const std::exception& e) {
       fail(Errc::cancelled, "handing tensors to the on_weights hook failed: ", e.what());
     }

@@ -73,6 +73,11 @@ struct PyRef {
 // naming `what` when it is not callable.
 std::shared_ptr<PyRef> callable_ref(nb::object fn, const std::string& what);
 
+// A Python exception in one line, its type and message ("KeyError: 'w'"),
+// for a failure reason that travels (step outcomes, the coordinator, logs);
+// with the GIL held.
+std::string python_error_line(nb::python_error& e);
+
 // A Python callable that C++ may call from any thread: the call takes the GIL,
 // and a Python exception becomes a weightsync::Error naming `what`; the last
 // reference is dropped under the GIL.

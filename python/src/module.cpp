@@ -42,6 +42,16 @@ std::shared_ptr<PyRef> callable_ref(nb::object fn, const std::string& what) {
   return std::make_shared<PyRef>(std::move(fn));
 }
 
+std::string python_error_line(nb::python_error& e) {
+  try {
+    const std::string type = nb::cast<std::string>(e.type().attr("__name__"));
+    const std::string message = nb::cast<std::string>(nb::str(e.value()));
+    return message.empty() ? type : type + ": " + message;
+  } catch (const std::exception&) {
+    return e.what();  // the formatted exception, traceback and all
+  }
+}
+
 std::function<void(int64_t)> step_callback(nb::object fn, const std::string& what) {
   auto ref = callable_ref(std::move(fn), what);
   if (!ref) return {};
@@ -51,7 +61,7 @@ std::function<void(int64_t)> step_callback(nb::object fn, const std::string& wha
       nb::handle(ref->obj)(step);
     } catch (nb::python_error& e) {
       // Converted while the GIL is held: the Python exception dies here.
-      fail(Errc::cancelled, what, " raised ", e.what());
+      fail(Errc::cancelled, what, " raised ", python_error_line(e));
     }
   };
 }

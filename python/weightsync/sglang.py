@@ -406,9 +406,11 @@ def update(engine: Any, timeout: float = 120.0, flush_cache: bool = True,
         _pause(engine, True)
         rank, outcome = mixed[0]
         more = f" ({len(mixed) - 1} more ranks too)" if len(mixed) > 1 else ""
+        why = outcome.get("reason") or "no reason given"
+        if outcome["mixed"] not in why:  # the on_end hook's failure says it already
+            why += f"; {outcome['mixed']}"
         raise Error("cancelled", f"weightsync: step {outcome['step']} was not committed on SGLang "
-                    f"rank {rank}: {outcome.get('reason') or 'no reason given'}; "
-                    f"{outcome['mixed']}{more}; generation is paused until then")
+                    f"rank {rank}: {why}{more}; generation is paused until then")
     if len(versions) > 1:
         raise Error("protocol", f"SGLang's ranks hold different versions after a step: {out}")
     if committed:
