@@ -9,17 +9,27 @@
 # configures, builds and runs tests with both.
 #
 #   bash .ci/sanitizers.sh [address|thread ...]   (default: both)
+#
+# With WEIGHTSYNC_SANITIZERS_BUILD_ONLY=1 the legs only configure and build
+# (.ci/run builds them at low priority while the real engines' tests run, and
+# runs this script again for the tests, whose build is then up to date).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 venv="$root/.venv"
 [ -x "$venv/bin/python" ] || { echo "sanitizers.sh: run 'bash run.sh test' first (.venv)" >&2; exit 2; }
 
-if ! "$venv/bin/cmake" --version 2>/dev/null | grep -q "version 4\."; then
-  "$venv/bin/python" -m pip install -q 'cmake>=4,<5'
+# PyPI's CMake 4 lives in a folder of its own (.cmake4/, ignored), not in
+# .venv: with a cmake module in .venv, scikit-build-core (run.sh's install of
+# the package, which drives the main build directory) would pick it over
+# Debian's 3.25 and configure and build the main build again (13 min).
+cmake4_dir="$root/.cmake4"
+cmake4="$cmake4_dir/cmake/data/bin/cmake"
+ctest4="$cmake4_dir/cmake/data/bin/ctest"
+if ! "$cmake4" --version 2>/dev/null | grep -q "version 4\."; then
+  rm -rf "$cmake4_dir"
+  "$venv/bin/python" -m pip install -q --no-deps --target "$cmake4_dir" 'cmake>=4,<5'
 fi
-cmake4="$venv/bin/cmake"
-ctest4="$venv/bin/ctest"
 "$cmake4" --version | head -n 1
 
 # Clang (installed by run.sh), not GCC: these builds take about 40% less time
@@ -85,6 +95,10 @@ leg() {
     "-DPython_EXECUTABLE=$venv/bin/python" >/dev/null
   "$cmake4" --build "$dir" -j"$(nproc)" --target "${targets[@]}"
   local built=$SECONDS
+  if [ "${WEIGHTSYNC_SANITIZERS_BUILD_ONLY:-0}" = 1 ]; then
+    echo "== sanitizer leg $san: built in $((built - t0)) s (tests not run: build only)"
+    return 0
+  fi
   (
     if [ "$san" = thread ]; then
       # UCX's malloc and mmap hooks patch the allocator under TSan's feet and
