@@ -63,7 +63,10 @@ ensure_libucx() {
 build_dir="${BUILD_DIR:-build}"
 cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
 command -v ccache >/dev/null && cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-case "$job" in test | bench | python | test-engines) ensure_venv ;; esac
+# `build` makes .venv too: it builds what `test` builds (the Python module
+# needs .venv's nanobind), configured the same way, so a test after it
+# builds nothing again.
+case "$job" in test | bench | python | test-engines | build) ensure_venv ;; esac
 [ "$job" = test ] && ensure_libucx
 # Whenever .venv exists the build uses its Python (the pycheck tests need
 # numpy and torch), so that switching jobs never reconfigures the build.
