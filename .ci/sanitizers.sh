@@ -11,7 +11,7 @@
 #   bash .ci/sanitizers.sh [address|thread ...]   (default: both)
 #
 # With WEIGHTSYNC_SANITIZERS_BUILD_ONLY=1 the legs only configure and build
-# (.ci/run builds them at low priority while the real engines' tests run, and
+# (.ci/run builds them at low priority while its test suites run, and
 # runs this script again for the tests, whose build is then up to date).
 set -euo pipefail
 cd "$(dirname "$0")/.."
