@@ -1,6 +1,6 @@
 // materialize and fill_param against an element-by-element reference, the
 // CLI against the library, and the checkpoint errors; random checkpoints.
-#include "engine/engine_test_util.h"
+#include "layouts/engine_test_util.h"
 
 #include <nlohmann/json.hpp>
 

@@ -2,7 +2,7 @@
 // HF tensor goes to the engine once, with the bucket that completes it, and
 // the arena shares memory only between tensors whose lives do not meet.
 #include "engine_adapter/weights_delivery.h"
-#include "engine/engine_test_util.h"
+#include "layouts/engine_test_util.h"
 
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>

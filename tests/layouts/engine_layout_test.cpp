@@ -1,5 +1,5 @@
 // Engine layouts against small hand-computed cases.
-#include "engine/engine_test_util.h"
+#include "layouts/engine_test_util.h"
 
 #include <nlohmann/json.hpp>
 

@@ -1,6 +1,6 @@
 // check_coverage on every tiny model under several parallel settings, checked
 // again by per-element bitmaps, and on tampered layouts that it must reject.
-#include "engine/engine_test_util.h"
+#include "layouts/engine_test_util.h"
 
 #include <gtest/gtest.h>
 

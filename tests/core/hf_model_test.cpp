@@ -1,5 +1,5 @@
 // HF model facts: config parsing, the tensor lists of each family, MoE keys.
-#include "engine/engine_test_util.h"
+#include "layouts/engine_test_util.h"
 
 #include <nlohmann/json.hpp>
 

@@ -1,7 +1,7 @@
 // FP8 engines: the "quantization" config field, the F8_E4M3 params and their
 // scale params in the engine layout, and the TP slices refused because they
 // would cut a block.
-#include "engine/engine_test_util.h"
+#include "layouts/engine_test_util.h"
 
 #include <nlohmann/json.hpp>
 

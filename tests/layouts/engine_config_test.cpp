@@ -1,5 +1,5 @@
 // The engine config JSON: paths, inline configs, typed fields, round trip.
-#include "engine/engine_test_util.h"
+#include "layouts/engine_test_util.h"
 
 #include <nlohmann/json.hpp>
 
