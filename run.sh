@@ -124,13 +124,13 @@ case "$job" in
     status=0
     # WEIGHTSYNC_ENGINES picks them (default: both).
     for engine in ${WEIGHTSYNC_ENGINES:-vllm sglang}; do
-      if [ ! -f "tools/engines/setup_$engine.sh" ] || [ ! -f "tests/engines/test_$engine.py" ]; then
-        echo "run.sh: no engine suite '$engine' (tools/engines/setup_$engine.sh, tests/engines/test_$engine.py)" >&2
+      if [ ! -f "tools/engines/setup_$engine.sh" ] || [ ! -f "tests/real_engines/test_$engine.py" ]; then
+        echo "run.sh: no engine suite '$engine' (tools/engines/setup_$engine.sh, tests/real_engines/test_$engine.py)" >&2
         status=2
         continue
       fi
       engine_python=$(bash "tools/engines/setup_$engine.sh" "$root" "$build_dir" | tail -n 1)/bin/python
-      (cd tests/engines && "$engine_python" -m pytest -q -p no:cacheprovider "test_$engine.py" "$@") ||
+      (cd tests/real_engines && "$engine_python" -m pytest -q -p no:cacheprovider "test_$engine.py" "$@") ||
         status=$?
     done
     exit $status

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI's sanitizer legs, run after the README's test command (which made .venv):
 # an AddressSanitizer+UBSan build and a ThreadSanitizer build, each in its own
-# build directory, over the unit (core, engine, planner), control, transport
+# build directory, over the core, layouts, control, transport, pipeline, engine
 # and end-to-end suites.
 #
 # These builds are configured with PyPI's CMake 4 (the one pip-driven Python
@@ -48,8 +48,8 @@ fi
 # coordinator's Prometheus metrics are on: prometheus-cpp and civetweb are
 # not instrumented, but the `weightsync coordinator` command that serves
 # them is, and CoordinatorMetrics.* scrapes it here as in the main leg.
-targets=(ws_core_tests ws_engine_tests ws_planner_tests ws_control_tests ws_transport_tests
-  ws_e2e_tests weightsync_cli)
+targets=(ws_core_tests ws_layouts_tests ws_control_tests ws_transport_tests ws_pipeline_tests
+  ws_engine_tests ws_e2e_tests weightsync_cli)
 # Not in these legs: the GPU suite (not built), the fuzzers (they build their
 # own sanitized binaries in the main leg), the Python cross-checks and the
 # network-namespace scenarios (scripts driving the main build's command), and
@@ -81,12 +81,12 @@ exclude+='|^E2ELoad\.'
 # same path over every transport, and the ASan leg and the main build still
 # run the 1 GiB case.
 exclude_thread='^Transports/Conformance\.OneGiBMessage/'
-# Nor, under TSan, the single-threaded suites: core, engine and planner
+# Nor, under TSan, the single-threaded suites: core, layouts and engine
 # start no thread (neither their tests nor the code they test: src/core,
-# src/layouts, src/planner), so TSan, which sees races between threads, has
+# src/layouts, the engine's loaders), so TSan, which sees races between threads, has
 # nothing to look at there; the ASan leg builds and runs them. About 200 s of
 # the leg's build CPU (2026-11-29).
-targets_thread=(ws_control_tests ws_transport_tests ws_e2e_tests weightsync_cli)
+targets_thread=(ws_control_tests ws_transport_tests ws_pipeline_tests ws_e2e_tests weightsync_cli)
 
 # Sanitizer reports fail the run: UBSan stops at the first report (its
 # default is to print and go on); TSan exits 66 when it reported a race.

@@ -1,5 +1,5 @@
 """weightsync._derive: probe tensors and the segments decoded from what a
-loader wrote (tests/engines/test_vllm.py traces real vLLM; here, loaders
+loader wrote (tests/real_engines/test_vllm.py traces real vLLM; here, loaders
 written in the test show the decoding on its own, edge cases included)."""
 
 from __future__ import annotations

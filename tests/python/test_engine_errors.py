@@ -1,7 +1,7 @@
 """weightsync's own errors through an engine's error reporting, without the
 engine: a vLLM worker's weightsync.Error reaches the process that owns the
 LLM only as text inside vLLM's message; weightsync.vllm reads the code and
-the message back from it (the real engine: tests/engines/test_vllm.py,
+the message back from it (the real engine: tests/real_engines/test_vllm.py,
 test_failed_step_under_receive_raises_weightsyncs_reason)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 vLLM's worker stood in for by the object it hands an extension (a worker
 with `model_runner.model`), and the import rule (no engine, no torch on
 `import weightsync`). The integrations against the real engines, every mode
-and way in, are tests/engines/ (`bash run.sh test-engines`)."""
+and way in, are tests/real_engines/ (`bash run.sh test-engines`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The processes of tests/engines/test_sglang.py, each driven over a
+"""The processes of tests/real_engines/test_sglang.py, each driven over a
 multiprocessing pipe: a real sglang.Engine (in a process of its own: SGLang
 kills the process that created an Engine when one of its schedulers fails,
 which must not be pytest), and a trainer rank (a transformers model

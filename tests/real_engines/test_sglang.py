@@ -19,7 +19,7 @@ leaves the engine on its previous version (restored, bit for bit), and the
 next step commits; so does a trainer killed mid-step, replaced by a new
 process in the same job.
 
-    "$(bash tools/engines/setup_sglang.sh)/bin/python" -m pytest tests/engines/test_sglang.py -v
+    "$(bash tools/engines/setup_sglang.sh)/bin/python" -m pytest tests/real_engines/test_sglang.py -v
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ leaves the engine on its previous version, bit for bit, and the next step
 commits.
 
 Run with the vLLM venv's python (tools/engines/setup_vllm.sh):
-    $(bash tools/engines/setup_vllm.sh | tail -1)/bin/python -m pytest tests/engines/test_vllm.py
+    $(bash tools/engines/setup_vllm.sh | tail -1)/bin/python -m pytest tests/real_engines/test_vllm.py
 Skipped when vLLM is not importable. Engines start in 15-50 s each on 2
 cores; the engines under test are shared by the tests of a module.
 """

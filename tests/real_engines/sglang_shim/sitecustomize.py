@@ -1,6 +1,6 @@
 """Test-only shims that let real SGLang 0.5.23 run its generic path on a CPU
 with no sglang-kernel CPU build (this folder is put on PYTHONPATH by
-tests/engines/test_sglang.py for the engine processes it starts; it is never
+tests/real_engines/test_sglang.py for the engine processes it starts; it is never
 part of the weightsync package):
 
 - `vllm._custom_ops` (the `vllm` folder beside this file): pure-torch
