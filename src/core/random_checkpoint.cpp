@@ -1,8 +1,9 @@
 // Seeded random checkpoints. Each 64-bit word of a tensor's element stream
 // comes from splitmix64 of (tensor seed, word index), so any element can be
 // recomputed on its own and filling runs at a few GB/s.
+#include "random_checkpoint.h"
+
 #include <weightsync/error.h>
-#include <weightsync/random_checkpoint.h>
 #include <weightsync/safetensors.h>
 
 #include <nlohmann/json.hpp>

@@ -8,9 +8,10 @@
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
 #include <weightsync/load_spec.h>
-#include <weightsync/random_checkpoint.h>
 #include <weightsync/safetensors.h>
 #include <weightsync/trainer_layout.h>
+
+#include "core/random_checkpoint.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -7,10 +7,11 @@
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
 #include <weightsync/plan.h>
-#include <weightsync/random_checkpoint.h>
 #include <weightsync/safetensors.h>
 #include <weightsync/topology.h>
 #include <weightsync/trainer_layout.h>
+
+#include "core/random_checkpoint.h"
 
 #include <nlohmann/json.hpp>
 

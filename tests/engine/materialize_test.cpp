@@ -4,8 +4,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include <weightsync/random_checkpoint.h>
 #include <weightsync/safetensors.h>
+
+#include "core/random_checkpoint.h"
 
 #include <gtest/gtest.h>
 

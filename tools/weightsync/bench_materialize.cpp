@@ -8,8 +8,9 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
-#include <weightsync/random_checkpoint.h>
 #include <weightsync/safetensors.h>
+
+#include "core/random_checkpoint.h"
 
 #include <nlohmann/json.hpp>
 

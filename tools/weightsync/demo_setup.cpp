@@ -5,8 +5,9 @@
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
-#include <weightsync/random_checkpoint.h>
 #include <weightsync/trainer_layout.h>
+
+#include "core/random_checkpoint.h"
 
 #include <cmath>
 #include <fstream>

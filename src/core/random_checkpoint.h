@@ -1,6 +1,8 @@
 // Random checkpoints for tests, demos and benchmarks: the tensors of a model
 // (hf_tensors) filled with seeded pseudo-random values, written as one
 // .safetensors file or as an HF directory with model.safetensors.index.json.
+// Private to the build: the command (demo, benchmarks) and the tests include
+// it; it is no part of the installed API.
 //
 // Contents are a pure function of (seed, key, element index, version), so a
 // reader can recompute any element without the file. Float elements are
