@@ -233,9 +233,12 @@ TEST(CheckpointSaveFailure, RankKilledMidSaveFailsTheOthersAndLeavesNoIndex) {
   const Export first = run_export(dir, source, trainer, {"--max-file-bytes", "20000"});
   ASSERT_EQ(first.run.exit_code, 0) << first.run.output;
   ASSERT_TRUE(fs::exists(dir + "/out/model.safetensors.index.json"));
+  // Rank 2 frozen at its third send and killed: the command's failure drill,
+  // a test hook (no option of it).
+  ::setenv("WEIGHTSYNC_TEST_KILL", "2:3", 1);
   const Export e =
-      run_export(dir, source, trainer,
-                 {"--max-file-bytes", "20000", "--bucket-bytes", "4096", "--kill", "2:3"});
+      run_export(dir, source, trainer, {"--max-file-bytes", "20000", "--bucket-bytes", "4096"});
+  ::unsetenv("WEIGHTSYNC_TEST_KILL");
   EXPECT_EQ(e.run.exit_code, 1) << e.run.output;
   ASSERT_TRUE(e.summary.is_object()) << e.run.output;
   EXPECT_FALSE(e.summary["ok"].get<bool>());

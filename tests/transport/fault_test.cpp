@@ -2,6 +2,8 @@
 // is configured with, deterministically, over a real UCX transport.
 #include "harness.h"
 
+#include "transport/fault/freeze_points.h"
+
 #include <gtest/gtest.h>
 
 #include <csignal>
@@ -286,12 +288,20 @@ TEST(FaultTransport, SameSeedSameFaults) {
 
 // freeze_send=2: the rank stops (SIGSTOP) posting its second send, as a hung
 // process would, and goes on when continued. Run in a child process, which
-// the test sees stopped, then resumes; the round trips complete.
+// the test sees stopped, then resumes; the round trips complete. The freeze
+// points are a test hook: refused (exit code 2) until the child arms them.
 TEST(FaultTransport, FreezeStopsTheRankAtItsNthSend) {
   TempDir dir;
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
+    try {
+      self_transport(dir, "freeze_send=2");
+      ::_exit(2);
+    } catch (const Error& e) {
+      if (e.code() != Errc::invalid_argument) ::_exit(2);
+    }
+    transport::fault::arm_freeze_points();
     int code = 1;
     try {
       auto t = self_transport(dir, "freeze_send=2");

@@ -12,6 +12,7 @@
 #include <weightsync/safetensors.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -24,7 +25,7 @@ constexpr const char* kUsage =
     "usage: weightsync export --checkpoint C --trainer T.json --out DIR [--hf-config F]\n"
     "                         [--max-file-bytes N] [--transport X] [--bucket-bytes N]\n"
     "                         [--timeout S] [--work-dir D] [--json] [--no-sync]\n"
-    "                         [--buffered-io] [--kill R:N]\n\n"
+    "                         [--buffered-io]\n\n"
     "Writes checkpoint C (a .safetensors file or an HF directory) as a Hugging Face\n"
     "checkpoint directory DIR, the way a sharded trainer saves one: one process per\n"
     "rank of the trainer layout T.json fills its shards from C (as `weightsync shard`\n"
@@ -53,22 +54,25 @@ constexpr const char* kUsage =
     "prints one JSON object instead (ok, dir, keys, files, bytes, seconds, gbps,\n"
     "per_rank). --timeout (seconds, default 600) bounds each phase. Logs and per-rank\n"
     "stats go to --work-dir (default: a fresh temporary directory).\n"
-    "--kill R:N (a failure drill): rank R SIGKILLs itself at its N-th send of the save;\n"
-    "the others fail with an error naming it, and DIR gets no index. Exit code 1.\n"
     "Errors: a key of the layout missing from C, a shape or dtype other than the\n"
     "layout's, a rank that dies or fails (exit code 1); bad options (exit code 2).\n";
 
-void parse_kill(const std::string& spec, exporter::ExportJob& job) {
+// The tests' failure drill, no option of the command: WEIGHTSYNC_TEST_KILL=R:N
+// freezes rank R at its N-th send of the save (the fault transport's freeze
+// point, armed in that rank's process only) and the command SIGKILLs it; the
+// others fail with an error naming it, and DIR gets no index (exit code 1).
+void parse_test_kill(const std::string& spec, exporter::ExportJob& job) {
   const auto colon = spec.find(':');
   try {
     if (colon == std::string::npos) throw std::invalid_argument(spec);
     job.kill_rank = std::stoi(spec.substr(0, colon));
     job.kill_after = std::stoll(spec.substr(colon + 1));
   } catch (const std::exception&) {
-    fail(Errc::invalid_argument, "--kill takes RANK:N (e.g. 2:3), got '", spec, "'");
+    fail(Errc::invalid_argument, "WEIGHTSYNC_TEST_KILL takes RANK:N (e.g. 2:3), got '", spec, "'");
   }
   if (job.kill_rank < 0 || job.kill_after < 1)
-    fail(Errc::invalid_argument, "--kill takes RANK >= 0 and N >= 1, got '", spec, "'");
+    fail(Errc::invalid_argument, "WEIGHTSYNC_TEST_KILL takes RANK >= 0 and N >= 1, got '", spec,
+         "'");
 }
 
 // Keys of the checkpoint no trainer param holds: the ranks cannot write
@@ -119,7 +123,7 @@ void print_report(const nlohmann::json& s, const exporter::ExportJob& job) {
 int run_export_cmd(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "no-sync", "buffered-io"},
             {"checkpoint", "trainer", "out", "hf-config", "max-file-bytes", "transport",
-             "bucket-bytes", "timeout", "work-dir", "kill", "job", "rank"});
+             "bucket-bytes", "timeout", "work-dir", "job", "rank"});
   if (args.has("job")) {
     // One rank of a job this command started (internal).
     std::ifstream in(args.require("job"));
@@ -148,7 +152,7 @@ int run_export_cmd(const std::vector<std::string>& argv) {
       job.timeout_ms <= 0)
     fail(Errc::invalid_argument,
          "--max-file-bytes and --timeout must be positive, --bucket-bytes at least 1024");
-  if (args.has("kill")) parse_kill(args.require("kill"), job);
+  if (const char* kill = std::getenv("WEIGHTSYNC_TEST_KILL")) parse_test_kill(kill, job);
   if (!job.hf_config.empty() && !std::ifstream(job.hf_config))
     fail(Errc::invalid_argument, "--hf-config ", job.hf_config, ": cannot read it");
   if (args.has("work-dir")) {

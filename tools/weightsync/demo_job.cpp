@@ -4,6 +4,8 @@
 
 #include <weightsync/error.h>
 
+#include "transport/fault/freeze_points.h"
+
 #include <cstring>
 #include <fstream>
 
@@ -196,6 +198,7 @@ double peak_rss_mb() {
 }
 
 std::string with_freeze(const std::string& transport, const std::string& op, int64_t after) {
+  weightsync::transport::fault::arm_freeze_points();
   const char sep = transport.find('?') == std::string::npos ? '?' : '&';
   const std::string freeze = cat(sep, "freeze_", op, "=", after);
   // One fault wrapper takes every fault key: an inner one would get none.

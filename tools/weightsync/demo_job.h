@@ -114,7 +114,9 @@ int run_engine_worker(const JobSpec& job, int global_rank);
 
 // `transport` with the fault that freezes its rank when posting its
 // `after`-th operation of kind `op` ("send" or "recv"): the failure drills'
-// victim, which the drill then kills from outside.
+// victim, which the drill then kills from outside. Arms this process's
+// freeze points (a test hook, off by default: transport/fault/freeze_points.h),
+// so it is called in the victim's process only.
 std::string with_freeze(const std::string& transport, const std::string& op, int64_t after);
 
 }  // namespace weightsync::demo

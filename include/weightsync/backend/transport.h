@@ -299,9 +299,11 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //     after=N, tag=T, count=K  as described above
 //     freeze_send=N    posting its N-th send (counted from 1) the rank stops
 //     freeze_recv=N    (SIGSTOP), as a hung process would, after a line on
-//                      stderr; SIGCONT resumes it. The failure drills of
-//                      `weightsync demo --kill` and `export --kill` freeze
-//                      their victim and SIGKILL it from outside.
+//                      stderr; SIGCONT resumes it. Test hooks, refused with
+//                      Errc::invalid_argument unless the process armed them
+//                      (tests; the failure drills of `weightsync demo --kill`
+//                      and of the export's tests arm their victim, freeze it
+//                      and SIGKILL it from outside).
 //     release_ms=D     a send completes only once its receiver released it:
 //                      the receiver sends an 8-byte release back (the tag
 //                      with bit 47 set) D ms after the receive completed,

@@ -2,10 +2,15 @@
 
 #include <weightsync/error.h>
 
+#include "freeze_points.h"
+
+#include <atomic>
 #include <charconv>
 
 namespace weightsync::transport::fault {
 namespace {
+
+std::atomic<bool> freeze_armed{false};
 
 uint64_t parse_uint(const std::string& key, const std::string& value) {
   uint64_t out = 0;
@@ -46,6 +51,13 @@ std::set<int> parse_ranks(const std::string& key, const std::string& value) {
 
 }  // namespace
 
+void arm_freeze_points() {
+  freeze_armed.store(true);
+}
+bool freeze_points_armed() {
+  return freeze_armed.load();
+}
+
 bool FaultConfig::is_fault_key(const std::string& key) {
   static const std::set<std::string> keys{
       "seed",     "drop_send",   "corrupt_send", "truncate_send", "corrupt_recv",
@@ -73,6 +85,10 @@ FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params)
       const uint64_t n = parse_uint(key, value);
       if (n == 0)
         fail(Errc::invalid_argument, "fault transport: ", key, "=0: operations count from 1");
+      if (!freeze_points_armed())
+        fail(Errc::invalid_argument, "fault transport: ", key, "=", value,
+             " stops the process (SIGSTOP), a test hook that is off unless a test or a failure ",
+             "drill of the command armed it");
       (key == "freeze_send" ? c.freeze_send : c.freeze_recv) = n;
     }
   }

@@ -25,7 +25,9 @@ struct FaultConfig {
   uint64_t after = 0;
   std::optional<Tag> tag;
   std::optional<uint64_t> count;
-  std::optional<uint64_t> freeze_send;  // 1-based: the N-th send posted
+  // 1-based: the N-th send (receive) posted. Test hooks, refused unless
+  // armed (freeze_points.h).
+  std::optional<uint64_t> freeze_send;
   std::optional<uint64_t> freeze_recv;
   // A send completes only once its receiver released it, release_ms after
   // its receive completed, from the receiver's progress (as UCX's rendezvous
