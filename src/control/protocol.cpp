@@ -48,8 +48,9 @@ struct KindSpec {
   std::vector<Field> fields;
 };
 
-const std::vector<KindSpec>& specs() {
-  static const std::vector<KindSpec> table = {
+// Requests that join, leave and meet: membership, the key/value store and barriers.
+std::vector<KindSpec> membership_requests() {
+  return {
       {Kind::hello,
        "hello",
        true,
@@ -83,6 +84,12 @@ const std::vector<KindSpec>& specs() {
         {"engines", Type::count},
         {"timeout_ms", Type::u64}}},
       {Kind::members, "members", true, {{"id", Type::u64}}},
+  };
+}
+
+// Requests that publish plans and drive a step: put/get a plan, begin, ack, sent.
+std::vector<KindSpec> step_requests() {
+  return {
       {Kind::plan_put,
        "plan_put",
        true,
@@ -119,6 +126,12 @@ const std::vector<KindSpec>& specs() {
         {"stats", Type::object, false}}},
       {Kind::version, "version", true, {{"id", Type::u64}, {"engine_rank", Type::count}}},
       {Kind::status, "status", true, {{"id", Type::u64}}},
+  };
+}
+
+// What the coordinator sends: replies to requests and the step's broadcasts.
+std::vector<KindSpec> coordinator_messages() {
+  return {
       {Kind::welcome,
        "welcome",
        false,
@@ -143,6 +156,15 @@ const std::vector<KindSpec>& specs() {
         {"committed", Type::array},
         {"failed", Type::array}}},
   };
+}
+
+const std::vector<KindSpec>& specs() {
+  static const std::vector<KindSpec> table = [] {
+    std::vector<KindSpec> all = membership_requests();
+    for (auto& group : {step_requests(), coordinator_messages()})
+      all.insert(all.end(), group.begin(), group.end());
+    return all;
+  }();
   return table;
 }
 
