@@ -89,6 +89,11 @@ class CoordinatorState {
   struct Follower : Waiter {  // a trainer waiting for the leader of `step`
     int64_t step;
   };
+  struct StepBegin {  // a begin_step request's step, plan and replicas
+    int64_t step;
+    std::string plan_id;  // empty: follow the step's leader
+    std::optional<std::vector<int>> replicas;
+  };
   struct OpenStep {
     int64_t step = 0;
     std::string plan_id;
@@ -120,12 +125,17 @@ class CoordinatorState {
   void answer_followers();  // the followers of the open step (or of others: errors)
   void begin_step(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body,
                   Clock::time_point now);
+  void join_open_step(ConnId conn, const Conn& c, uint64_t id, const StepBegin& b);
+  void open_new_step(ConnId conn, uint64_t id, StepBegin b, Clock::time_point now);
   // A trainer's "sent" (from == trainer) or an engine's "ack" of the open step.
   void record_report(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body, Role from);
   bool report_applies(ConnId conn, uint64_t id, int64_t step, const std::string& what);
   void participant_lost(uint64_t member_id, const std::string& reason);
   void try_decide();
   void decide();
+  std::string trainer_failure_of(const OpenStep& s) const;  // empty: every trainer sent ok
+  std::map<int, std::string> replica_failures(const std::vector<const Participant*>& engines) const;
+  void send_abort(ConnId conn, int64_t step, const std::string& reason);
   // Metrics of a decided step and of the engines' versions after it.
   void record_decision(const OpenStep& s, const wire::Json& result, bool trainers_ok);
   void record_membership();

@@ -25,6 +25,11 @@ std::string who(const Member& m) {
   return cat(role_name(m.role), " rank ", m.rank);
 }
 
+// An engine that named no replica is a replica of its own.
+int replica_of(const Member& m) {
+  return m.replica >= 0 ? m.replica : -1 - m.rank;
+}
+
 }  // namespace
 
 Json CoordinatorState::step_engines_json(const OpenStep& s) const {
@@ -63,49 +68,24 @@ void CoordinatorState::answer_followers() {
 
 void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const Json& body,
                                   Clock::time_point now) {
-  const int64_t step = body.at("step").get<int64_t>();
-  const auto plan_id = body.at("plan_id").get<std::string>();
+  StepBegin b{body.at("step").get<int64_t>(), body.at("plan_id").get<std::string>(), {}};
+  const int64_t step = b.step;
   if (c.member.role != Role::trainer)
     return reply_error(conn, id, Errc::protocol,
                        cat("begin_step from ", who(c.member), ": only trainers begin steps"));
   // An empty plan id follows the step's leader (elastic replicas).
-  const bool follow = plan_id.empty();
-  std::optional<std::vector<int>> replicas;
+  const bool follow = b.plan_id.empty();
   try {
-    replicas = wire::replicas_from_json(body);
+    b.replicas = wire::replicas_from_json(body);
   } catch (const Error& e) {
     return reply_error(conn, id, Errc::invalid_argument,
                        cat("begin_step ", step, " from ", who(c.member), ": ", e.what()));
   }
-  if (follow && replicas)
+  if (follow && b.replicas)
     return reply_error(conn, id, Errc::invalid_argument,
                        cat("begin_step ", step, " from ", who(c.member),
                            ": replicas without a plan id (a follower takes the leader's)"));
-  if (open_step_) {
-    OpenStep& s = *open_step_;
-    if (s.step != step)
-      return reply_error(conn, id, Errc::protocol,
-                         cat("begin_step ", step, " from ", who(c.member), ": step ", s.step,
-                             " is still open (wait for its step_result)"));
-    auto p = s.trainers.find(c.member.id);
-    if (p == s.trainers.end())
-      return reply_error(conn, id, Errc::protocol,
-                         cat(who(c.member), " joined after step ", step, " began"));
-    if (follow) return reply(conn, id, step_reply(s));
-    if (plan_id != s.plan_id || replicas != s.replicas) {
-      const auto list = [](const std::optional<std::vector<int>>& r) {
-        return r ? cat(" for replicas ", Json(*r).dump()) : std::string();
-      };
-      const std::string why =
-          cat(who(c.member), " began step ", step, " with plan '", plan_id, "'", list(replicas),
-              " but the step uses plan '", s.plan_id, "'", list(s.replicas));
-      p->second.outcome = Outcome::failed;
-      p->second.reason = why;
-      reply_error(conn, id, Errc::mismatch, why);
-      return decide();
-    }
-    return reply(conn, id, step_reply(s));
-  }
+  if (open_step_) return join_open_step(conn, c, id, b);
   if (last_decided_ && step <= *last_decided_)
     return reply_error(conn, id, Errc::protocol,
                        cat("begin_step ", step, ": steps must increase (step ", *last_decided_,
@@ -116,12 +96,48 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
     followers_.push_back(Follower{{conn, id, deadline_after(now, ms)}, step});
     return;
   }
+  open_new_step(conn, id, std::move(b), now);
+}
+
+// A begin_step while a step is open: the same step's plan joins it (or
+// follows its leader); another step, or another plan, is refused.
+void CoordinatorState::join_open_step(ConnId conn, const Conn& c, uint64_t id, const StepBegin& b) {
+  OpenStep& s = *open_step_;
+  const int64_t step = b.step;
+  if (s.step != step)
+    return reply_error(conn, id, Errc::protocol,
+                       cat("begin_step ", step, " from ", who(c.member), ": step ", s.step,
+                           " is still open (wait for its step_result)"));
+  auto p = s.trainers.find(c.member.id);
+  if (p == s.trainers.end())
+    return reply_error(conn, id, Errc::protocol,
+                       cat(who(c.member), " joined after step ", step, " began"));
+  if (b.plan_id.empty()) return reply(conn, id, step_reply(s));
+  if (b.plan_id != s.plan_id || b.replicas != s.replicas) {
+    const auto list = [](const std::optional<std::vector<int>>& r) {
+      return r ? cat(" for replicas ", Json(*r).dump()) : std::string();
+    };
+    const std::string why =
+        cat(who(c.member), " began step ", step, " with plan '", b.plan_id, "'", list(b.replicas),
+            " but the step uses plan '", s.plan_id, "'", list(s.replicas));
+    p->second.outcome = Outcome::failed;
+    p->second.reason = why;
+    reply_error(conn, id, Errc::mismatch, why);
+    return decide();
+  }
+  return reply(conn, id, step_reply(s));
+}
+
+// Opens the step with the members live now, answers the leader and its
+// followers, and announces the step to engines and observers.
+void CoordinatorState::open_new_step(ConnId conn, uint64_t id, StepBegin b, Clock::time_point now) {
   OpenStep s;
-  s.step = step;
-  s.plan_id = plan_id;
-  s.replicas = replicas;
+  s.step = b.step;
+  s.plan_id = b.plan_id;
+  s.replicas = b.replicas;
   s.began = now;
   s.deadline = now + options_.step_timeout + kReportGrace;  // control.h
+  const auto& replicas = b.replicas;
   for (const auto& [cid, other] : conns_) {
     if (!other.registered) continue;
     if (other.member.role == Role::trainer)
@@ -132,12 +148,12 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
       s.engines[other.member.id] = {cid, other.member, Outcome::pending, {}};
   }
   open_step_ = std::move(s);
-  if (metrics_) metrics_->step_begun(plan_id);
+  if (metrics_) metrics_->step_begun(b.plan_id);
   reply(conn, id, step_reply(*open_step_));
   answer_followers();
   Json announce = wire::make(Kind::step_begin);
-  announce["step"] = step;
-  announce["plan_id"] = plan_id;
+  announce["step"] = b.step;
+  announce["plan_id"] = b.plan_id;
   if (replicas) announce["replicas"] = *replicas;
   for (ConnId e : registered_conns(Role::engine)) outbox_.send(e, announce);
   for (ConnId o : registered_conns(Role::observer)) outbox_.send(o, announce);
@@ -214,31 +230,26 @@ void CoordinatorState::try_decide() {
   decide();
 }
 
-void CoordinatorState::decide() {
-  const OpenStep s = std::move(*open_step_);
-  open_step_.reset();
-  last_decided_ = s.step;
-  // The reason names the trainer that failed (a step is decided as soon as
-  // one fails), not one that was still sending when that happened.
-  std::string trainer_failure, trainer_pending;
+// Why the trainers failed the step, or empty when every one sent ok. The
+// reason names the trainer that failed (a step is decided as soon as one
+// fails), not one that was still sending when that happened.
+std::string CoordinatorState::trainer_failure_of(const OpenStep& s) const {
+  std::string failure, pending;
   for (const auto& [id, p] : s.trainers) {
-    if (p.outcome == Outcome::failed && trainer_failure.empty())
-      trainer_failure = p.reason.empty() ? cat(who(p.member), " failed") : p.reason;
-    if (p.outcome == Outcome::pending && trainer_pending.empty())
-      trainer_pending = cat(who(p.member), " did not finish");
+    if (p.outcome == Outcome::failed && failure.empty())
+      failure = p.reason.empty() ? cat(who(p.member), " failed") : p.reason;
+    if (p.outcome == Outcome::pending && pending.empty())
+      pending = cat(who(p.member), " did not finish");
   }
-  if (trainer_failure.empty()) trainer_failure = trainer_pending;
-  const bool trainers_ok = trainer_failure.empty();
+  return failure.empty() ? pending : failure;
+}
 
-  std::vector<const Participant*> engines;
-  for (const auto& [id, p] : s.engines) engines.push_back(&p);
-  std::sort(engines.begin(), engines.end(),
-            [](auto* a, auto* b) { return a->member.rank < b->member.rank; });
-  // A replica commits whole or not at all: its ranks serve one model
-  // together, so one rank that failed (or died, or did not ack) aborts the
-  // step on every rank of its replica, which keep their previous version.
-  // (An engine that named no replica is a replica of its own.)
-  auto replica_of = [](const Member& m) { return m.replica >= 0 ? m.replica : -1 - m.rank; };
+// A replica commits whole or not at all: its ranks serve one model
+// together, so one rank that failed (or died, or did not ack) aborts the
+// step on every rank of its replica, which keep their previous version.
+// Returns the first failure of each replica that has one.
+std::map<int, std::string> CoordinatorState::replica_failures(
+    const std::vector<const Participant*>& engines) const {
   std::map<int, std::string> replica_failure;
   for (const Participant* p : engines) {
     if (p->outcome == Outcome::ok && conns_.count(p->conn) > 0) continue;
@@ -248,6 +259,28 @@ void CoordinatorState::decide() {
             : p->reason.empty()            ? cat(who(p->member), " failed")
                                            : p->reason;
   }
+  return replica_failure;
+}
+
+void CoordinatorState::send_abort(ConnId conn, int64_t step, const std::string& reason) {
+  Json abort = wire::make(Kind::abort);
+  abort["step"] = step;
+  abort["reason"] = reason;
+  outbox_.send(conn, abort);
+}
+
+void CoordinatorState::decide() {
+  const OpenStep s = std::move(*open_step_);
+  open_step_.reset();
+  last_decided_ = s.step;
+  const std::string trainer_failure = trainer_failure_of(s);
+  const bool trainers_ok = trainer_failure.empty();
+
+  std::vector<const Participant*> engines;
+  for (const auto& [id, p] : s.engines) engines.push_back(&p);
+  std::sort(engines.begin(), engines.end(),
+            [](auto* a, auto* b) { return a->member.rank < b->member.rank; });
+  const std::map<int, std::string> replica_failure = replica_failures(engines);
   Json committed = Json::array(), failed = Json::array();
   for (const Participant* p : engines) {
     const bool alive = conns_.count(p->conn) > 0;
@@ -257,10 +290,7 @@ void CoordinatorState::decide() {
       // Acked ok, but another rank of its replica did not.
       const std::string reason =
           cat("replica ", p->member.replica, " aborts whole: ", replica_failed->second);
-      Json abort = wire::make(Kind::abort);
-      abort["step"] = s.step;
-      abort["reason"] = reason;
-      outbox_.send(p->conn, abort);
+      send_abort(p->conn, s.step, reason);
       failed.push_back(Json{{"rank", p->member.rank}, {"reason", reason}});
       continue;
     }
@@ -275,12 +305,7 @@ void CoordinatorState::decide() {
     std::string reason = !trainers_ok                     ? cat("step aborted: ", trainer_failure)
                          : p->outcome == Outcome::pending ? cat(who(p->member), " did not ack")
                                                           : p->reason;
-    if (alive) {
-      Json abort = wire::make(Kind::abort);
-      abort["step"] = s.step;
-      abort["reason"] = reason;
-      outbox_.send(p->conn, abort);
-    }
+    if (alive) send_abort(p->conn, s.step, reason);
     failed.push_back(Json{{"rank", p->member.rank}, {"reason", reason}});
   }
   Json result = wire::make(Kind::step_result);
