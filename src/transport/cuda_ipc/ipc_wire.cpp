@@ -136,79 +136,101 @@ void put_fields(Writer& w, const Expose& m) {
   }
 }
 
+// The fields of each message, read in the order put_fields writes them.
+void get_fields(Reader& r, Hello& m) {
+  m.rank = r.get<int32_t>("rank");
+  m.world = r.get<int32_t>("world");
+  m.instance = r.get<uint64_t>("instance");
+  m.prefix = r.str("prefix");
+}
+void get_fields(Reader& r, RegionMsg& m) {
+  m.region_id = r.get<uint64_t>("region id");
+  m.kind = r.get<uint32_t>("handle kind");
+  m.bytes = r.get<uint64_t>("region size");
+  m.exporter = r.get<uint64_t>("exporter");
+  m.base = r.get<uint64_t>("base");
+  m.handle = r.blob("handle");
+  m.handle_bytes = r.get<uint32_t>("handle size");
+  m.fd_count = r.get<uint32_t>("descriptor count");
+}
+void get_fields(Reader& r, RegionMore& m) {
+  m.region_id = r.get<uint64_t>("region id");
+  m.handle = r.blob("handle");
+}
+void get_fields(Reader& r, Release& m) {
+  m.region_id = r.get<uint64_t>("region id");
+}
+void get_fields(Reader& r, Released& m) {
+  m.region_id = r.get<uint64_t>("region id");
+}
+void get_fields(Reader& r, RecvPosted& m) {
+  m.recv_id = r.get<uint64_t>("receive id");
+  m.tag = r.get<Tag>("tag");
+  m.region_id = r.get<uint64_t>("region id");
+  m.offset = r.get<uint64_t>("offset");
+  m.capacity = r.get<uint64_t>("capacity");
+}
+void get_fields(Reader& r, Cancel& m) {
+  m.recv_id = r.get<uint64_t>("receive id");
+}
+void get_fields(Reader& r, Cancelled& m) {
+  m.recv_id = r.get<uint64_t>("receive id");
+}
+void get_fields(Reader& r, Complete& m) {
+  m.recv_id = r.get<uint64_t>("receive id");
+  const auto status = r.get<uint32_t>("status");
+  if (status > static_cast<uint32_t>(CompleteStatus::declined))
+    fail(Errc::protocol, "cuda_ipc: malformed complete packet: status ", status);
+  m.status = static_cast<CompleteStatus>(status);
+  m.bytes = r.get<uint64_t>("bytes");
+  m.error = r.str("error");
+}
+void get_fields(Reader& r, Expose& m) {
+  m.expose_id = r.get<uint64_t>("expose id");
+  m.tag = r.get<Tag>("tag");
+  m.total = r.get<uint32_t>("entry total");
+  const auto count = r.get<uint32_t>("entry count");
+  if (count > kExposeSlice || count > m.total)
+    fail(Errc::protocol, "cuda_ipc: malformed expose packet: ", count, " entries of ", m.total,
+         " (at most ", kExposeSlice, " a packet)");
+  m.entries.resize(count);
+  for (ExposeEntry& e : m.entries) {
+    e.region_id = r.get<uint64_t>("entry region id");
+    e.offset = r.get<uint64_t>("entry offset");
+    e.bytes = r.get<uint64_t>("entry bytes");
+  }
+}
+
+template <class T>
+Message read_as(Reader& r) {
+  T m;
+  get_fields(r, m);
+  return m;
+}
+
+// A message's type on the wire is its index in Message.
 Message read_fields(Reader& r, uint16_t type) {
   switch (type) {
-    case 0: {
-      Hello m;
-      m.rank = r.get<int32_t>("rank");
-      m.world = r.get<int32_t>("world");
-      m.instance = r.get<uint64_t>("instance");
-      m.prefix = r.str("prefix");
-      return m;
-    }
-    case 1: {
-      RegionMsg m;
-      m.region_id = r.get<uint64_t>("region id");
-      m.kind = r.get<uint32_t>("handle kind");
-      m.bytes = r.get<uint64_t>("region size");
-      m.exporter = r.get<uint64_t>("exporter");
-      m.base = r.get<uint64_t>("base");
-      m.handle = r.blob("handle");
-      m.handle_bytes = r.get<uint32_t>("handle size");
-      m.fd_count = r.get<uint32_t>("descriptor count");
-      return m;
-    }
-    case 2: {
-      RegionMore m;
-      m.region_id = r.get<uint64_t>("region id");
-      m.handle = r.blob("handle");
-      return m;
-    }
+    case 0:
+      return read_as<Hello>(r);
+    case 1:
+      return read_as<RegionMsg>(r);
+    case 2:
+      return read_as<RegionMore>(r);
     case 3:
-      return Release{r.get<uint64_t>("region id")};
-    case 4: {
-      RecvPosted m;
-      m.recv_id = r.get<uint64_t>("receive id");
-      m.tag = r.get<Tag>("tag");
-      m.region_id = r.get<uint64_t>("region id");
-      m.offset = r.get<uint64_t>("offset");
-      m.capacity = r.get<uint64_t>("capacity");
-      return m;
-    }
+      return read_as<Release>(r);
+    case 4:
+      return read_as<RecvPosted>(r);
     case 5:
-      return Cancel{r.get<uint64_t>("receive id")};
+      return read_as<Cancel>(r);
     case 6:
-      return Cancelled{r.get<uint64_t>("receive id")};
-    case 7: {
-      Complete m;
-      m.recv_id = r.get<uint64_t>("receive id");
-      const auto status = r.get<uint32_t>("status");
-      if (status > static_cast<uint32_t>(CompleteStatus::declined))
-        fail(Errc::protocol, "cuda_ipc: malformed complete packet: status ", status);
-      m.status = static_cast<CompleteStatus>(status);
-      m.bytes = r.get<uint64_t>("bytes");
-      m.error = r.str("error");
-      return m;
-    }
+      return read_as<Cancelled>(r);
+    case 7:
+      return read_as<Complete>(r);
     case 8:
-      return Released{r.get<uint64_t>("region id")};
-    case 9: {
-      Expose m;
-      m.expose_id = r.get<uint64_t>("expose id");
-      m.tag = r.get<Tag>("tag");
-      m.total = r.get<uint32_t>("entry total");
-      const auto count = r.get<uint32_t>("entry count");
-      if (count > kExposeSlice || count > m.total)
-        fail(Errc::protocol, "cuda_ipc: malformed expose packet: ", count, " entries of ", m.total,
-             " (at most ", kExposeSlice, " a packet)");
-      m.entries.resize(count);
-      for (ExposeEntry& e : m.entries) {
-        e.region_id = r.get<uint64_t>("entry region id");
-        e.offset = r.get<uint64_t>("entry offset");
-        e.bytes = r.get<uint64_t>("entry bytes");
-      }
-      return m;
-    }
+      return read_as<Released>(r);
+    case 9:
+      return read_as<Expose>(r);
     default:
       fail(Errc::protocol, "cuda_ipc: unknown message type ", type);
   }
