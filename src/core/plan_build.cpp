@@ -42,6 +42,48 @@ void check_segment_shape(const Segment& s, const EngineParam& p, int rank) {
          shape_str(p.shape));
 }
 
+// FP8 engines: a quantized weight receives its trainer's BF16, F16 or F32
+// bytes, quantized on the engine rank (DESIGN.md "FP8 engines"), all of one
+// dtype (`first`: the trainer's key of the param's first segment); any other
+// param receives its own dtype.
+void check_segment_dtype(const Segment& s, const EngineParam& param, const PlanKey& key,
+                         const PlanKey* first, int rank) {
+  if (param.quant) {
+    if (!fp8::quantizable_source(key.dtype))
+      fail(Errc::invalid_layout, "engine rank ", rank, " param '", param.name,
+           "' is FP8, quantized from the trainer's data, but the trainer holds '", s.hf_key,
+           "' as ", dtype_name(key.dtype), " (the quantizer takes BF16, F16 or F32)");
+    if (first->dtype != key.dtype)
+      fail(Errc::invalid_layout, "engine rank ", rank, " param '", param.name,
+           "' is FP8, quantized from one source dtype, but the trainer holds '", first->name,
+           "' as ", dtype_name(first->dtype), " and '", s.hf_key, "' as ", dtype_name(key.dtype));
+  } else if (param.dtype != key.dtype) {
+    fail(Errc::invalid_layout, "engine rank ", rank, " param '", param.name, "' is ",
+         dtype_name(param.dtype), " but the trainer holds '", s.hf_key, "' as ",
+         dtype_name(key.dtype));
+  }
+}
+
+// A segment's boxes and, for an FP8 param, how it is quantized (the caller
+// fills in its template, param and key).
+Plan::SegmentRef segment_ref(const PlanOptions& options, const Segment& s,
+                             const EngineParam& param) {
+  Plan::SegmentRef ref;
+  ref.transpose = s.transpose;
+  ref.hf_box = s.hf_box;
+  ref.param_box = s.param_box;
+  if (param.quant) {
+    // A candidate for quantizing on the sender; decide_fp8_sites keeps
+    // it when every item of the param holds whole blocks.
+    ref.fp8_wire = options.mode == PlanMode::p2p && options.fp8_site == Fp8Site::sender &&
+                   !s.transpose && s.hf_box.rank() == 2 && param.quant->block_rows == fp8::kBlock &&
+                   param.quant->block_cols == fp8::kBlock;
+    ref.fp8_format = param.quant->scale;
+    ref.scale_param = param.scale_param;
+  }
+  return ref;
+}
+
 }  // namespace
 
 PlanBuilder::PlanBuilder(const TrainerLayout& trainer, const EngineLayout& engine,
@@ -170,46 +212,19 @@ void PlanBuilder::collect_segments() {
           fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name, "': box ",
                box_str(s.hf_box), " of '", s.hf_key, "' outside its trainer shape ",
                shape_str(key.shape));
-        // FP8 engines: a quantized weight receives its trainer's BF16, F16 or
-        // F32 bytes, quantized on the engine rank (DESIGN.md "FP8 engines").
-        if (param.quant) {
-          if (!fp8::quantizable_source(key.dtype))
-            fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name,
-                 "' is FP8, quantized from the trainer's data, but the trainer holds '", s.hf_key,
-                 "' as ", dtype_name(key.dtype), " (the quantizer takes BF16, F16 or F32)");
-          const PlanKey& first =
-              plan_.keys_[static_cast<size_t>(key_ids.at(param.segments.front().hf_key))];
-          if (first.dtype != key.dtype)
-            fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name,
-                 "' is FP8, quantized from one source dtype, but the trainer holds '", first.name,
-                 "' as ", dtype_name(first.dtype), " and '", s.hf_key, "' as ",
-                 dtype_name(key.dtype));
-        } else if (param.dtype != key.dtype) {
-          fail(Errc::invalid_layout, "engine rank ", r, " param '", param.name, "' is ",
-               dtype_name(param.dtype), " but the trainer holds '", s.hf_key, "' as ",
-               dtype_name(key.dtype));
-        }
+        const PlanKey* first =
+            param.quant
+                ? &plan_.keys_[static_cast<size_t>(key_ids.at(param.segments.front().hf_key))]
+                : nullptr;
+        check_segment_dtype(s, param, key, first, r);
         check_segment_shape(s, param, r);
         if (s.hf_box.empty()) continue;
         key_segments_[static_cast<size_t>(it->second)].push_back(
             static_cast<int32_t>(plan_.segments_.size()));
-        Plan::SegmentRef ref;
+        Plan::SegmentRef ref = segment_ref(plan_.options_, s, param);
         ref.tp_rank = t;
         ref.param = static_cast<int32_t>(q);
         ref.key = it->second;
-        ref.transpose = s.transpose;
-        ref.hf_box = s.hf_box;
-        ref.param_box = s.param_box;
-        if (param.quant) {
-          // A candidate for quantizing on the sender; decide_fp8_sites keeps
-          // it when every item of the param holds whole blocks.
-          ref.fp8_wire = plan_.options_.mode == PlanMode::p2p &&
-                         plan_.options_.fp8_site == Fp8Site::sender && !s.transpose &&
-                         s.hf_box.rank() == 2 && param.quant->block_rows == fp8::kBlock &&
-                         param.quant->block_cols == fp8::kBlock;
-          ref.fp8_format = param.quant->scale;
-          ref.scale_param = param.scale_param;
-        }
         seg_quant_.push_back(param.quant.has_value());
         plan_.segments_.push_back(std::move(ref));
       }

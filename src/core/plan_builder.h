@@ -54,8 +54,11 @@ class PlanBuilder {
   // overlaps of the groups that have it.
   template <class F>
   void for_each_p2p_item(const P2pChoices& c, F f) const;
+  struct LinkEntry;  // a p2p item's piece and overlap (plan_pack.cpp)
+  std::vector<LinkEntry> sort_by_link(const P2pChoices& c) const;
   void pack_p2p_links(const P2pChoices& choices);
   void build_broadcast();
+  void choose_broadcast_roots();
   void build_apply_items();
   uint64_t hash_inputs() const;
   int64_t item_bytes(const PlanItem& item) const;

@@ -111,32 +111,37 @@ void index_items(std::vector<Bucket>& buckets, const std::vector<PlanItem>& item
 
 }  // namespace
 
+struct PlanBuilder::LinkEntry {
+  int32_t piece;
+  uint32_t overlap;
+};
+
+// A stable counting sort by link scatters 8-byte (piece, overlap) pairs into
+// link order; the items are then built once, sequentially, into storage
+// reserved up front. At 1T-model scale (millions of items) fresh pages and
+// gathers through permutations cost more than the packing itself, so
+// nothing larger than the items themselves is materialized.
+std::vector<PlanBuilder::LinkEntry> PlanBuilder::sort_by_link(const P2pChoices& c) const {
+  const size_t engines = static_cast<size_t>(plan_.engine_world_);
+  std::vector<LinkEntry> sorted(c.holders.size());
+  std::vector<uint32_t> next(c.link_first.begin(), c.link_first.end() - 1);
+  // The same walk as build_p2p's: replica-major, each replica over its
+  // group's overlaps.
+  for_each_p2p_item(c, [&](size_t k, size_t o, int dst) {
+    const uint32_t pos = c.holders[k];
+    const size_t l = static_cast<size_t>(sorted_rank_[pos]) * engines + static_cast<size_t>(dst);
+    sorted[next[l]++] = {static_cast<int32_t>(sorted_pieces_[pos]), static_cast<uint32_t>(o)};
+  });
+  return sorted;
+}
+
 void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
   auto ov_key = [&](const PlanItem& it) {
     return plan_.pieces_[static_cast<size_t>(it.piece)].key;
   };
-  // A stable counting sort by link scatters 8-byte (piece, overlap) pairs into
-  // link order; the items are then built once, sequentially, into storage
-  // reserved up front. At 1T-model scale (millions of items) fresh pages and
-  // gathers through permutations cost more than the packing itself, so
-  // nothing larger than the items themselves is materialized.
   const size_t engines = static_cast<size_t>(plan_.engine_world_);
   const size_t links = c.link_first.size() - 1;
-  struct Entry {
-    int32_t piece;
-    uint32_t overlap;
-  };
-  std::vector<Entry> sorted(c.holders.size());
-  {
-    std::vector<uint32_t> next(c.link_first.begin(), c.link_first.end() - 1);
-    // The same walk as build_p2p's: replica-major, each replica over its
-    // group's overlaps.
-    for_each_p2p_item(c, [&](size_t k, size_t o, int dst) {
-      const uint32_t pos = c.holders[k];
-      const size_t l = static_cast<size_t>(sorted_rank_[pos]) * engines + static_cast<size_t>(dst);
-      sorted[next[l]++] = {static_cast<int32_t>(sorted_pieces_[pos]), static_cast<uint32_t>(o)};
-    });
-  }
+  const std::vector<LinkEntry> sorted = sort_by_link(c);
   std::vector<PlanItem>& out = plan_.items_;
   out.reserve(sorted.size() + sorted.size() / 64);  // room for split items
   BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
@@ -226,7 +231,12 @@ void PlanBuilder::build_broadcast() {
   }
   plan_.items_ = std::move(items);
   index_items(plan_.buckets_, plan_.items_);
-  // Roots rotate: each bucket goes to the least-loaded trainer rank (NIC first).
+  choose_broadcast_roots();
+  build_apply_items();
+}
+
+// Roots rotate: each bucket goes to the least-loaded trainer rank (NIC first).
+void PlanBuilder::choose_broadcast_roots() {
   const int world = plan_.trainer_world_;
   for (Bucket& b : plan_.buckets_) {
     int best = 0;
@@ -241,7 +251,6 @@ void PlanBuilder::build_broadcast() {
     rank_load_[static_cast<size_t>(best)] += b.bytes;
     nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(best)])] += b.bytes;
   }
-  build_apply_items();
 }
 
 void PlanBuilder::build_apply_items() {
