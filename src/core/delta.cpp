@@ -159,6 +159,73 @@ void count_changes(const uint8_t* next, const uint8_t* base, size_t bytes, uint6
   }
 }
 
+// The changed elements of a chunk, from its blocks' `flags` (`k` of them in
+// `blocks` blocks): their indices, ascending, into `index`, and their new
+// values from `next` into `values` (also written into the base).
+template <int E>
+inline void take_changes(const uint64_t* flags, size_t blocks, int64_t k, const uint8_t* next,
+                         uint8_t* base, uint8_t* values, uint16_t* index) {
+  auto take_value = [&](int64_t i, int64_t e) {  // changed element e, the i-th
+    std::memcpy(values + i * E, next + e * E, E);
+    std::memcpy(base + e * E, next + e * E, E);
+  };
+  int64_t t = 0;
+  if (static_cast<size_t>(k) * 8 < blocks || static_cast<size_t>(k) > 2 * blocks) {
+    // Few blocks hold a change (a branch past the others goes one way), or
+    // most hold several (the loop over a block's changes runs long): a
+    // branch on each.
+    for (size_t j = 0; j < blocks; ++j) {
+      for (uint64_t f = flags[j]; f; f &= f - 1) {
+        const auto e = static_cast<int64_t>(j * (64 / E)) + std::countr_zero(f) / E;
+        index[t] = static_cast<uint16_t>(e);
+        take_value(t++, e);
+      }
+    }
+    return;
+  }
+  // About one a block: each block takes two slots whether it has a change
+  // or not (a slot is kept only when it names one), so that the loop does
+  // not branch on how many a block has; the rare third and later come
+  // after them.
+  constexpr uint64_t kNone = uint64_t{1} << 63;  // a slot's index when a block has no more
+  for (size_t j = 0; j < blocks; ++j) {
+    uint64_t f = flags[j];
+    const auto first = static_cast<uint16_t>(j * (64 / E));
+    index[t] = static_cast<uint16_t>(first + std::countr_zero(f | kNone) / E);
+    t += f != 0;
+    f &= f - 1;
+    index[t] = static_cast<uint16_t>(first + std::countr_zero(f | kNone) / E);
+    t += f != 0;
+    f &= f - 1;
+    for (; f; f &= f - 1) index[t++] = static_cast<uint16_t>(first + std::countr_zero(f) / E);
+  }
+  for (int64_t i = 0; i < k; ++i) take_value(i, index[i]);
+}
+
+// A list or runs record's table at `table`: the `k` ascending `index`es as
+// they are (little-endian, as the format), or the runs they form as (start,
+// length) pairs.
+inline void write_table(uint8_t* table, const uint16_t* index, int64_t k, bool list) {
+  if (list) {
+    std::memcpy(table, index, static_cast<size_t>(2 * k));
+    return;
+  }
+  int64_t start = index[0], end = start + 1;  // the open run, [start, end)
+  for (int64_t i = 1; i <= k; ++i) {
+    if (i < k && index[i] == end) {
+      ++end;
+      continue;
+    }
+    put_u16(table, static_cast<uint16_t>(start));
+    put_u16(table + 2, static_cast<uint16_t>(end - start));
+    table += 4;
+    if (i < k) {
+      start = index[i];
+      end = start + 1;
+    }
+  }
+}
+
 // One chunk of `n` elements: the record at `out`, `base` brought up to
 // `next`. A first pass counts the changed elements and their runs, which
 // decides the record's kind and its layout; a second pass, for a list or
@@ -189,64 +256,10 @@ int64_t encode_chunk(const uint8_t* next, uint8_t* base, int64_t n, uint8_t* out
   }
   const bool list = list_bytes <= runs_bytes;
   put_u16(out, list ? head(ChunkKind::list, k) : head(ChunkKind::runs, runs));
-  // The changed elements' indices, ascending, and their new values (also
-  // written into the base).
   uint16_t index[kChunkElements + 2];
   uint8_t* values = out + 2 + (list ? 2 * k : 4 * runs);
-  auto take_value = [&](int64_t i, int64_t e) {  // changed element e, the i-th
-    std::memcpy(values + i * E, next + e * E, E);
-    std::memcpy(base + e * E, next + e * E, E);
-  };
-  int64_t t = 0;
-  if (static_cast<size_t>(k) * 8 < blocks || static_cast<size_t>(k) > 2 * blocks) {
-    // Few blocks hold a change (a branch past the others goes one way), or
-    // most hold several (the loop over a block's changes runs long): a
-    // branch on each.
-    for (size_t j = 0; j < blocks; ++j) {
-      for (uint64_t f = flags[j]; f; f &= f - 1) {
-        const auto e = static_cast<int64_t>(j * (64 / E)) + std::countr_zero(f) / E;
-        index[t] = static_cast<uint16_t>(e);
-        take_value(t++, e);
-      }
-    }
-  } else {
-    // About one a block: each block takes two slots whether it has a change
-    // or not (a slot is kept only when it names one), so that the loop does
-    // not branch on how many a block has; the rare third and later come
-    // after them.
-    constexpr uint64_t kNone = uint64_t{1} << 63;  // a slot's index when a block has no more
-    for (size_t j = 0; j < blocks; ++j) {
-      uint64_t f = flags[j];
-      const auto first = static_cast<uint16_t>(j * (64 / E));
-      index[t] = static_cast<uint16_t>(first + std::countr_zero(f | kNone) / E);
-      t += f != 0;
-      f &= f - 1;
-      index[t] = static_cast<uint16_t>(first + std::countr_zero(f | kNone) / E);
-      t += f != 0;
-      f &= f - 1;
-      for (; f; f &= f - 1) index[t++] = static_cast<uint16_t>(first + std::countr_zero(f) / E);
-    }
-    for (int64_t i = 0; i < k; ++i) take_value(i, index[i]);
-  }
-  uint8_t* table = out + 2;
-  if (list) {
-    std::memcpy(table, index, static_cast<size_t>(2 * k));  // little-endian, as the format
-  } else {
-    int64_t start = index[0], end = start + 1;  // the open run, [start, end)
-    for (int64_t i = 1; i <= k; ++i) {
-      if (i < k && index[i] == end) {
-        ++end;
-        continue;
-      }
-      put_u16(table, static_cast<uint16_t>(start));
-      put_u16(table + 2, static_cast<uint16_t>(end - start));
-      table += 4;
-      if (i < k) {
-        start = index[i];
-        end = start + 1;
-      }
-    }
-  }
+  take_changes<E>(flags, blocks, k, next, base, values, index);
+  write_table(out + 2, index, k, list);
   if (stats) ++stats->chunks[list ? 1 : 2];
   return list ? list_bytes : runs_bytes;
 }
@@ -343,6 +356,60 @@ struct Record {
   int64_t values = 0;  // the new elements
 };
 
+// Checks the record of one chunk of `n` elements at byte `at` of the
+// encoding (`bytes` long) up to its values, and returns it with the number of
+// `values` it carries; `bad(why...)` throws naming the chunk.
+template <class Bad>
+Record read_record(const uint8_t* enc, int64_t bytes, int64_t at, int64_t n, int64_t& values,
+                   Bad bad) {
+  if (at + 2 > bytes) bad("the encoding ends at byte ", bytes, " before its record");
+  const uint16_t h = get_u16(enc + at);
+  Record r;
+  r.kind = static_cast<ChunkKind>(h >> kKindShift);
+  r.count = h & kCountMask;
+  r.table = at + 2;
+  values = 0;
+  switch (r.kind) {
+    case ChunkKind::unchanged:
+    case ChunkKind::dense:
+      if (r.count != 0) bad("count ", r.count, " in a record that takes none");
+      values = r.kind == ChunkKind::dense ? n : 0;
+      r.values = r.table;
+      break;
+    case ChunkKind::list: {
+      if (r.count < 1 || r.count > n) bad("a list of ", r.count, " elements");
+      if (r.table + r.count * 2 > bytes) bad("the encoding ends inside its indices");
+      int64_t prev = -1;
+      for (int64_t j = 0; j < r.count; ++j) {
+        const int64_t i = get_u16(enc + r.table + j * 2);
+        if (i <= prev || i >= n)
+          bad("index ", i, " after ", prev, " (ascending, below ", n, " expected)");
+        prev = i;
+      }
+      values = r.count;
+      r.values = r.table + r.count * 2;
+      break;
+    }
+    case ChunkKind::runs: {
+      if (r.count < 1 || r.count > n) bad(r.count, " runs");
+      if (r.table + r.count * 4 > bytes) bad("the encoding ends inside its runs");
+      int64_t end = 0;
+      for (int64_t j = 0; j < r.count; ++j) {
+        const int64_t start = get_u16(enc + r.table + j * 4);
+        const int64_t len = get_u16(enc + r.table + j * 4 + 2);
+        if (len < 1 || start < end || start + len > n)
+          bad("run ", j, " [", start, ", ", start + len, ") (apart, ascending, non-empty, ",
+              "inside ", n, " elements expected)");
+        end = start + len;
+        values += len;
+      }
+      r.values = r.table + r.count * 4;
+      break;
+    }
+  }
+  return r;
+}
+
 // Checks a whole encoding of `elements` elements and returns its records,
 // one per chunk: Errc::format naming `what`, the chunk and the fault.
 template <int E>
@@ -357,51 +424,8 @@ std::vector<Record> parse_records(const uint8_t* enc, int64_t bytes, int64_t ele
       fail(Errc::format, what, ": delta chunk ", chunk, " (elements ", first, "..", first + n,
            "): ", why...);
     };
-    if (at + 2 > bytes) bad("the encoding ends at byte ", bytes, " before its record");
-    const uint16_t h = get_u16(enc + at);
-    Record r;
-    r.kind = static_cast<ChunkKind>(h >> kKindShift);
-    r.count = h & kCountMask;
-    r.table = at + 2;
     int64_t values = 0;
-    switch (r.kind) {
-      case ChunkKind::unchanged:
-      case ChunkKind::dense:
-        if (r.count != 0) bad("count ", r.count, " in a record that takes none");
-        values = r.kind == ChunkKind::dense ? n : 0;
-        r.values = r.table;
-        break;
-      case ChunkKind::list: {
-        if (r.count < 1 || r.count > n) bad("a list of ", r.count, " elements");
-        if (r.table + r.count * 2 > bytes) bad("the encoding ends inside its indices");
-        int64_t prev = -1;
-        for (int64_t j = 0; j < r.count; ++j) {
-          const int64_t i = get_u16(enc + r.table + j * 2);
-          if (i <= prev || i >= n)
-            bad("index ", i, " after ", prev, " (ascending, below ", n, " expected)");
-          prev = i;
-        }
-        values = r.count;
-        r.values = r.table + r.count * 2;
-        break;
-      }
-      case ChunkKind::runs: {
-        if (r.count < 1 || r.count > n) bad(r.count, " runs");
-        if (r.table + r.count * 4 > bytes) bad("the encoding ends inside its runs");
-        int64_t end = 0;
-        for (int64_t j = 0; j < r.count; ++j) {
-          const int64_t start = get_u16(enc + r.table + j * 4);
-          const int64_t len = get_u16(enc + r.table + j * 4 + 2);
-          if (len < 1 || start < end || start + len > n)
-            bad("run ", j, " [", start, ", ", start + len, ") (apart, ascending, non-empty, ",
-                "inside ", n, " elements expected)");
-          end = start + len;
-          values += len;
-        }
-        r.values = r.table + r.count * 4;
-        break;
-      }
-    }
+    const Record r = read_record(enc, bytes, at, n, values, bad);
     at = r.values + values * E;
     if (at > bytes) bad("the encoding ends inside its values");
     records.push_back(r);
