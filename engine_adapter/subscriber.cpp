@@ -1,5 +1,6 @@
 #include <weightsync/control.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/subscriber.h>
 #include <weightsync/topology.h>
 #include <weightsync/trace.h>
@@ -7,7 +8,6 @@
 #include "core/cuda/gpu.h"
 #include "subscriber_fp8.h"
 #include "subscriber_pipeline.h"
-#include "transport/staging.h"
 #include "weights_delivery.h"
 
 #include <nlohmann/json.hpp>
@@ -67,8 +67,11 @@ struct Subscriber::Impl : pipeline::Endpoint {
   bool leader_changed = false;
 
   const EngineRankLayout& rank_layout() const { return engine.rank_layout(global); }
-  std::string key(const std::string& what) const { return opt.job + "/" + what; }
   void ensure_ready();
+  // ensure_ready's checks: every param registered, or none in load_weights
+  // mode (which takes no FP8 config and no staging copy).
+  void check_registered_all(const std::string& who) const;
+  std::vector<int> likely_replicas();
   void build_receiver(const Plan& p);
   // The plan for `replicas` and a receive pipeline for it, unless the
   // current plan is for them already.
@@ -93,6 +96,14 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // connection (the transport's reconnect), as publishers do for engines.
   void follow_trainers();
   StepOutcome run_one(const control::StepBegin& begin);
+  // run_one's parts: the step's data received (nullopt: the step was
+  // aborted meanwhile), the params given it before the ack, the ack (and
+  // the outcome's counts), and the version taken at commit.
+  std::optional<engine::ReceiveReport> receive(const control::StepBegin& begin,
+                                               Clock::time_point deadline, StepOutcome& out);
+  void apply(int64_t step, engine::ReceiveReport& report, StepOutcome& out);
+  control::StepAck acked(int64_t step, const engine::ReceiveReport& report, StepOutcome& out) const;
+  void commit(int64_t step, StepOutcome& out);
   // Runs a hook; "" when it returned, else the failure (naming the hook).
   std::string run_hook(const std::function<void(int64_t)>& hook, const char* name, int64_t step);
   void end_hook(StepOutcome& out);
@@ -103,8 +114,52 @@ struct Subscriber::Impl : pipeline::Endpoint {
 
 void Subscriber::Impl::ensure_ready() {
   if (ready) return;
-  const auto& ps = rank_layout().params;
   const std::string who = cat("engine rank ", global);
+  check_registered_all(who);
+  pipeline::SetupSpec spec;
+  spec.who = who;
+  spec.trainer_side = false;
+  spec.rank = global;
+  spec.job = opt.job;
+  spec.transport = opt.transport;
+  spec.trainer = opt.trainer;
+  spec.engine = engine;
+  const auto& ps = rank_layout().params;
+  spec.memory = on_weights ? weights_memory()
+                           : pipeline::rank_memory(
+                                 params, [&](size_t i) { return ps[i].name; }, spec.who);
+  spec.connect_timeout = opt.connect_timeout;
+  pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
+  trainer = std::move(dp.trainer);
+  take(dp);
+  if (elastic) {
+    use_plan(likely_replicas());
+  } else {
+    build_receiver(*dp.plan);
+    plan = std::move(dp.plan);
+  }
+  // Elastic: engines only ever talk with trainers, and other replicas come and go.
+  pipeline::connect_peers(*transport, elastic ? static_cast<int>(trainer->mesh.world()) : 0);
+  trainer_member.assign(static_cast<size_t>(trainer->mesh.world()), 0);
+  for (const auto& mem : client->members())
+    if (mem.role == control::Role::trainer && mem.rank >= 0 &&
+        mem.rank < static_cast<int>(trainer_member.size()))
+      trainer_member[static_cast<size_t>(mem.rank)] = mem.id;
+  if (elastic) {
+    // Ready for steps: trainer rank 0 may now include this rank's replica.
+    const std::string id = std::to_string(client->member_id());
+    client->set(pipeline::JobKeys{opt.job}.ready(global),
+                std::vector<uint8_t>(id.begin(), id.end()));
+  }
+  // The options read above may be those of a process that held trainer
+  // rank 0 just before the one recorded here: read them again at the first
+  // step (one fetch; nothing is rebuilt when they are the same).
+  leader_changed = true;
+  ready = true;
+}
+
+void Subscriber::Impl::check_registered_all(const std::string& who) const {
+  const auto& ps = rank_layout().params;
   for (size_t i = 0; i < ps.size(); ++i) {
     if (on_weights && registered[i])
       fail(Errc::invalid_argument, who, ": param '", ps[i].name, "' was registered, but in ",
@@ -120,51 +175,16 @@ void Subscriber::Impl::ensure_ready() {
   if (on_weights && opt.staging)
     fail(Errc::invalid_argument, who, ": load_weights mode (on_weights) takes no staging copy: ",
          "the engine's own loader writes its params");
-  pipeline::SetupSpec spec;
-  spec.who = who;
-  spec.trainer_side = false;
-  spec.rank = global;
-  spec.job = opt.job;
-  spec.transport = opt.transport;
-  spec.trainer = opt.trainer;
-  spec.engine = engine;
-  spec.memory = on_weights ? weights_memory()
-                           : pipeline::rank_memory(
-                                 params, [&](size_t i) { return ps[i].name; }, spec.who);
-  spec.connect_timeout = opt.connect_timeout;
-  pipeline::DataPath dp = pipeline::open_data_path(*client, spec);
-  trainer = std::move(dp.trainer);
-  take(dp);
-  if (elastic) {
-    // The plan of the membership the next step most likely serves: the
-    // replicas with a live engine, this one among them (a step that serves
-    // other ones makes its own plan).
-    std::set<int> guess{opt.replica};
-    for (const auto& m : client->members())
-      if (m.role == control::Role::engine && m.replica >= 0 && m.replica < engine.num_replicas())
-        guess.insert(m.replica);
-    use_plan(std::vector<int>(guess.begin(), guess.end()));
-  } else {
-    build_receiver(*dp.plan);
-    plan = std::move(dp.plan);
-  }
-  // Elastic: engines only ever talk with trainers, and other replicas come and go.
-  pipeline::connect_peers(*transport, elastic ? static_cast<int>(trainer->mesh.world()) : 0);
-  trainer_member.assign(static_cast<size_t>(trainer->mesh.world()), 0);
-  for (const auto& mem : client->members())
-    if (mem.role == control::Role::trainer && mem.rank >= 0 &&
-        mem.rank < static_cast<int>(trainer_member.size()))
-      trainer_member[static_cast<size_t>(mem.rank)] = mem.id;
-  if (elastic) {
-    // Ready for steps: trainer rank 0 may now include this rank's replica.
-    const std::string id = std::to_string(client->member_id());
-    client->set(pipeline::ready_key(opt.job, global), std::vector<uint8_t>(id.begin(), id.end()));
-  }
-  // The options read above may be those of a process that held trainer
-  // rank 0 just before the one recorded here: read them again at the first
-  // step (one fetch; nothing is rebuilt when they are the same).
-  leader_changed = true;
-  ready = true;
+}
+
+// The membership the next step most likely serves: the replicas with a live
+// engine, this one among them (a step that serves other ones makes its own plan).
+std::vector<int> Subscriber::Impl::likely_replicas() {
+  std::set<int> guess{opt.replica};
+  for (const auto& m : client->members())
+    if (m.role == control::Role::engine && m.replica >= 0 && m.replica < engine.num_replicas())
+      guess.insert(m.replica);
+  return {guess.begin(), guess.end()};
 }
 
 void Subscriber::Impl::build_receiver(const Plan& p) {
@@ -208,12 +228,7 @@ void Subscriber::Impl::follow_published_plan(const control::StepBegin& begin) {
            trainer->mesh.world(), " (a job keeps its trainer world)");
     const bool same_wire = now.wire.to_json() == wire.to_json();
     const bool same =
-        same_wire && now.options.mode == plan_options.mode &&
-        now.options.bucket_bytes == plan_options.bucket_bytes &&
-        now.options.fp8_site == plan_options.fp8_site &&
-        now.options.same_buckets_per_replica == plan_options.same_buckets_per_replica &&
-        now.options.replicas == plan_options.replicas &&
-        now.trainer.to_json() == trainer->to_json();
+        same_wire && now.options == plan_options && now.trainer.to_json() == trainer->to_json();
     // Nothing changed (the usual first step): no plan is made again.
     if (same && (elastic || (plan && begin.plan_id == plan->plan_id_hex()))) return;
     std::optional<Plan> p;
@@ -391,46 +406,78 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   // says why.
   const std::string begin_error = run_hook(on_begin, "on_begin", begin.step);
   weights_error.clear();
+  std::optional<engine::ReceiveReport> report = receive(begin, deadline, out);
+  if (!report) {  // aborted while receiving: no ack, no decision to wait for
+    out.reason = abort_reason;
+    out.seconds = seconds_since(start);
+    end_hook(out);
+    return out;
+  }
+  if (report->error.empty()) report->error = begin_error;
+  if (report->error.empty()) report->error = weights_error;
+  apply(begin.step, *report, out);
+  const control::StepAck ack = acked(begin.step, *report, out);
+  const auto commit_start = Clock::now();
+  {
+    TraceSpan span(opt.tracer, "ack+decision", "control");
+    // At most what is left of the step (and a second): a coordinator that
+    // cannot be reached must not hold the engine past the step's deadline.
+    client->ack(ack, std::max(Millis(1000), left_until(deadline)));
+    out.committed = wait_decision(begin.step, deadline + control::kDecisionGrace, out.reason);
+  }
+  if (out.committed) commit(begin.step, out);
+  out.phases.commit = seconds_since(commit_start);
+  out.seconds = seconds_since(start);
+  end_hook(out);
+  return out;
+}
+
+std::optional<engine::ReceiveReport> Subscriber::Impl::receive(const control::StepBegin& begin,
+                                                               Clock::time_point deadline,
+                                                               StepOutcome& out) {
   engine::ReceiveReport report;
   if (!adopt_error.empty() || !plan || !pipeline) {
     report.error = adopt_error.empty()
                        ? cat("engine rank ", global, ": no plan for step ", begin.step)
                        : adopt_error;
-  } else if (begin.plan_id != plan->plan_id_hex()) {
+    return report;
+  }
+  if (begin.plan_id != plan->plan_id_hex()) {
     report.error = cat("engine rank ", global, ": step ", begin.step, " uses plan ", begin.plan_id,
                        " but this engine computed plan ", plan->plan_id_hex(),
                        " (layouts or plan options differ)");
-  } else {
-    try {
-      pipeline->set_version(on_weights ? arena_version : version.load());
-      report = pipeline->run(
-          begin.step, *transport, [this] { poll(); }, deadline, out.phases, opt.tracer);
-    } catch (const Error& e) {
-      pipeline->cancel_all();
-      if (!abort_reason.empty()) {
-        out.reason = abort_reason;
-        out.seconds = seconds_since(start);
-        end_hook(out);
-        return out;
-      }
-      report.error = e.what();
-    }
+    return report;
   }
-  if (report.error.empty()) report.error = begin_error;
-  if (report.error.empty()) report.error = weights_error;
+  try {
+    pipeline->set_version(on_weights ? arena_version : version.load());
+    return pipeline->run(
+        begin.step, *transport, [this] { poll(); }, deadline, out.phases, opt.tracer);
+  } catch (const Error& e) {
+    pipeline->cancel_all();
+    if (!abort_reason.empty()) return std::nullopt;
+    report.error = e.what();
+    return report;
+  }
+}
+
+void Subscriber::Impl::apply(int64_t step, engine::ReceiveReport& report, StepOutcome& out) {
   // Without staging the params take the step now, before the ack; with it,
-  // at commit (below), after the staging copy is published.
+  // at commit, after the staging copy is published.
   if (report.error.empty() && !opt.staging) report.error = quantize(out);
   // load_weights mode: every tensor went to the engine; its post-load step
   // (process_weights_after_loading) belongs to the step, before the ack.
   if (report.error.empty() && on_weights) {
-    report.error = run_hook(on_loaded, "on_loaded", begin.step);
+    report.error = run_hook(on_loaded, "on_loaded", step);
     // The engine's copies out of a CUDA arena (load_weights' param.copy_)
     // may still be queued on its streams: the next step rewrites the arena.
     if (weights_memory().memory == MemoryKind::cuda) gpu::synchronize_device(opt.weights_device);
   }
+}
+
+control::StepAck Subscriber::Impl::acked(int64_t step, const engine::ReceiveReport& report,
+                                         StepOutcome& out) const {
   control::StepAck ack;
-  ack.step = begin.step;
+  ack.step = step;
   ack.ok = report.error.empty();
   ack.bytes = report.bytes;
   ack.checksum = report.checksum;
@@ -445,28 +492,18 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   out.delta_buckets = report.delta_buckets;
   out.weights_handed = weights_handed;
   out.checksum = report.checksum;
-  const auto commit_start = Clock::now();
-  {
-    TraceSpan span(opt.tracer, "ack+decision", "control");
-    // At most what is left of the step (and a second): a coordinator that
-    // cannot be reached must not hold the engine past the step's deadline.
-    client->ack(ack, std::max(Millis(1000), left_until(deadline)));
-    out.committed = wait_decision(begin.step, deadline + control::kDecisionGrace, out.reason);
+  return ack;
+}
+
+void Subscriber::Impl::commit(int64_t step, StepOutcome& out) {
+  TraceSpan span(opt.tracer, "publish", "apply");
+  if (opt.staging) {
+    publish_staging();
+    const std::string error = quantize(out);
+    if (!error.empty()) out.reason = error;
   }
-  if (out.committed) {
-    TraceSpan span(opt.tracer, "publish", "apply");
-    if (opt.staging) publish_staging();
-    if (opt.staging) {
-      const std::string error = quantize(out);
-      if (!error.empty()) out.reason = error;
-    }
-    version = begin.step;
-    if (on_weights) arena_version = begin.step;
-  }
-  out.phases.commit = seconds_since(commit_start);
-  out.seconds = seconds_since(start);
-  end_hook(out);
-  return out;
+  version = step;
+  if (on_weights) arena_version = step;
 }
 
 std::string Subscriber::Impl::run_hook(const std::function<void(int64_t)>& hook, const char* name,
@@ -513,7 +550,8 @@ Subscriber::Subscriber(SubscriberOptions options) : impl_(std::make_unique<Impl>
   m.client = std::make_unique<control::Client>(c);
   if (m.global == 0) {
     const std::string config = m.opt.engine.to_json().dump();
-    m.client->set(m.key("layout/engine"), std::vector<uint8_t>(config.begin(), config.end()));
+    m.client->set(pipeline::JobKeys{m.opt.job}.engine_config(),
+                  std::vector<uint8_t>(config.begin(), config.end()));
   }
 }
 

@@ -1,5 +1,6 @@
 #include <weightsync/control.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/publisher.h>
 #include <weightsync/topology.h>
 #include <weightsync/trace.h>
@@ -25,10 +26,6 @@ using pipeline::left_until;
 // left of the step, and at least a second (a reply may be on its way).
 Millis wait_until(Clock::time_point deadline) {
   return std::max(Millis(1000), left_until(deadline));
-}
-
-std::vector<uint8_t> bytes_of(const std::string& s) {
-  return {s.begin(), s.end()};
 }
 
 }  // namespace
@@ -111,7 +108,7 @@ std::vector<int> Publisher::Impl::choose_replicas(int64_t step, Clock::time_poin
   auto is_ready = [&](int g, uint64_t id) {
     if (auto it = ready_member.find(g); it != ready_member.end() && it->second == id) return true;
     try {
-      const auto v = client->get(pipeline::ready_key(opt.job, g), Millis(0));
+      const auto v = client->get(pipeline::JobKeys{opt.job}.ready(g), Millis(0));
       if (std::string(v.begin(), v.end()) != std::to_string(id)) return false;
     } catch (const Error& err) {
       if (err.code() != Errc::timeout) throw;
@@ -250,39 +247,9 @@ PushResult Publisher::Impl::push(int64_t step) {
     out.phases.begin = seconds_since(t);
   }
   try {
-    adopt(step, begun);
-    admit(begun.engines);
-    out.plan_id = plan->plan_id_hex();
-    out.replicas = begun.replicas.value_or(std::vector<int>{});
-    pipeline->set_engine_versions(held);
-    out.bytes_sent = pipeline->run(
-        step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
-    out.bytes_direct = pipeline->bytes_direct();
-    out.buckets_lent = pipeline->buckets_lent();
-    out.delta_buckets = pipeline->delta_buckets();
-    out.delta_bytes_whole = pipeline->delta_bytes_whole();
-    out.delta_base_bytes = pipeline->delta_base_bytes();
-    control::RankStepStats stats;
-    stats.phases = {{"begin", out.phases.begin},
-                    {"pack", out.phases.pack},
-                    {"gather", out.phases.gather},
-                    {"wire", out.phases.wire}};
-    stats.bytes = out.bytes_sent;
-    stats.staging_bytes = pipeline ? pipeline->staging_bytes() : 0;
-    client->sent(step, true, {}, wait_until(deadline), stats);
+    send(step, begun, deadline, out);
   } catch (const Error& e) {
-    std::fill(held.begin(), held.end(), int64_t{-1});
-    if (pipeline) pipeline->cancel_all();
-    if (!early_result) {
-      try {
-        // Tell the coordinator, briefly: the step has failed already (a
-        // coordinator that cannot be reached aborts it on its own).
-        client->sent(step, false, e.what(), std::min(wait_until(deadline), Millis(5000)));
-        decide(step, std::min(deadline, Clock::now() + Millis(5000)));
-      } catch (const Error&) {
-        // The original failure is the one worth reporting.
-      }
-    }
+    give_up(step, e, deadline);
     throw with_step(e, step);
   }
   control::StepResult result;
@@ -292,6 +259,50 @@ PushResult Publisher::Impl::push(int64_t step) {
     result = decide(step, deadline);
     out.phases.commit = seconds_since(t);
   }
+  settle(step, result, out);
+  out.seconds = seconds_since(start);
+  return out;
+}
+
+void Publisher::Impl::send(int64_t step, const control::StepStart& begun,
+                           Clock::time_point deadline, PushResult& out) {
+  adopt(step, begun);
+  admit(begun.engines);
+  out.plan_id = plan->plan_id_hex();
+  out.replicas = begun.replicas.value_or(std::vector<int>{});
+  pipeline->set_engine_versions(held);
+  out.bytes_sent = pipeline->run(
+      step, *transport, dead, [this] { poll(); }, deadline, out.phases, opt.tracer);
+  out.bytes_direct = pipeline->bytes_direct();
+  out.buckets_lent = pipeline->buckets_lent();
+  out.delta_buckets = pipeline->delta_buckets();
+  out.delta_bytes_whole = pipeline->delta_bytes_whole();
+  out.delta_base_bytes = pipeline->delta_base_bytes();
+  control::RankStepStats stats;
+  stats.phases = {{"begin", out.phases.begin},
+                  {"pack", out.phases.pack},
+                  {"gather", out.phases.gather},
+                  {"wire", out.phases.wire}};
+  stats.bytes = out.bytes_sent;
+  stats.staging_bytes = pipeline ? pipeline->staging_bytes() : 0;
+  client->sent(step, true, {}, wait_until(deadline), stats);
+}
+
+void Publisher::Impl::give_up(int64_t step, const Error& e, Clock::time_point deadline) {
+  std::fill(held.begin(), held.end(), int64_t{-1});
+  if (pipeline) pipeline->cancel_all();
+  if (early_result) return;
+  try {
+    // Tell the coordinator, briefly: the step has failed already (a
+    // coordinator that cannot be reached aborts it on its own).
+    client->sent(step, false, e.what(), std::min(wait_until(deadline), Millis(5000)));
+    decide(step, std::min(deadline, Clock::now() + Millis(5000)));
+  } catch (const Error&) {
+    // The original failure is the one worth reporting.
+  }
+}
+
+void Publisher::Impl::settle(int64_t step, const control::StepResult& result, PushResult& out) {
   // Decided: what this rank sent for the step arrived or is no longer wanted,
   // so a close need not wait for the peers to flush it.
   transport->sends_settled();
@@ -305,8 +316,6 @@ PushResult Publisher::Impl::push(int64_t step) {
          " was aborted: ", result.reason);
   out.committed = result.committed;
   for (const auto& f : result.failed) out.failed.emplace_back(f.rank, f.reason);
-  out.seconds = seconds_since(start);
-  return out;
 }
 
 Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>()) {
@@ -356,14 +365,11 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   m.client = std::make_unique<control::Client>(c);
   if (m.opt.rank == 0) {
     // The engines plan from the same inputs: the layout and the plan options.
-    m.client->set(m.key("layout/trainer"), bytes_of(m.opt.layout.to_json().dump()));
-    nlohmann::json po = {{"mode", plan_mode_name(m.opt.plan.mode)},
-                         {"bucket_bytes", m.opt.plan.bucket_bytes},
-                         {"fp8_site", fp8_site_name(m.opt.plan.fp8_site)},
-                         {"same_buckets_per_replica", m.opt.plan.same_buckets_per_replica},
-                         {"wire", m.opt.wire.to_json()}};
-    if (m.opt.elastic) po["elastic"] = {{"min_replicas", m.opt.min_replicas}};
-    m.client->set(m.key("plan_options"), bytes_of(po.dump()));
+    pipeline::PublishedOptions published;
+    published.plan = m.opt.plan;
+    published.wire = m.opt.wire;
+    if (m.opt.elastic) published.min_replicas = m.opt.min_replicas;
+    pipeline::publish_trainer(*m.client, m.opt.job, m.opt.layout, published);
   }
 }
 

@@ -8,7 +8,6 @@
 #include "checkpoint_save.h"
 #include "pipeline/setup.h"
 #include "publisher_pipeline.h"
-#include "transport/staging.h"
 
 #include <map>
 #include <memory>
@@ -36,7 +35,6 @@ struct Publisher::Impl : pipeline::Endpoint {
   std::mutex push_mutex;
 
   int trainer_world() const { return static_cast<int>(opt.layout.mesh.world()); }
-  std::string key(const std::string& what) const { return opt.job + "/" + what; }
 
   void ensure_ready();
   // The plan for `replicas` and a send pipeline for it, unless the current
@@ -53,6 +51,13 @@ struct Publisher::Impl : pipeline::Endpoint {
   void poll();
   void admit(const std::vector<control::Member>& step_engines);
   PushResult push(int64_t step);
+  // push's parts: the step's data sent and reported to the coordinator; a
+  // failed send's cleanup (the coordinator told, briefly); the decision
+  // taken into `out` and the engines' held versions.
+  void send(int64_t step, const control::StepStart& begun,
+            std::chrono::steady_clock::time_point deadline, PushResult& out);
+  void give_up(int64_t step, const Error& e, std::chrono::steady_clock::time_point deadline);
+  void settle(int64_t step, const control::StepResult& result, PushResult& out);
   control::StepResult decide(int64_t step, std::chrono::steady_clock::time_point deadline);
   // `e` with "step N:" after this rank's name, unless it names the step already.
   Error with_step(const Error& e, int64_t step) const;

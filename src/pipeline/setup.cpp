@@ -1,6 +1,7 @@
 #include "pipeline/setup.h"
 
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/topology.h>
 
 #include "core/cuda/gpu.h"
@@ -18,62 +19,47 @@ namespace {
 
 // The JSON under `key` of the job's store, Errc::format naming the key when
 // it is no JSON.
-nlohmann::json fetch_json(control::Client& client, const SetupSpec& spec, const std::string& key,
+nlohmann::json fetch_json(control::Client& client, const std::string& who, const std::string& key,
                           Clock::time_point deadline) {
-  const auto blob = client.get(spec.job + "/" + key, left_until(deadline));
+  const auto blob = client.get(key, left_until(deadline));
   auto j = nlohmann::json::parse(blob.begin(), blob.end(), nullptr, false);
-  if (j.is_discarded())
-    fail(Errc::format, spec.who, ": the store's '", spec.job, "/", key, "' is not JSON");
+  if (j.is_discarded()) fail(Errc::format, who, ": the store's '", key, "' is not JSON");
   return j;
 }
 
-PlanOptions plan_options_of(const nlohmann::json& po, const SetupSpec& spec) {
-  if (!po.is_object() || !po.contains("mode") || !po["mode"].is_string() ||
-      !po.contains("bucket_bytes") || !po["bucket_bytes"].is_number_integer())
-    fail(Errc::format, spec.who, ": the store's '", spec.job,
-         "/plan_options' lacks a string \"mode\" and an integer \"bucket_bytes\": ", po.dump());
-  PlanOptions options;
-  options.mode = parse_plan_mode(po["mode"].get<std::string>());
-  options.bucket_bytes = po["bucket_bytes"].get<int64_t>();
-  if (po.contains("fp8_site")) {
-    if (!po["fp8_site"].is_string())
-      fail(Errc::format, spec.who, ": the store's '", spec.job,
-           "/plan_options' has a non-string \"fp8_site\": ", po.dump());
-    options.fp8_site = parse_fp8_site(po["fp8_site"].get<std::string>());
+// Trainer rank 0's published options, Errc::format naming `who` and the key
+// when they are malformed.
+PublishedOptions fetch_options(control::Client& client, const std::string& who,
+                               const std::string& job, Clock::time_point deadline) {
+  const std::string key = JobKeys{job}.plan_options();
+  const nlohmann::json j = fetch_json(client, who, key, deadline);
+  try {
+    return PublishedOptions::from_json(j, cat("the store's '", key, "'"));
+  } catch (const Error& e) {
+    if (e.code() != Errc::format) throw;
+    fail(Errc::format, who, ": ", e.what());
   }
-  if (po.contains("same_buckets_per_replica")) {
-    if (!po["same_buckets_per_replica"].is_boolean())
-      fail(Errc::format, spec.who, ": the store's '", spec.job,
-           "/plan_options' has a non-boolean \"same_buckets_per_replica\": ", po.dump());
-    options.same_buckets_per_replica = po["same_buckets_per_replica"].get<bool>();
-  }
-  return options;
 }
 
 DataPath open(control::Client& client, const SetupSpec& spec) {
   const auto deadline = Clock::now() + spec.connect_timeout;
+  const JobKeys keys{spec.job};
   DataPath dp;
   dp.memory = spec.memory;
-  dp.trainer = spec.trainer
-                   ? *spec.trainer
-                   : TrainerLayout::from_json(fetch_json(client, spec, "layout/trainer", deadline));
+  dp.trainer =
+      spec.trainer
+          ? *spec.trainer
+          : TrainerLayout::from_json(fetch_json(client, spec.who, keys.trainer_layout(), deadline));
   dp.engine = spec.engine ? *spec.engine
                           : make_engine_layout(EngineSpec::from_json(
-                                fetch_json(client, spec, "layout/engine", deadline), "."));
-  const nlohmann::json po = fetch_json(client, spec, "plan_options", deadline);
-  dp.wire = WireOptions::from_json(po.is_object() ? po.value("wire", nlohmann::json::object())
-                                                  : nlohmann::json::object());
-  dp.options = spec.plan ? *spec.plan : plan_options_of(po, spec);
+                                fetch_json(client, spec.who, keys.engine_config(), deadline), "."));
+  const PublishedOptions published = fetch_options(client, spec.who, spec.job, deadline);
+  dp.wire = published.wire;
+  dp.options = spec.plan ? *spec.plan : published.plan;
   // Elastic replicas: rank 0's word, which every process follows.
-  if (po.is_object() && po.contains("elastic")) {
-    const auto& e = po["elastic"];
-    if (!e.is_object() || !e.contains("min_replicas") || !e["min_replicas"].is_number_integer() ||
-        e["min_replicas"].get<int64_t>() < 1)
-      fail(Errc::format, spec.who, ": the store's '", spec.job,
-           "/plan_options' has an \"elastic\" without an integer \"min_replicas\" >= 1: ",
-           po.dump());
+  if (published.min_replicas) {
     dp.elastic = true;
-    dp.min_replicas = e["min_replicas"].get<int>();
+    dp.min_replicas = *published.min_replicas;
     if (dp.min_replicas > dp.engine.num_replicas())
       fail(Errc::invalid_argument, spec.who, ": elastic replicas: min_replicas ", dp.min_replicas,
            " exceeds the engine config's ", dp.engine.num_replicas(), " replica slots");
@@ -90,7 +76,7 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
   const int trainers = static_cast<int>(dp.trainer.mesh.world());
   dp.transport_rank = spec.trainer_side ? spec.rank : trainers + spec.rank;
   TransportEnd end =
-      open_transport(client, spec.transport, spec.job + "/transport", dp.transport_rank,
+      open_transport(client, spec.transport, keys.transport(), dp.transport_rank,
                      trainers + dp.engine.world(), spec.memory, left_until(deadline));
   dp.transport = std::move(end.transport);
   dp.progress = std::move(end.progress);
@@ -115,17 +101,66 @@ void choose_slots(const RankMemory& memory, const Capabilities& caps, const Wire
 
 PublishedPlan fetch_published_plan(control::Client& client, const std::string& job,
                                    const std::string& who, std::chrono::milliseconds wait) {
-  SetupSpec spec;
-  spec.who = who;
-  spec.job = job;
   const auto deadline = Clock::now() + wait;
-  PublishedPlan out{
-      TrainerLayout::from_json(fetch_json(client, spec, "layout/trainer", deadline)), {}, {}};
-  const nlohmann::json po = fetch_json(client, spec, "plan_options", deadline);
-  out.wire = WireOptions::from_json(po.is_object() ? po.value("wire", nlohmann::json::object())
-                                                   : nlohmann::json::object());
-  out.options = plan_options_of(po, spec);
+  PublishedPlan out;
+  out.trainer =
+      TrainerLayout::from_json(fetch_json(client, who, JobKeys{job}.trainer_layout(), deadline));
+  PublishedOptions published = fetch_options(client, who, job, deadline);
+  out.options = published.plan;
+  out.wire = published.wire;
   return out;
+}
+
+std::string JobKeys::trainer_layout() const {
+  return job + "/layout/trainer";
+}
+std::string JobKeys::engine_config() const {
+  return job + "/layout/engine";
+}
+std::string JobKeys::plan_options() const {
+  return job + "/plan_options";
+}
+std::string JobKeys::transport() const {
+  return job + "/transport";
+}
+std::string JobKeys::ready(int global_engine_rank) const {
+  return cat(job, "/ready/", global_engine_rank);
+}
+
+nlohmann::json PublishedOptions::to_json() const {
+  nlohmann::json j = plan.to_json();
+  j["wire"] = wire.to_json();
+  if (min_replicas) j["elastic"] = {{"min_replicas", *min_replicas}};
+  return j;
+}
+
+PublishedOptions PublishedOptions::from_json(const nlohmann::json& j, const std::string& what) {
+  PublishedOptions out;
+  try {
+    out.plan = PlanOptions::from_json(j);
+  } catch (const Error& e) {
+    if (e.code() != Errc::format) throw;
+    fail(Errc::format, what, " ", e.what());
+  }
+  out.wire = WireOptions::from_json(j.value("wire", nlohmann::json::object()));
+  if (j.contains("elastic")) {
+    const auto& e = j["elastic"];
+    if (!e.is_object() || !e.contains("min_replicas") || !e["min_replicas"].is_number_integer() ||
+        e["min_replicas"].get<int64_t>() < 1)
+      fail(Errc::format, what,
+           " has an \"elastic\" without an integer \"min_replicas\" >= 1: ", j.dump());
+    out.min_replicas = e["min_replicas"].get<int>();
+  }
+  return out;
+}
+
+void publish_trainer(control::Client& client, const std::string& job, const TrainerLayout& layout,
+                     const PublishedOptions& options) {
+  const JobKeys keys{job};
+  const std::string trainer = layout.to_json().dump();
+  client.set(keys.trainer_layout(), std::vector<uint8_t>(trainer.begin(), trainer.end()));
+  const std::string published = options.to_json().dump();
+  client.set(keys.plan_options(), std::vector<uint8_t>(published.begin(), published.end()));
 }
 
 std::string memory_str(MemoryKind memory, int device) {
@@ -242,10 +277,6 @@ void check_registered(const std::string& who, const std::string& name, const Ten
          shape_str(tensor.effective_strides()), " for shape ", shape_str(tensor.shape),
          ": its elements overlap in memory, so writes into it would collide (an expanded or ",
          "broadcast view?); register the tensor that owns the memory");
-}
-
-std::string ready_key(const std::string& job, int global_engine_rank) {
-  return cat(job, "/ready/", global_engine_rank);
 }
 
 void use_device(const RankMemory& memory) {

@@ -10,7 +10,7 @@
 #include <weightsync/engine_layout.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
-#include <weightsync/wire.h>
+#include <weightsync/wire_options.h>
 
 #include "transport/staging.h"
 
@@ -42,6 +42,40 @@ std::string memory_str(MemoryKind memory, int device);
 // are not all in one place; Errc::unsupported for CUDA tensors without CUDA.
 RankMemory rank_memory(const std::vector<TensorView>& tensors,
                        const std::function<std::string(std::size_t)>& name, const std::string& who);
+
+// The job's documents in the coordinator's store, all under "<job>/": their
+// keys, written here once for every reader and writer.
+struct JobKeys {
+  std::string job;
+  std::string trainer_layout() const;  // trainer rank 0's TrainerLayout JSON
+  std::string engine_config() const;   // engine rank 0's EngineSpec JSON
+  std::string plan_options() const;    // trainer rank 0's PublishedOptions JSON
+  std::string transport() const;       // the prefix of the transport's address exchange
+  // Elastic replicas: where an engine rank says it is ready to take part in
+  // steps (its value: the member id of its process).
+  std::string ready(int global_engine_rank) const;
+};
+
+// What trainer rank 0 publishes under JobKeys::plan_options: the options
+// every process plans with, the wire options every rank follows, and for
+// elastic replicas the replicas a step waits for. The JSON is PlanOptions'
+// object with "wire" (WireOptions) and "elastic": {"min_replicas"} beside
+// its fields.
+struct PublishedOptions {
+  PlanOptions plan;  // `replicas` empty: each step's membership sets them
+  WireOptions wire;
+  std::optional<int> min_replicas;  // set: elastic replicas (>= 1)
+
+  nlohmann::json to_json() const;
+  // Errc::format naming `what` (the store's key) for a malformed object;
+  // WireOptions' and the enums' own errors otherwise.
+  static PublishedOptions from_json(const nlohmann::json& j, const std::string& what);
+};
+
+// Trainer rank 0's documents: its layout and the published options (the
+// engines plan from the same inputs).
+void publish_trainer(control::Client& client, const std::string& job, const TrainerLayout& layout,
+                     const PublishedOptions& options);
 
 struct SetupSpec {
   std::string who;  // "trainer rank 2", "engine rank 5"
@@ -165,10 +199,6 @@ PublishedPlan fetch_published_plan(control::Client& client, const std::string& j
 // e.g. the trainers where engine replicas come and go), so that the first
 // step times only the sync.
 void connect_peers(Transport& transport, int below = 0);
-
-// Elastic replicas: the key under which an engine rank says it is ready to
-// take part in steps (its value: the member id of its process).
-std::string ready_key(const std::string& job, int global_engine_rank);
 
 // Where later GPU work of this thread goes: the rank's device (no-op for host memory).
 void use_device(const RankMemory& memory);
