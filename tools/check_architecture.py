@@ -82,6 +82,7 @@ SHARED_INTERNALS = {
     "src/core/delta.h",
     "src/core/first_fit.h",
     "src/core/fp8.h",
+    "src/core/random_checkpoint.h",
     "src/core/writer_layout.h",
     "src/pipeline/copier.h",
     "src/pipeline/delta_frame.h",
@@ -89,6 +90,7 @@ SHARED_INTERNALS = {
     "src/pipeline/loop.h",
     "src/pipeline/setup.h",
     "src/pipeline/wire.h",
+    "src/transport/fault/freeze_points.h",
     "src/transport/staging.h",
 }
 

@@ -23,7 +23,8 @@ ROOT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.abspath(
     os.path.join(os.path.dirname(__file__), "..", ".."))
 COPIED = ["CMakeLists.txt", "include", "src", "engine_adapter", "trainer_adapter",
           "tools/weightsync", "tools/check_architecture.py", "tools/architecture_debts.txt",
-          "python/src", "tests/core", "tests/e2e", "tests/engine"]
+          "python/src", "tests/core", "tests/layouts", "tests/pipeline", "tests/e2e",
+          "tests/engine"]
 
 
 def ignore(_dir, names):
