@@ -1,5 +1,9 @@
-// Engine layouts: how an inference engine's ranks compose their own
-// parameters (under the engine's names) from Hugging Face tensors.
+// The engine layout data model (weightsync_core): how an inference engine's
+// ranks compose their own parameters (under the engine's names) from Hugging
+// Face tensors, the engine config they come from, their JSON and their
+// coverage check. The layouts library generates them (make_engine_layout,
+// layouts.h: reading an engine config resolves its framework there too);
+// materialize.h builds a rank's parameters from a checkpoint.
 #pragma once
 
 #include <weightsync/box.h>
@@ -102,7 +106,9 @@ struct EngineConfig {
   // "dtype"}], "ranks": [rank layouts as rank_layout_to_json writes them]}).
   std::shared_ptr<const DerivedLayout> derived;
 
-  // `base_dir` resolves a relative hf_config path.
+  // `base_dir` resolves a relative hf_config path. from_json and load are
+  // the layouts library's (they find the framework in its registry): the one
+  // exception to this header's owner, listed in tools/architecture_debts.txt.
   static EngineConfig from_json(const nlohmann::json& j, const std::string& base_dir);
   static EngineConfig load(const std::string& path);
   nlohmann::json to_json() const;
@@ -172,11 +178,6 @@ EngineRankLayout rank_layout_from_json(const nlohmann::json& j);
 std::shared_ptr<const DerivedLayout> derived_layout_from_json(const nlohmann::json& j, int tp);
 nlohmann::json derived_layout_to_json(const DerivedLayout& derived);
 
-// Derives every rank's parameters from the config (engine_adapter/). Throws
-// Errc::invalid_layout when tp does not divide what the engine requires.
-EngineLayout make_engine_layout(const EngineConfig& config);
-EngineLayout make_engine_layout(const EngineSpec& spec);
-
 // Checks that the segments of every parameter write each element at most once,
 // stay inside the parameter and the HF tensor shapes, and that every element
 // is either written or padding; throws Errc::invalid_layout naming the param.
@@ -189,41 +190,5 @@ void check_coverage(const EngineLayout& layout);
 // the leading length-1 expert dims.
 Box segment_hf_sub_box(const Segment& s, const Box& param_sub);
 Box segment_param_sub_box(const Segment& s, const Box& hf_sub);
-
-// The global expert ids held by replica rank `rank`, in local order (local
-// slot j holds expert result[j]); every expert when expert_parallel is off.
-std::vector<int64_t> local_experts(const EngineConfig& config, int rank);
-
-// Rows of a vocab-parallel tensor after padding to a multiple of 64.
-int64_t padded_vocab(int64_t vocab_size);
-
-class Checkpoint;
-
-// Checks that `checkpoint` holds every HF tensor that replica rank `rank`
-// reads, with the shape the model config implies and the engine's dtype (no
-// conversion; an FP8 weight reads BF16, F16 or F32 tensors): Errc::not_found
-// naming a missing key; Errc::mismatch naming the key and both shapes or
-// both dtypes.
-void check_checkpoint(const Checkpoint& checkpoint, const EngineLayout& layout, int rank);
-
-// Fills `param` (contiguous row-major, param.shape, param.dtype) into `dst`
-// straight from the checkpoint; padding elements become zero. Checks each
-// key's dtype and that its boxes fit (Errc::not_found / Errc::mismatch).
-// Errc::invalid_argument for an FP8 weight or scale param (use the next).
-void fill_param(const Checkpoint& checkpoint, const EngineParam& param, void* dst);
-// Param `index` of `rank`, any param: an FP8 weight's bytes or a scale
-// param's scales are the weight's blocks, from the checkpoint's BF16, F16 or
-// F32 tensors, quantized (DESIGN.md "FP8 engines").
-void fill_param(const Checkpoint& checkpoint, const EngineRankLayout& rank, size_t index,
-                void* dst);
-
-// Writes engine rank `rank`'s parameters (under the engine's names, in layout
-// order) to the .safetensors file `out_path`, after check_checkpoint.
-// `rank` may be any global rank 0..world()-1 (the replicas of a group are
-// identical); anything else is Errc::invalid_argument. Streams:
-// contiguous runs go from the checkpoint's mapping straight to the file, the
-// rest through one reusable buffer. Returns the bytes of the data section.
-uint64_t materialize(const Checkpoint& checkpoint, const EngineLayout& layout, int rank,
-                     const std::string& out_path);
 
 }  // namespace weightsync

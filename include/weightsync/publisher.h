@@ -31,7 +31,7 @@
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/tensor.h>
-#include <weightsync/wire.h>
+#include <weightsync/wire_options.h>
 
 #include <chrono>
 #include <cstdint>

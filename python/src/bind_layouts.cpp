@@ -5,10 +5,10 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/hf_model.h>
+#include <weightsync/layouts.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>
-#include <weightsync/trainer_layout.h>
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>

@@ -1,7 +1,9 @@
 // The JSON form of rank layouts (weightsync engine-layout --json writes it)
 // and of the rank layouts a live engine derived from its own loader
 // (python/weightsync/_derive.py; framework "derived" carries them in the
-// engine config).
+// engine config); and engine configs as JSON (hf_config inline; reading one
+// is the layouts library's, src/layouts/engine_config.cpp, which knows the
+// frameworks).
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 
@@ -171,6 +173,31 @@ std::vector<HfTensorSpec> engine_hf_tensors(const EngineConfig& config) {
     return config.derived->tensors;
   }
   return hf_tensors(config.hf);
+}
+
+json EngineSpec::to_json() const {
+  if (groups.size() == 1) return groups[0].to_json();
+  json out = json::array();
+  for (const EngineConfig& g : groups) out.push_back(g.to_json());
+  return out;
+}
+
+json EngineConfig::to_json() const {
+  json j = {{"framework", framework},
+            {"hf_config", hf.raw()},
+            {"tp", tp},
+            {"expert_parallel", expert_parallel},
+            {"expert_placement", expert_placement},
+            {"replicas", replicas},
+            {"dtype", std::string(dtype_name(dtype))}};
+  if (moe_order != "w13") j["moe_order"] = moe_order;
+  if (derived) j["derived"] = derived_layout_to_json(*derived);
+  if (quantization)
+    j["quantization"] = {
+        {"method", "fp8"},
+        {"weight_block_size", {quantization->block_rows, quantization->block_cols}},
+        {"scale", std::string(scale_format_name(quantization->scale))}};
+  return j;
 }
 
 }  // namespace weightsync

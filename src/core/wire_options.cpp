@@ -1,6 +1,6 @@
 // WireOptions as JSON (trainer rank 0 publishes them with the plan options).
 #include <weightsync/error.h>
-#include <weightsync/wire.h>
+#include <weightsync/wire_options.h>
 
 #include <nlohmann/json.hpp>
 

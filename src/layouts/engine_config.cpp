@@ -1,7 +1,7 @@
 // The engine config JSON of DESIGN.md's contract: parsing with typed field
-// checks (Errc::format naming the field), value checks (Errc::invalid_layout)
-// against the config's framework (engine_framework.h), and the inverse,
-// to_json (hf_config inline).
+// checks (Errc::format naming the field) and value checks
+// (Errc::invalid_layout) against the config's framework (engine_framework.h).
+// The inverse, to_json, is core's (src/core/engine_layout_json.cpp).
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 
@@ -180,31 +180,6 @@ EngineSpec EngineSpec::from_json(const json& j, const std::string& base_dir) {
 
 EngineSpec EngineSpec::load(const std::string& path) {
   return load_file<EngineSpec>(path, &EngineSpec::from_json);
-}
-
-json EngineSpec::to_json() const {
-  if (groups.size() == 1) return groups[0].to_json();
-  json out = json::array();
-  for (const EngineConfig& g : groups) out.push_back(g.to_json());
-  return out;
-}
-
-json EngineConfig::to_json() const {
-  json j = {{"framework", framework},
-            {"hf_config", hf.raw()},
-            {"tp", tp},
-            {"expert_parallel", expert_parallel},
-            {"expert_placement", expert_placement},
-            {"replicas", replicas},
-            {"dtype", std::string(dtype_name(dtype))}};
-  if (moe_order != "w13") j["moe_order"] = moe_order;
-  if (derived) j["derived"] = derived_layout_to_json(*derived);
-  if (quantization)
-    j["quantization"] = {
-        {"method", "fp8"},
-        {"weight_block_size", {quantization->block_rows, quantization->block_cols}},
-        {"scale", std::string(scale_format_name(quantization->scale))}};
-  return j;
 }
 
 }  // namespace weightsync

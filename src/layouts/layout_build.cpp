@@ -3,6 +3,7 @@
 #include "layout_rules.h"
 
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 
 #include <algorithm>
 

@@ -1,6 +1,6 @@
 // XTuner-style trainer layouts from HF configs (see trainer_layout.h).
 #include <weightsync/error.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include "trainer_layout_internal.h"
 

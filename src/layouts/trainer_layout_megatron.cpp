@@ -2,7 +2,7 @@
 // params under Megatron's names, on its pipeline stage. The facts and where
 // they come from: docs/megatron.md.
 #include <weightsync/error.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include "trainer_layout_megatron_mesh.h"
 

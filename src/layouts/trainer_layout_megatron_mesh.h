@@ -3,7 +3,7 @@
 #pragma once
 
 #include <weightsync/hf_model.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include <string>
 #include <vector>

@@ -1,7 +1,7 @@
 // Trainer layouts as transformers >= 5 holds a model in memory (see
 // trainer_layout.h): stacked MoE experts, Mixtral's block renamed.
 #include <weightsync/error.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include "trainer_layout_internal.h"
 

@@ -10,8 +10,6 @@
 #include <weightsync/backend/transport.h>
 #include <weightsync/error.h>
 
-#include "transport/staging.h"
-
 #include <algorithm>
 #include <chrono>
 #include <functional>

@@ -21,7 +21,7 @@
 #include <weightsync/checksum.h>
 #include <weightsync/engine_layout.h>
 #include <weightsync/plan.h>
-#include <weightsync/wire.h>
+#include <weightsync/wire_options.h>
 
 #include "transport/staging.h"
 

@@ -17,6 +17,7 @@
 #include "e2e/e2e_helpers.h"
 
 #include <weightsync/control.h>
+#include <weightsync/layouts.h>
 #include <weightsync/publisher.h>
 #include <weightsync/subscriber.h>
 

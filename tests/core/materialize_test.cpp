@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <weightsync/layouts.h>
+#include <weightsync/materialize.h>
 #include <weightsync/safetensors.h>
 
 #include "core/random_checkpoint.h"

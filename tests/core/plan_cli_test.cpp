@@ -2,8 +2,8 @@
 #include "plan_sim.h"
 
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/topology.h>
-#include <weightsync/trainer_layout.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

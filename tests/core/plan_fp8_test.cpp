@@ -7,9 +7,9 @@
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
+#include <weightsync/layouts.h>
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>
-#include <weightsync/trainer_layout.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

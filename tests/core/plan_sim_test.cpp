@@ -4,7 +4,7 @@
 #include "plan_sim.h"
 
 #include <weightsync/error.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include <gtest/gtest.h>
 

@@ -6,8 +6,6 @@
 
 #include <weightsync/safetensors.h>
 
-#include "transport/staging.h"
-
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -7,9 +7,9 @@
 #include <weightsync/box.h>
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
+#include <weightsync/layouts.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/safetensors.h>
-#include <weightsync/trainer_layout.h>
 
 #include "core/random_checkpoint.h"
 

@@ -6,10 +6,11 @@
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
+#include <weightsync/layouts.h>
+#include <weightsync/materialize.h>
 #include <weightsync/plan.h>
 #include <weightsync/safetensors.h>
 #include <weightsync/topology.h>
-#include <weightsync/trainer_layout.h>
 
 #include "core/random_checkpoint.h"
 

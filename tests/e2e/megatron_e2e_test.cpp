@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include <weightsync/backend/transport.h>
+#include <weightsync/layouts.h>
 
 #include <gtest/gtest.h>
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <weightsync/backend/transport.h>
+#include <weightsync/layouts.h>
 #include "pipeline/wire.h"
 
 #include <gtest/gtest.h>

@@ -4,9 +4,9 @@
 #include "engine_adapter/weights_delivery.h"
 #include "layouts/engine_test_util.h"
 
+#include <weightsync/layouts.h>
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>
-#include <weightsync/trainer_layout.h>
 
 #include <gtest/gtest.h>
 

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <weightsync/hf_model.h>
+#include <weightsync/layouts.h>
 
 #include <gtest/gtest.h>
 

@@ -7,6 +7,7 @@
 
 #include <weightsync/dtype.h>
 #include <weightsync/hf_model.h>
+#include <weightsync/layouts.h>
 
 #include <gtest/gtest.h>
 

@@ -4,7 +4,7 @@
 // an independent reference: tests/python/test_megatron_layout.py.
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -2,7 +2,7 @@
 // real and tiny model configs; `weightsync trainer-layout` through the binary.
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -5,6 +5,7 @@
 #include "e2e/e2e_helpers.h"
 
 #include <weightsync/control.h>
+#include <weightsync/layouts.h>
 #include <weightsync/subscriber.h>
 
 #include "core/cuda/gpu.h"

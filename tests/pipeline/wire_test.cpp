@@ -8,6 +8,8 @@
 
 #include <weightsync/backend/transport.h>
 #include <weightsync/control.h>
+#include <weightsync/layouts.h>
+#include <weightsync/materialize.h>
 #include <weightsync/publisher.h>
 #include <weightsync/subscriber.h>
 #include "pipeline/delta_frame.h"

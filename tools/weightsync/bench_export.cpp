@@ -9,11 +9,11 @@
 #include <nlohmann/json.hpp>
 
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/plan.h>
 #include <weightsync/publisher.h>
 #include <weightsync/safetensors.h>
 #include <weightsync/topology.h>
-#include <weightsync/trainer_layout.h>
 
 #include "core/writer_layout.h"
 #include "demo_job.h"

@@ -8,6 +8,8 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
+#include <weightsync/materialize.h>
 #include <weightsync/safetensors.h>
 
 #include "core/random_checkpoint.h"

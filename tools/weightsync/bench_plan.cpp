@@ -5,8 +5,8 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/plan.h>
-#include <weightsync/trainer_layout.h>
 
 #include <nlohmann/json.hpp>
 

@@ -20,6 +20,7 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/safetensors.h>

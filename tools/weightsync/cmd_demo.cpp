@@ -11,6 +11,7 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/plan.h>
 #include <weightsync/topology.h>

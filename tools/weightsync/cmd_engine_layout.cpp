@@ -6,6 +6,7 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 
 #include <cstdio>
 #include <iostream>

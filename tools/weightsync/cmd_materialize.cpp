@@ -6,6 +6,8 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
+#include <weightsync/materialize.h>
 #include <weightsync/safetensors.h>
 
 #include <chrono>

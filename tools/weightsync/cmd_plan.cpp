@@ -4,6 +4,7 @@
 
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/plan.h>
 
 #include <nlohmann/json.hpp>

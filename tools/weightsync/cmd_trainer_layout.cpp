@@ -3,7 +3,7 @@
 #include "cli.h"
 
 #include <weightsync/error.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include <nlohmann/json.hpp>
 

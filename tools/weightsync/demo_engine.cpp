@@ -11,6 +11,8 @@
 #include "core/fp8.h"
 
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
+#include <weightsync/materialize.h>
 #include <weightsync/safetensors.h>
 #include <weightsync/subscriber.h>
 #include <weightsync/trace.h>

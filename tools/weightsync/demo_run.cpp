@@ -6,6 +6,7 @@
 #include <weightsync/control.h>
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/load_spec.h>
 #include <weightsync/trace.h>
 

@@ -5,7 +5,7 @@
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
 #include <weightsync/hf_model.h>
-#include <weightsync/trainer_layout.h>
+#include <weightsync/layouts.h>
 
 #include "core/random_checkpoint.h"
 

@@ -1,7 +1,7 @@
 // Materialize: an engine rank's parameters built straight from a checkpoint,
 // the reference that every sync must reproduce byte for byte.
-#include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/materialize.h>
 #include <weightsync/safetensors.h>
 
 #include "core/fp8.h"

@@ -1,7 +1,12 @@
-// Trainer layouts generated from a Hugging Face config, as an XTuner-style
-// FSDP2 (+ expert parallel) trainer holds its parameters.
+// The layout generators (weightsync_layouts, src/layouts/): from a model's
+// Hugging Face config and a parallelism to the layout data model that core
+// defines and plans from (engine_layout.h; TrainerLayout in load_spec.h).
+// Engine layouts come from an engine framework's rules (one file each,
+// src/layouts/framework_<name>.cpp); trainer layouts from a trainer style
+// (src/layouts/trainer_layout_<style>.cpp).
 //
-// Naming (also in `weightsync trainer-layout --help`):
+// Trainer style xtuner, as an XTuner-style FSDP2 (+ expert parallel) trainer
+// holds its parameters (also in `weightsync trainer-layout --help`):
 // - dense tensors: one param per HF key, named by the key; FSDP-sharded on
 //   dim 0 over the mesh axis "fsdp" (replicated when there is none).
 // - each MoE layer's routed experts become two fused params:
@@ -13,15 +18,34 @@
 // - other mesh axes replicate every param.
 #pragma once
 
+#include <weightsync/engine_layout.h>
 #include <weightsync/hf_model.h>
 #include <weightsync/load_spec.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace weightsync {
+
+// ---- Engine layouts
+
+// Derives every rank's parameters from the config, by its framework's rules;
+// with a spec, every group's (EngineLayout::groups). Throws
+// Errc::invalid_layout when tp does not divide what the engine requires.
+EngineLayout make_engine_layout(const EngineConfig& config);
+EngineLayout make_engine_layout(const EngineSpec& spec);
+
+// The global expert ids held by replica rank `rank`, in local order (local
+// slot j holds expert result[j]); every expert when expert_parallel is off.
+std::vector<int64_t> local_experts(const EngineConfig& config, int rank);
+
+// Rows of a vocab-parallel tensor after padding to a multiple of 64.
+int64_t padded_vocab(int64_t vocab_size);
+
+// ---- Trainer layouts
 
 inline constexpr std::string_view kFsdpAxis = "fsdp";
 inline constexpr std::string_view kEpAxis = "ep";
