@@ -3,9 +3,11 @@
 
 On a copy of the repository's sources (never the tree itself): the copy as it
 is passes; then one forbidden change at a time (an include up the layers, a
-private header of another component, json.hpp in a public header, a CMake
-dependency up the layers, a link up the layers, a stale entry of the list of
-known arrows) must make it fail, naming the file and the rule.
+private header of another component, json.hpp in a public header, a public
+header without an owner, a CMake dependency up the layers, a link up the
+layers, a function declared in one library's public header and defined in
+another's, a stale entry of the list of known arrows) must make it fail,
+naming the file and the rule.
 
     python3 check_rules_test.py SOURCE_DIR [BUILD_DIR]
 """
@@ -85,7 +87,7 @@ class CheckRules(unittest.TestCase):
         self.assert_fails("src/transport/transport.cpp:", "transport includes src/control/protocol.h")
 
     def test_another_components_private_header_fails(self):
-        self.append("engine_adapter/materialize.cpp", '\n#include "layouts/layout_rules.h"\n')
+        self.append("engine_adapter/weights_delivery.cpp", '\n#include "layouts/layout_rules.h"\n')
         self.assert_fails("engine includes layouts's private header src/layouts/layout_rules.h")
 
     def test_json_hpp_in_a_public_header_fails(self):
@@ -95,6 +97,61 @@ class CheckRules(unittest.TestCase):
     def test_private_header_in_a_public_header_fails(self):
         self.append("include/weightsync/box.h", '\n#include "core/fp8.h"\n')
         self.assert_fails("a public header includes the private header src/core/fp8.h")
+
+    def test_public_header_without_an_owner_fails(self):
+        with open(os.path.join(self.tmp, "include/weightsync/unowned.h"), "w") as f:
+            f.write("#pragma once\nnamespace weightsync { int unowned(); }\n")
+        self.assert_fails("include/weightsync/unowned.h has no owner")
+
+    def fake_build(self, sources):
+        """libweightsync_<component>.a for each {component: C++ source}, or a
+        skip where there is no compiler."""
+        compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+        if not compiler or not shutil.which("ar") or not shutil.which("nm"):
+            self.skipTest("needs a C++ compiler, ar and nm")
+        build = os.path.join(self.tmp, "fake-build")
+        os.makedirs(build, exist_ok=True)
+        for comp, text in sources.items():
+            cpp = os.path.join(build, comp + ".cpp")
+            with open(cpp, "w") as f:
+                f.write(text)
+            obj = cpp[:-4] + ".o"
+            subprocess.run([compiler, "-c", cpp, "-o", obj], check=True)
+            lib = os.path.join(build, f"libweightsync_{comp}.a")
+            if os.path.exists(lib):
+                os.remove(lib)
+            subprocess.run(["ar", "rcs", lib, obj], check=True)
+        return build
+
+    def test_function_of_a_shared_header_defined_above_its_owner_fails(self):
+        # The hidden arrow: core's public header declares a function that the
+        # layouts library defines. Layouts including core's header is allowed
+        # and nothing in core calls the function yet, so neither the include
+        # check nor the link check sees it; the header's owner does.
+        decl = "\nnamespace weightsync {\nstruct Hidden {\n  static int make(int x);\n};\n" \
+               "int hidden_generator(int x);\n}  // namespace weightsync\n"
+        self.append("include/weightsync/box.h", decl)
+        defs = ("namespace weightsync {\nstruct Hidden { static int make(int x); };\n"
+                "int Hidden::make(int x) { return x; }\n"
+                "int hidden_generator(int x) { return x + 1; }\n}\n")
+        build = self.fake_build({"core": "int core_side() { return 0; }\n", "layouts": defs})
+        rc, out = self.check()
+        self.assertEqual(rc, 0, out)  # the includes and CMake alone show nothing
+        # The fake libraries define none of the tree's known arrows: no list.
+        no_debts = os.path.join(self.tmp, "no_debts.txt")
+        open(no_debts, "w").close()
+        symbols = ("--build", build, "--debts", no_debts)
+        self.assert_fails(
+            "include/weightsync/box.h (core) declares weightsync::hidden_generator, which "
+            "layouts defines",
+            "include/weightsync/box.h (core) declares weightsync::Hidden::make, which layouts "
+            "defines", extra=symbols)
+        self.assertNotIn("link ", self.check(*symbols)[1])
+        # Declared in the header layouts owns, the same definitions pass.
+        self.replace("include/weightsync/box.h", decl, "\n")
+        self.append("include/weightsync/layouts.h", decl)
+        rc, out = self.check(*symbols)
+        self.assertEqual(rc, 0, out)
 
     def test_cmake_dependency_up_the_layers_fails(self):
         self.replace("src/core/CMakeLists.txt", "DEPS nlohmann_json::nlohmann_json",
@@ -108,23 +165,10 @@ class CheckRules(unittest.TestCase):
         self.assert_fails("no longer found (remove the line): include src/core/box.cpp")
 
     def test_link_up_the_layers_fails(self):
-        compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-        if not compiler or not shutil.which("ar") or not shutil.which("nm"):
-            self.skipTest("needs a C++ compiler, ar and nm")
-        build = os.path.join(self.tmp, "fake-build")
-        os.makedirs(build)
-        sources = {
+        build = self.fake_build({
             "core": "void engine_side(); void core_side() { engine_side(); }\n",
             "engine": "void core_side(); void engine_side() {} void uses() { core_side(); }\n",
-        }
-        for comp, text in sources.items():
-            cpp = os.path.join(build, comp + ".cpp")
-            with open(cpp, "w") as f:
-                f.write(text)
-            obj = cpp[:-4] + ".o"
-            subprocess.run([compiler, "-c", cpp, "-o", obj], check=True)
-            subprocess.run(["ar", "rcs", os.path.join(build, f"libweightsync_{comp}.a"), obj],
-                           check=True)
+        })
         rc, out = self.check("--build", build)
         self.assertEqual(rc, 1, out)
         self.assertIn("uses 1 symbol(s) defined in engine, against the layers: engine_side()", out)
