@@ -15,17 +15,21 @@
 // With staging, the pipeline owns a private copy of every param (in the
 // params' memory), applies into it, and publish_staging() copies it into the
 // params at commit.
+//
+// The pipeline orchestrates: delta sync's frames are DeltaReceiver's
+// (delta_receiver.h), lent buckets' loans the Lender's (lender.h).
 #pragma once
 
 #include <weightsync/backend/transport.h>
 #include <weightsync/plan.h>
 #include <weightsync/subscriber.h>
-#include "pipeline/wire.h"
+#include "delta_receiver.h"
+#include "lender.h"
+#include "recv_action.h"
 
 #include "core/copy_program.h"
 #include "core/cuda/gpu.h"
 #include "pipeline/copier.h"
-#include "pipeline/delta_frame.h"
 #include "pipeline/loop.h"
 #include "pipeline/setup.h"
 #include "transport/staging.h"
@@ -41,50 +45,6 @@ class Tracer;
 }
 
 namespace weightsync::engine {
-
-struct RecvAction {
-  int32_t bucket = 0;
-  int src = 0;        // transport rank of the sender (trainer rank)
-  int64_t bytes = 0;  // payload, without trailer
-  // The bucket's items from the slot into their targets: sources are slot
-  // offsets, destinations param (or staging) addresses.
-  CopyProgram apply;
-  std::vector<FragmentRoute> fragments;  // p2p
-  int64_t slot_bytes = 0;                // slot bytes used, without trailer
-  // Delta sync (WireOptions::delta): a delta travels as one frame
-  // (pipeline/delta_frame.h), whole bytes as a header and then `fragments`
-  // as without delta. `frame_apply` reads the packed bucket from offset 0
-  // of wherever it lies, and `gather` is its reverse, the packed bucket as
-  // the targets hold it (the base a delta applies to).
-  std::vector<pipeline::FrameItem> items;
-  CopyProgram frame_apply;
-  CopyProgram gather;
-  int64_t frame_bytes = 0;  // the largest frame, without trailer
-  // Per item: its bytes in place in the target (a delta patches them
-  // there, a whole frame copies them there), or nullptr (through `apply`).
-  std::vector<char*> in_place;
-  // Broadcast plans: `apply` reads the bucket (a rebuilt one too) and
-  // `gather` is its reverse; a delta's digest covers `reads`, the parts of
-  // the bucket this rank's template reads.
-  std::vector<pipeline::ReadBox> reads;
-  // Delta sync: the params (indices of the rank layout) the bucket writes,
-  // and those each item writes (broadcast: none for an item this rank does
-  // not read), for ReceivePipeline::changed().
-  std::vector<uint32_t> params;
-  std::vector<std::vector<uint32_t>> item_params;
-  // Lent buckets (pipeline/wire.h): the loan (ReceivePipeline::loans_
-  // index) that may carry this bucket, or -1.
-  int loan = -1;
-};
-
-struct ReceiveReport {
-  uint64_t bytes = 0;
-  uint64_t bytes_direct = 0;  // landed straight in their targets
-  uint64_t checksum = 0;
-  uint64_t delta_buckets = 0;  // delta sync: buckets that came as deltas
-  uint64_t buckets_lent = 0;   // written by their trainer into lent params
-  std::string error;           // first failed bucket, "" when every bucket was good
-};
 
 class ReceivePipeline {
  public:
@@ -112,7 +72,7 @@ class ReceivePipeline {
                     Tracer* tracer);
   // Delta sync: the version the targets hold now (the rank's committed one),
   // which a delta must name as its base, before run().
-  void set_version(int64_t version) { version_ = version; }
+  void set_version(int64_t version) { delta_.set_version(version); }
   // Staging: copies the private copies into the params (after a commit);
   // returns when the copy is done.
   void publish_staging();
@@ -140,55 +100,31 @@ class ReceivePipeline {
     std::shared_ptr<char> host;
     gpu::Memory device;
   };
-  // What this rank lends one trainer rank each step: the targets its
-  // lendable buckets write (pipeline::lent_params), or nothing when one of
-  // them cannot be lent (not contiguous, not in the transport's memory).
-  struct Loan {
-    int src = 0;  // the trainer rank
-    std::vector<Buffer> buffers;
-    std::unique_ptr<Request> expose;
-    bool lent = false;  // this step: the trainer rank mapped them
-  };
-  void plan_loans(const Plan& plan, const std::vector<TensorView>& targets);
-  // Lends every loan for `step` and waits until each was mapped, declined
-  // or could not be (then its buckets come as fragments).
-  void begin_loans(int64_t step, Transport& t, pipeline::Loop& loop);
-  bool lent(const RecvAction& a) const {
-    return a.loan >= 0 && loans_[static_cast<size_t>(a.loan)].lent;
-  }
   std::vector<TensorView> make_staging(const std::vector<TensorView>& params, Transport& transport);
   void compile_fragments(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
-  void compile_frame(RecvAction& a, const Plan& plan, const std::vector<TensorView>& targets);
-  // Delta sync, broadcast plans: a.items, a.gather and a.reads for `apply`,
-  // and a.params / a.item_params from `writes` (bucket offset, param of
-  // each item of `apply`).
-  void compile_broadcast_frame(RecvAction& a, const Plan& plan,
-                               const std::vector<std::pair<int64_t, uint32_t>>& writes);
+  // Action `a` of bucket `b`: its programs, and the slot bytes they need.
+  RecvAction compile_action(int32_t b, const Plan& plan, const std::vector<TensorView>& targets);
   // Marks the params `a` writes as changed.
   void mark_changed(const RecvAction& a);
-  [[noreturn]] void refuse_cuda_broadcast_delta() const;
   FragmentRoute direct_target(const Copy& c, const TensorView& target) const;
   void post(size_t k, int slot, int64_t step, Transport& t);
   void post_fragments(const RecvAction& a, Slot& slot, int64_t step, Transport& t);
-  // Delta sync: whether the frame in `slot` is a header alone (the bucket
-  // follows as fragments); a damaged one is recorded in the slot's error.
-  bool header_only(const RecvAction& a, Slot& slot, int64_t step);
   void receive(size_t k, int slot, int64_t step, pipeline::Loop& loop, StepPhases& phases,
                Tracer* tracer);
   void settle(size_t k, int slot, int64_t step, pipeline::Loop& loop, ReceiveReport& report,
               StepPhases& phases, Tracer* tracer);
+  // A lent bucket: in the params already.
+  void settle_lent(size_t k, Slot& slot, ReceiveReport& report);
+  // The slot's error, if any, into the report (the step is rejected);
+  // true when there was one.
+  bool reject(Slot& slot, ReceiveReport& report);
   // The bucket's checksum as it landed and as sent; equal when not checked.
   std::pair<uint64_t, uint64_t> checksums(const RecvAction& a, const char* data,
                                           int64_t step) const;
-  // Delta sync: checks bucket k's frame in `slot` and applies it (a delta
-  // onto the packed bucket gathered from the targets, in scratch_).
+  // Delta sync: checks bucket k's frame in `slot` and applies it
+  // (DeltaReceiver::open).
   void settle_frame(size_t k, int slot, int64_t step, pipeline::Loop& loop, ReceiveReport& report,
                     StepPhases& phases);
-  // settle_frame's delta for CUDA targets: the tables built and checked
-  // here, the patch and the digest run on the device; returns the digest
-  // (0 without one).
-  uint64_t patch_on_device(size_t k, int slot, const char* frame, int64_t bytes, int64_t step,
-                           bool digest, const std::string& what);
   // The copier's indices of bucket k's gather and frame_apply programs
   // (CUDA targets; its apply is k, publish_ actions_.size()).
   std::size_t gather_index(size_t k) const { return actions_.size() + 1 + k; }
@@ -197,7 +133,6 @@ class ReceivePipeline {
   int global_rank_ = 0;
   int trainer_world_ = 1, engine_world_ = 1;
   bool broadcast_ = false;
-  int engine_template_ = 0, engine_templates_ = 1;  // broadcast delta frames' digests
   WireOptions wire_;
   Capabilities caps_;
   pipeline::RankMemory memory_;
@@ -206,24 +141,11 @@ class ReceivePipeline {
   // Before the slots: requests still posted (cancelled at destruction) may
   // land in the staging copies, so these outlive them.
   std::vector<StagingCopy> staging_;
-  std::vector<Slot> slots_;          // slot_depth of them
-  CopyProgram publish_;              // staging -> params
-  std::unique_ptr<char[]> scratch_;  // delta sync: the bucket being rebuilt
-  // Delta sync with CUDA targets: scratch on the device, the tables and
-  // the kernels that apply a frame there.
-  gpu::Memory device_scratch_;
-  gpu::DeltaPatcher patcher_;
-  pipeline::FrameTables tables_;
-  std::vector<int64_t> target_addrs_;
-  std::vector<char*> targets_;       // settle_frame's, kept to spare an allocation
-  std::vector<bool> changed_;        // by param: changed(), this run()
-  std::vector<bool> items_changed_;  // settle_frame's, by item
-  int64_t version_ = -1;
-  std::vector<Loan> loans_;
-  // The lent params, registered once (prepare): a loan then finds its
-  // regions without a lookup, and they stay lent while the pipeline lives.
-  std::vector<std::unique_ptr<MemoryRegion>> lent_regions_;
-  MemoryKind lend_memory_ = MemoryKind::cuda;
+  std::vector<Slot> slots_;    // slot_depth of them
+  CopyProgram publish_;        // staging -> params
+  DeltaReceiver delta_;        // delta sync
+  std::vector<bool> changed_;  // by param: changed(), this run()
+  Lender lender_;
   pipeline::Copier copier_;
   std::function<void(size_t)> on_bucket_;
 };
