@@ -11,6 +11,39 @@ int64_t addr(const void* p) {
   return static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(p));
 }
 
+// The quantization of FP8 param `p` from its staging tensor (`data`, of
+// dtype `src`, contiguous) into `weight` and `scale`: a region per slice of
+// its leading dimensions.
+void add_slices(fp8::QuantProgram& program, const EngineParam& p, const TensorView& weight,
+                const TensorView& scale, const char* data, DType src) {
+  const size_t n = p.shape.size();
+  const int64_t rows = p.shape[n - 2], cols = p.shape[n - 1];
+  const int64_t slices = rows * cols > 0 ? numel(p.shape) / (rows * cols) : 0;
+  const Shape ws = weight.effective_strides(), ss = scale.effective_strides();
+  for (int64_t s = 0; s < slices; ++s) {
+    // The slice's leading index and its offsets in each tensor.
+    int64_t w_off = 0, s_off = 0;
+    for (size_t d = n - 2, rest = static_cast<size_t>(s); d-- > 0;
+         rest /= static_cast<size_t>(p.shape[d])) {
+      const auto idx = static_cast<int64_t>(rest % static_cast<size_t>(p.shape[d]));
+      w_off += idx * ws[d];
+      s_off += idx * ss[d];
+    }
+    fp8::Region g;
+    g.src = addr(data) + s * rows * cols * static_cast<int64_t>(itemsize(src));
+    g.src_rs = cols;
+    g.dst = addr(weight.data) + w_off;  // F8: one byte per element
+    g.dst_rs = ws[n - 2];
+    g.dst_cs = ws[n - 1];
+    g.scale = addr(scale.data) + s_off * 4;
+    g.scale_rs = ss[n - 2];
+    g.scale_cs = ss[n - 1];
+    g.rows = rows;
+    g.cols = cols;
+    if (rows > 0 && cols > 0) fp8::add_region(program, g, src, p.quant->scale);
+  }
+}
+
 }  // namespace
 
 bool has_fp8(const EngineRankLayout& layout) {
@@ -45,9 +78,6 @@ Fp8Staging::Fp8Staging(const Plan& plan, int engine_template, const EngineRankLa
            ": a rank's params must be in one place");
     device_ = device;
     const DType src = received[i];
-    const size_t n = p.shape.size();
-    const int64_t rows = p.shape[n - 2], cols = p.shape[n - 1];
-    const int64_t slices = rows * cols > 0 ? numel(p.shape) / (rows * cols) : 0;
     const auto bytes = static_cast<size_t>(numel(p.shape)) * itemsize(src);
     // Zeroed: elements no segment covers stay zero, as materialize fills them.
     char* data = nullptr;
@@ -60,29 +90,7 @@ Fp8Staging::Fp8Staging(const Plan& plan, int engine_template, const EngineRankLa
       data = buffers_.back().get();
       targets_[i] = tensor_view(data, src, p.shape, MemoryKind::host, -1);
     }
-    const Shape ws = weight.effective_strides(), ss = scale.effective_strides();
-    for (int64_t s = 0; s < slices; ++s) {
-      // The slice's leading index and its offsets in each tensor.
-      int64_t w_off = 0, s_off = 0;
-      for (size_t d = n - 2, rest = static_cast<size_t>(s); d-- > 0;
-           rest /= static_cast<size_t>(p.shape[d])) {
-        const auto idx = static_cast<int64_t>(rest % static_cast<size_t>(p.shape[d]));
-        w_off += idx * ws[d];
-        s_off += idx * ss[d];
-      }
-      fp8::Region g;
-      g.src = addr(data) + s * rows * cols * static_cast<int64_t>(itemsize(src));
-      g.src_rs = cols;
-      g.dst = addr(weight.data) + w_off;  // F8: one byte per element
-      g.dst_rs = ws[n - 2];
-      g.dst_cs = ws[n - 1];
-      g.scale = addr(scale.data) + s_off * 4;
-      g.scale_rs = ss[n - 2];
-      g.scale_cs = ss[n - 1];
-      g.rows = rows;
-      g.cols = cols;
-      if (rows > 0 && cols > 0) fp8::add_region(program_, g, src, p.quant->scale);
-    }
+    add_slices(program_, p, weight, scale, data, src);
     ++staged_;
     staged_bytes_ += static_cast<int64_t>(bytes);
   }
