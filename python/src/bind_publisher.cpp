@@ -20,6 +20,10 @@ namespace {
 
 using ReleaseGil = nb::call_guard<nb::gil_scoped_release>;
 
+double seconds(std::chrono::milliseconds ms) {
+  return static_cast<double>(ms.count()) / 1000.0;
+}
+
 class PyCoordinator : public Handle<control::Coordinator> {
  public:
   PyCoordinator(const std::string& host, int port, const std::string& token, int metrics_port) {
@@ -42,36 +46,7 @@ class PyCoordinator : public Handle<control::Coordinator> {
 
 class PyPublisher : public Handle<Publisher> {
  public:
-  void open(const std::string& coordinator, int rank, const std::string& layout,
-            std::optional<std::string> engine, const std::string& engine_base_dir,
-            const std::string& transport, const std::string& mode, int64_t bucket_bytes,
-            bool checksums, const std::string& token, const std::string& job,
-            double connect_timeout, double step_timeout, uintptr_t producer_stream,
-            uintptr_t producer_event, const std::string& fp8_site, bool elastic, int min_replicas,
-            const std::string& delta, bool delta_verify) {
-    PublisherOptions o;
-    o.delta = parse_delta_mode(delta);
-    o.delta_verify = delta_verify;
-    o.elastic = elastic;
-    o.min_replicas = min_replicas;
-    o.plan.fp8_site = parse_fp8_site(fp8_site);
-    o.producer_stream = reinterpret_cast<void*>(producer_stream);
-    o.producer_event = reinterpret_cast<void*>(producer_event);
-    o.coordinator = coordinator;
-    o.rank = rank;
-    o.layout = TrainerLayout::from_json(parse_json(layout, "trainer layout"));
-    if (engine)
-      o.engine = EngineSpec::from_json(parse_json(*engine, "engine config"), engine_base_dir);
-    o.transport = transport;
-    o.plan.mode = parse_plan_mode(mode);
-    o.plan.bucket_bytes = bucket_bytes;
-    o.wire.checksums = checksums;
-    o.token = token;
-    o.job = job;
-    o.connect_timeout = millis(connect_timeout, "connect_timeout");
-    o.step_timeout = millis(step_timeout, "step_timeout");
-    reset(std::make_unique<Publisher>(std::move(o)));
-  }
+  void open(const PublisherOptions& options) { reset(std::make_unique<Publisher>(options)); }
   void register_tensor(const std::string& name, uintptr_t data, const std::string& dtype,
                        const Shape& shape, const Shape& strides, int device) {
     get("publisher")
@@ -104,6 +79,77 @@ nb::dict push_phases(const PushPhases& p) {
   return d;
 }
 
+// The plan's and the wire's options, read and written field by field; the
+// enums as their names ("p2p", "sender"), parsed on assignment.
+void bind_plan_options(nb::module_& m) {
+  nb::class_<PlanOptions>(m, "PlanOptions")
+      .def(nb::init<>())
+      .def_prop_rw(
+          "mode", [](const PlanOptions& o) { return std::string(plan_mode_name(o.mode)); },
+          [](PlanOptions& o, const std::string& v) { o.mode = parse_plan_mode(v); })
+      .def_rw("bucket_bytes", &PlanOptions::bucket_bytes)
+      .def_prop_rw(
+          "fp8_site", [](const PlanOptions& o) { return std::string(fp8_site_name(o.fp8_site)); },
+          [](PlanOptions& o, const std::string& v) { o.fp8_site = parse_fp8_site(v); })
+      .def_rw("replicas", &PlanOptions::replicas)
+      .def_rw("same_buckets_per_replica", &PlanOptions::same_buckets_per_replica)
+      .def("to_json", [](const PlanOptions& o) { return o.to_json().dump(); });
+  nb::class_<WireOptions>(m, "WireOptions")
+      .def(nb::init<>())
+      .def_rw("checksums", &WireOptions::checksums)
+      .def_rw("direct_min_bytes", &WireOptions::direct_min_bytes)
+      .def_rw("delta", &WireOptions::delta)
+      .def_rw("lend", &WireOptions::lend)
+      .def("to_json", [](const WireOptions& o) { return o.to_json().dump(); });
+}
+
+// PublisherOptions: the layout and the engine config set as JSON text (the
+// package reads files and dicts), timeouts in seconds, CUDA handles as ints.
+void bind_publisher_options(nb::module_& m) {
+  using O = PublisherOptions;
+  nb::class_<O>(m, "PublisherOptions")
+      .def(nb::init<>())
+      .def_rw("coordinator", &O::coordinator)
+      .def_rw("token", &O::token)
+      .def_rw("rank", &O::rank)
+      .def(
+          "set_layout",
+          [](O& o, const std::string& layout) {
+            o.layout = TrainerLayout::from_json(parse_json(layout, "trainer layout"));
+          },
+          nb::arg("layout"))
+      .def(
+          "set_engine",
+          [](O& o, const std::string& engine, const std::string& base_dir) {
+            o.engine = EngineSpec::from_json(parse_json(engine, "engine config"), base_dir);
+          },
+          nb::arg("engine"), nb::arg("base_dir"))
+      .def_rw("transport", &O::transport)
+      .def_rw("plan", &O::plan)
+      .def_rw("elastic", &O::elastic)
+      .def_rw("min_replicas", &O::min_replicas)
+      .def_rw("wire", &O::wire)
+      .def_prop_rw(
+          "delta", [](const O& o) { return std::string(delta_mode_name(o.delta)); },
+          [](O& o, const std::string& v) { o.delta = parse_delta_mode(v); })
+      .def_rw("delta_verify", &O::delta_verify)
+      .def_rw("job", &O::job)
+      .def_prop_rw(
+          "connect_timeout", [](const O& o) { return seconds(o.connect_timeout); },
+          [](O& o, double s) { o.connect_timeout = millis(s, "connect_timeout"); })
+      .def_prop_rw(
+          "step_timeout", [](const O& o) { return seconds(o.step_timeout); },
+          [](O& o, double s) { o.step_timeout = millis(s, "step_timeout"); })
+      .def_prop_rw(
+          "producer_stream",
+          [](const O& o) { return reinterpret_cast<uintptr_t>(o.producer_stream); },
+          [](O& o, uintptr_t h) { o.producer_stream = reinterpret_cast<void*>(h); })
+      .def_prop_rw(
+          "producer_event",
+          [](const O& o) { return reinterpret_cast<uintptr_t>(o.producer_event); },
+          [](O& o, uintptr_t h) { o.producer_event = reinterpret_cast<void*>(h); });
+}
+
 }  // namespace
 
 void bind_coordinator(nb::module_& m) {
@@ -119,6 +165,8 @@ void bind_coordinator(nb::module_& m) {
 }
 
 void bind_publisher(nb::module_& m) {
+  bind_plan_options(m);
+  bind_publisher_options(m);
   nb::class_<PushResult>(m, "PushResult")
       .def_ro("step", &PushResult::step)
       .def_ro("committed", &PushResult::committed)
@@ -171,7 +219,7 @@ void bind_publisher(nb::module_& m) {
       });
   nb::class_<PyPublisher>(m, "Publisher")
       .def(nb::init<>())
-      .def("open", &PyPublisher::open, ReleaseGil())
+      .def("open", &PyPublisher::open, nb::arg("options"), ReleaseGil())
       .def("register_tensor", &PyPublisher::register_tensor, nb::arg("name"), nb::arg("data"),
            nb::arg("dtype"), nb::arg("shape"), nb::arg("strides"), nb::arg("device"))
       .def(

@@ -10,12 +10,17 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <tuple>
 
 namespace weightsync::python {
 namespace {
 
 using ReleaseGil = nb::call_guard<nb::gil_scoped_release>;
+
+double seconds(std::chrono::milliseconds ms) {
+  return static_cast<double>(ms.count()) / 1000.0;
+}
 
 // DLPack's code for a dtype (the torch tensors handed to on_weights come from
 // DLPack capsules).
@@ -92,24 +97,7 @@ Subscriber::WeightsHook weights_callback(nb::object fn) {
 
 class PySubscriber : public Handle<Subscriber> {
  public:
-  void open(const std::string& coordinator, const std::string& engine,
-            const std::string& engine_base_dir, int replica, int rank, const std::string& transport,
-            bool staging, int weights_device, const std::string& token, const std::string& job,
-            double connect_timeout, double step_timeout) {
-    SubscriberOptions o;
-    o.coordinator = coordinator;
-    o.engine = EngineSpec::from_json(parse_json(engine, "engine config"), engine_base_dir);
-    o.replica = replica;
-    o.rank = rank;
-    o.transport = transport;
-    o.staging = staging;
-    o.weights_device = weights_device;
-    o.token = token;
-    o.job = job;
-    o.connect_timeout = millis(connect_timeout, "connect_timeout");
-    o.step_timeout = millis(step_timeout, "step_timeout");
-    reset(std::make_unique<Subscriber>(std::move(o)));
-  }
+  void open(const SubscriberOptions& options) { reset(std::make_unique<Subscriber>(options)); }
   void register_param(const std::string& name, uintptr_t data, const std::string& dtype,
                       const Shape& shape, const Shape& strides, int device) {
     get("subscriber")
@@ -137,6 +125,34 @@ nb::dict step_phases(const StepPhases& p) {
   return d;
 }
 
+// SubscriberOptions: the engine config set as JSON text (the package reads
+// files and dicts), timeouts in seconds.
+void bind_subscriber_options(nb::module_& m) {
+  using O = SubscriberOptions;
+  nb::class_<O>(m, "SubscriberOptions")
+      .def(nb::init<>())
+      .def_rw("coordinator", &O::coordinator)
+      .def_rw("token", &O::token)
+      .def(
+          "set_engine",
+          [](O& o, const std::string& engine, const std::string& base_dir) {
+            o.engine = EngineSpec::from_json(parse_json(engine, "engine config"), base_dir);
+          },
+          nb::arg("engine"), nb::arg("base_dir"))
+      .def_rw("replica", &O::replica)
+      .def_rw("rank", &O::rank)
+      .def_rw("transport", &O::transport)
+      .def_rw("staging", &O::staging)
+      .def_rw("weights_device", &O::weights_device)
+      .def_rw("job", &O::job)
+      .def_prop_rw(
+          "connect_timeout", [](const O& o) { return seconds(o.connect_timeout); },
+          [](O& o, double s) { o.connect_timeout = millis(s, "connect_timeout"); })
+      .def_prop_rw(
+          "step_timeout", [](const O& o) { return seconds(o.step_timeout); },
+          [](O& o, double s) { o.step_timeout = millis(s, "step_timeout"); });
+}
+
 void bind_outcome(nb::module_& m) {
   nb::class_<StepOutcome>(m, "StepOutcome")
       .def_ro("step", &StepOutcome::step)
@@ -160,10 +176,11 @@ void bind_outcome(nb::module_& m) {
 }  // namespace
 
 void bind_subscriber(nb::module_& m) {
+  bind_subscriber_options(m);
   bind_outcome(m);
   nb::class_<PySubscriber>(m, "Subscriber")
       .def(nb::init<>())
-      .def("open", &PySubscriber::open, ReleaseGil())
+      .def("open", &PySubscriber::open, nb::arg("options"), ReleaseGil())
       .def("register_param", &PySubscriber::register_param, nb::arg("name"), nb::arg("data"),
            nb::arg("dtype"), nb::arg("shape"), nb::arg("strides"), nb::arg("device"))
       .def(

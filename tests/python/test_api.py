@@ -14,7 +14,7 @@ import torch
 
 import weightsync as ws
 import weightsync.torch as wst
-from helpers import cli, load_safetensors, model_config, module_of, save_safetensors
+from helpers import REPO, cli, load_safetensors, model_config, module_of, save_safetensors
 
 
 @pytest.fixture()
@@ -645,14 +645,16 @@ def test_error_is_picklable_and_cli_runs():
 
 
 def test_delta_bench_of_adamw_steps_reports_what_changed():
-    """`python -m weightsync.bench delta --update adamw` (what `weightsync bench
+    """`python tools/bench/python/bench.py delta --update adamw` (what `weightsync bench
     sync --delta --update adamw` runs): real AdamW steps on the bench model's
     bf16 shards, synced full and as deltas in one run, with the fraction of
     elements changed and both ratios."""
+    import os
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "weightsync.bench", "delta", "--update",
+    bench = os.path.join(REPO, "tools", "bench", "python", "bench.py")
+    out = subprocess.run([sys.executable, bench, "delta", "--update",
                           "adamw:lr=1e-4", "--size-gb", "0.02", "--steps", "1", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

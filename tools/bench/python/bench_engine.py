@@ -1,5 +1,5 @@
-"""`python -m weightsync.bench engine`: weightsync pushing a model into a live
-real vLLM engine, against that engine's own ways to take new weights, in one
+"""`python tools/bench/python/bench.py engine`: weightsync pushing a model into
+a live real vLLM engine, against that engine's own ways to take new weights, in one
 run on the same bytes.
 
 Two versions of a dense Qwen3-shaped bf16 model of about --size-gb (random
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Any = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m weightsync.bench engine",
+    p = argparse.ArgumentParser(prog="python tools/bench/python/bench.py engine",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=1.0)
     p.add_argument("--tp", type=int, default=1)

@@ -1,5 +1,5 @@
-"""`python -m weightsync.bench`: the sync benchmark from Python, beside the C++
-one on the same bytes in the same run.
+"""`python tools/bench/python/bench.py`: the sync benchmark from Python,
+beside the C++ one on the same bytes in the same run.
 
 Each round runs `weightsync bench --json --no-peer` (the C++ job: 4 trainer
 processes, ep=2 x fsdp=2, into 2 vLLM-layout replicas of tp=2, one warm-up
@@ -11,10 +11,11 @@ report GB/s per engine rank the same way: the busiest engine rank's bytes
 over the median step time (a step: the slowest trainer's push). The ratio
 says what the Python layer costs (goal: >= 0.95).
 
-`python -m weightsync.bench engine`: a model pushed into a live real vLLM
-against vLLM's own reload and a restart (weightsync.bench_engine).
+`python tools/bench/python/bench.py engine`: a model pushed into a live real
+vLLM against vLLM's own reload and a restart (bench_engine.py, beside this
+script).
 
-`python -m weightsync.bench delta --update adamw[:lr=X]` (also `weightsync
+`python tools/bench/python/bench.py delta --update adamw[:lr=X]` (also `weightsync
 bench sync --delta --update adamw[:lr=X]`): delta sync (docs/delta.md) of
 the versions real torch.optim.AdamW steps make of the C++ job's bf16 shards,
 against a full sync of the same versions in the same run: what fraction of
@@ -33,7 +34,7 @@ import sys
 import tempfile
 from typing import Any
 
-from ._cli import cli_path
+from weightsync import cli_path
 
 
 def _trainer(rank: int, work: str, address: str, opts: dict, steps: int, queue: Any) -> None:
@@ -184,7 +185,7 @@ def adamw_sync(work: str, steps: int, opts: dict, lr: float) -> dict:
 
 
 def delta_main(argv: list) -> int:
-    p = argparse.ArgumentParser(prog="python -m weightsync.bench delta",
+    p = argparse.ArgumentParser(prog="python tools/bench/python/bench.py delta",
                                 description="delta sync of real AdamW steps against a full sync")
     p.add_argument("--update", default="adamw", help="adamw[:lr=X] (default lr 1e-5)")
     p.add_argument("--size-gb", type=float, default=0.25)
@@ -250,11 +251,12 @@ def main(argv: Any = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["delta"]:  # delta sync of real AdamW steps
         return delta_main(argv[1:])
-    if argv[:1] == ["engine"]:  # into a live vLLM (weightsync.bench_engine)
-        from . import bench_engine
+    if argv[:1] == ["engine"]:  # into a live vLLM (bench_engine.py, beside this script)
+        import bench_engine  # beside this script, on sys.path[0]
 
         return bench_engine.main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m weightsync.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/bench/python/bench.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
     p.add_argument("--rounds", type=int, default=2, help="C++ then Python, this many times")

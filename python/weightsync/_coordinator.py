@@ -1,0 +1,62 @@
+"""The in-process coordinator."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from . import _core
+
+
+class Coordinator:
+    """The control-plane coordinator, in this process (a thread serving TCP).
+    `port=0` binds any free port; `.address` is "HOST:PORT" as bound. A
+    standalone one is the `weightsync coordinator` command."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: Optional[str] = None,
+                 metrics_port: Optional[int] = None):
+        """Binds `host:port` and serves until close(). `token`: a shared
+        secret every endpoint must present (None: none). `metrics_port`:
+        serve Prometheus metrics on http://host:metrics_port/metrics (0: any
+        free port, read back from `.metrics_port`; None: no metrics;
+        docs/metrics.md)."""
+        self._core = _core.Coordinator(host, port, token or "",
+                                       -1 if metrics_port is None else metrics_port)
+
+    @property
+    def address(self) -> str:
+        """"HOST:PORT" as bound: what Publishers and Subscribers connect to."""
+        return self._core.address
+
+    @property
+    def port(self) -> int:
+        """The port as bound."""
+        return self._core.port
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound port of the Prometheus metrics (0: metrics are off)."""
+        return self._core.metrics_port
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return self._core.closed
+
+    def committed_version(self, engine_rank: int) -> int:
+        """The last step engine rank `engine_rank` committed (-1: none)."""
+        return self._core.committed_version(engine_rank)
+
+    def close(self) -> None:
+        """Stops serving (endpoints still connected see it go)."""
+        self._core.close()
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+
+#: Where the coordinator is: "HOST:PORT", or a Coordinator of this process.
+CoordinatorLike = Union[str, Coordinator]
