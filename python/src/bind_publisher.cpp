@@ -164,9 +164,8 @@ void bind_coordinator(nb::module_& m) {
       .def_prop_ro("closed", [](const PyCoordinator& c) { return !c.open(); });
 }
 
-void bind_publisher(nb::module_& m) {
-  bind_plan_options(m);
-  bind_publisher_options(m);
+// What a push, save_hf and load_hf return.
+static void bind_results(nb::module_& m) {
   nb::class_<PushResult>(m, "PushResult")
       .def_ro("step", &PushResult::step)
       .def_ro("committed", &PushResult::committed)
@@ -217,6 +216,12 @@ void bind_publisher(nb::module_& m) {
         return cat("LoadReport(bytes=", r.bytes, ", pieces=", r.pieces, ", files=", r.files,
                    ", seconds=", r.seconds, ")");
       });
+}
+
+void bind_publisher(nb::module_& m) {
+  bind_plan_options(m);
+  bind_publisher_options(m);
+  bind_results(m);
   nb::class_<PyPublisher>(m, "Publisher")
       .def(nb::init<>())
       .def("open", &PyPublisher::open, nb::arg("options"), ReleaseGil())
