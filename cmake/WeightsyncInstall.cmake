@@ -28,7 +28,9 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/weightsyncConfig.cmake
 # share/weightsync as they sit in the source tree.
 set(_ws_data_scripts tools/bench/peer_baseline.py tools/bench/peer_ipc_baseline.py
                       tools/bench/peer_checkpoint_engine.py)
+set(_ws_bench_scripts tools/bench/python/bench.py tools/bench/python/bench_engine.py)
 install(FILES ${_ws_data_scripts} DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync/tools/bench)
+install(FILES ${_ws_bench_scripts} DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync/tools/bench/python)
 install(DIRECTORY configs DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync)
 # The Python package ships the command as weightsync/bin/weightsync (component
 # "python", python/CMakeLists.txt): its data goes to weightsync/share/weightsync.
@@ -36,6 +38,8 @@ install(DIRECTORY configs DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync)
 # plain `cmake --install` does not put a package folder at the prefix.
 if(WEIGHTSYNC_HAVE_PYTHON AND TARGET weightsync_cli)
   install(FILES ${_ws_data_scripts} DESTINATION weightsync/share/weightsync/tools/bench
+          COMPONENT python EXCLUDE_FROM_ALL)
+  install(FILES ${_ws_bench_scripts} DESTINATION weightsync/share/weightsync/tools/bench/python
           COMPONENT python EXCLUDE_FROM_ALL)
   install(DIRECTORY configs DESTINATION weightsync/share/weightsync
           COMPONENT python EXCLUDE_FROM_ALL)

@@ -6,9 +6,11 @@
 #   PYTHON=/path/to/python bash tools/check_types.sh
 #
 # Strict (every def typed, no implicit Any returns, no implicit re-exports,
-# unused ignores reported) on the API modules (weightsync, ._api, ._errors,
-# ._tensors, ._cli) and on examples/; the other modules of the package (the
-# torch, Megatron and engine integrations, bench) are checked as they are
+# unused ignores reported) on the API modules (weightsync, ._api and the
+# modules it re-exports: ._common, ._options, ._results, ._coordinator,
+# ._publisher, ._subscriber; ._errors, ._tensors, ._cli) and on examples/; the
+# other modules of the package (the torch, Megatron and engine integrations)
+# are checked as they are
 # typed (their bodies too), without requiring every def to be annotated.
 # The source tree's package is checked, not an installed copy. Needs mypy
 # (python/requirements-dev.txt); nothing is built or installed.
@@ -38,7 +40,7 @@ show_error_codes = True
 pretty = False
 
 # The API: strict.
-[mypy-weightsync,weightsync._api,weightsync._errors,weightsync._tensors,weightsync._cli,engine_worker,fsdp2_trainer]
+[mypy-weightsync,weightsync._api,weightsync._common,weightsync._options,weightsync._results,weightsync._coordinator,weightsync._publisher,weightsync._subscriber,weightsync._errors,weightsync._tensors,weightsync._cli,engine_worker,fsdp2_trainer]
 disallow_untyped_defs = True
 disallow_incomplete_defs = True
 disallow_untyped_decorators = True

@@ -102,7 +102,7 @@ constexpr const char* kUsage =
     "their elements (default 0.02 with --delta; without, every byte changes).\n"
     "--update adamw[:lr=X]: with --delta, versions made by real torch.optim.AdamW\n"
     "steps (lr default 1e-5) on the model's bf16 shards, run by the Python package\n"
-    "(python -m weightsync.bench delta); prints the fraction of elements changed.\n";
+    "(tools/bench/python/bench.py delta); prints the fraction of elements changed.\n";
 
 nlohmann::json box_json(const Box& b) {
   return {{"offsets", b.offsets}, {"lengths", b.lengths}};
@@ -496,7 +496,8 @@ nlohmann::json metrics_overhead(demo::JobSpec job, int rounds) {
 }
 
 // --update adamw[:lr=X]: real AdamW steps need torch, so the Python package
-// runs that job (python -m weightsync.bench delta), on the same model shape.
+// runs that job (tools/bench/python/bench.py delta, found as the peer baselines
+// are), on the same model shape.
 int run_adamw_bench(const Args& args, const std::string& update, int steps, double gb, bool delta) {
   if (!delta) fail(Errc::invalid_argument, "--update adamw is for --delta");
   if (args.has("checkpoint") || args.get_or("mode", "p2p") != "p2p" || args.flag("fp8") ||
@@ -508,7 +509,11 @@ int run_adamw_bench(const Args& args, const std::string& update, int steps, doub
   if (python.empty() || !fs::exists(python))
     fail(Errc::not_found, "--update adamw needs a python with torch and weightsync (set ",
          "WEIGHTSYNC_PYTHON)");
-  std::string cmd = cat(python, " -m weightsync.bench delta --update '", update, "' --size-gb ", gb,
+  const std::string script = find_data("tools/bench/python/bench.py");
+  if (script.empty())
+    fail(Errc::not_found, "tools/bench/python/bench.py not found beside ", demo::self_exe(),
+         " (source tree or share/weightsync; or set WEIGHTSYNC_DATA_DIR)");
+  std::string cmd = cat(python, " '", script, "' delta --update '", update, "' --size-gb ", gb,
                         " --steps ", steps, " --transport '", args.get_or("transport", "ucx"),
                         "' --bucket-bytes ", args.get_int("bucket-bytes", int64_t{64} << 20));
   if (args.flag("no-delta-verify")) cmd += " --no-delta-verify";
