@@ -75,8 +75,8 @@ void ipc_sender_dies(ScenarioContext& c) {
     r = t.recv(1, 1, in.buffer());
   }
   require(t.peer_failed(1), "peer_failed(1)");
-  require_error([&] { t.recv(1, 1, in.buffer()); }, Errc::peer_failure, {"rank 1"});
-  require_error([&] { t.send(1, 1, in.buffer()); }, Errc::peer_failure, {"rank 1"});
+  require_error([&] { (void)t.recv(1, 1, in.buffer()); }, Errc::peer_failure, {"rank 1"});
+  require_error([&] { (void)t.send(1, 1, in.buffer()); }, Errc::peer_failure, {"rank 1"});
 }
 
 // Rank 1 receives 64 MiB messages; rank 0 sends, and kills it mid-stream.

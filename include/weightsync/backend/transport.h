@@ -1,18 +1,23 @@
 // Transport: moves byte buffers between the ranks of one world, point to point
 // with 64-bit tags, plus an optional broadcast. Backends: "ucx" (host memory
 // everywhere, CUDA memory where UCX was built with CUDA), "nccl" (CUDA memory),
-// and wrappers such as "fault:<inner>" (fault injection for tests).
+// "cuda_ipc" (CUDA memory between the processes of one node, which it also
+// lends), "ipc_host" (cuda_ipc over shared host memory, built everywhere), and
+// wrappers such as "fault:<inner>" (fault injection for tests).
 //
 // Contract (every backend; the conformance suite in tests/transport checks it):
 // - Created by name through a registry: make_transport(options). Each rank of a
 //   world creates its transport with the same `name`, `store` and `prefix`,
 //   its own `rank` and the common `world`. Ranks exchange their addresses
 //   through the Store under `prefix` (UCX worker addresses; NCCL's unique id,
-//   set by rank 0). The first operation with a peer may wait up to
-//   `bootstrap_timeout` for the peer's address; connect() does it eagerly.
+//   set by rank 0; cuda_ipc's and ipc_host's socket addresses). The first
+//   operation with a peer may wait up to `bootstrap_timeout` for the peer's
+//   address; connect() does it eagerly.
 // - send() and recv() are non-blocking: they post the operation and return a
 //   Request. The buffer must stay valid and untouched until the request is
-//   complete (test() true or wait() returned) or its destructor ran.
+//   complete (test() true or wait() returned) or its destructor ran. The
+//   posting calls are [[nodiscard]]: a Request dropped at once cancels its
+//   operation.
 // - Ordering: messages from one sender to one receiver with the same tag are
 //   matched in posting order. Messages with different tags are independent.
 // - A receive accepts a message of at most its buffer's size; a larger message
@@ -49,7 +54,8 @@ namespace weightsync {
 using Tag = uint64_t;
 
 struct TransportOptions {
-  // Registry name: "ucx", "nccl", or "<wrapper>:<inner>" such as "fault:ucx".
+  // Registry name: "ucx", "nccl", "cuda_ipc", "ipc_host", or "<wrapper>:<inner>"
+  // such as "fault:ucx".
   // Options may follow the name after '?' as k=v pairs joined by '&'
   // ("fault:ucx?corrupt_recv=1&count=1"); they are merged into `params`.
   std::string name = "ucx";
@@ -102,7 +108,8 @@ inline Buffer host_buffer(const void* data, std::size_t bytes,
   return Buffer{const_cast<void*>(data), bytes, MemoryKind::host, -1, region};
 }
 
-// Memory registered with a transport (ucp_mem_map for UCX; a no-op for NCCL).
+// Memory registered with a transport (ucp_mem_map for UCX; a no-op for NCCL;
+// cuda_ipc and ipc_host refuse memory they cannot share with their peers).
 // Deregistered by the destructor.
 class MemoryRegion {
  public:
@@ -176,9 +183,9 @@ class Transport {
   // Registers memory for repeated use as (part of) a Buffer's region.
   virtual std::unique_ptr<MemoryRegion> register_memory(const Buffer& buffer) = 0;
   // Posts a send of `buffer` to `peer` (non-blocking).
-  virtual std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) = 0;
+  [[nodiscard]] virtual std::unique_ptr<Request> send(int peer, Tag tag, const Buffer& buffer) = 0;
   // Posts a receive into `buffer` of a message from `peer` with `tag`.
-  virtual std::unique_ptr<Request> recv(int peer, Tag tag, const Buffer& buffer) = 0;
+  [[nodiscard]] virtual std::unique_ptr<Request> recv(int peer, Tag tag, const Buffer& buffer) = 0;
   // Advances every outstanding operation without blocking.
   virtual void progress() = 0;
   // Eagerly connects to `peer` (waits for its address up to bootstrap_timeout).
@@ -208,8 +215,8 @@ class Transport {
   // root); called by each of those ranks with the same arguments and a buffer
   // of the same size. The default fans out point to point with `tag`;
   // backends with capabilities().native_broadcast override it.
-  virtual std::unique_ptr<Request> broadcast(const Buffer& buffer, int root,
-                                             const std::vector<int>& ranks, Tag tag);
+  [[nodiscard]] virtual std::unique_ptr<Request> broadcast(const Buffer& buffer, int root,
+                                                           const std::vector<int>& ranks, Tag tag);
 
   // ---- memory lent to a peer (capabilities().maps_peer_memory) ------------
   // Receiver: lends `buffers` to `peer`, which maps them with map_exposed()
@@ -220,7 +227,8 @@ class Transport {
   // finds it freed): the caller keeps it registered for as long as the peer
   // may write, and learns from the peer by a message when its writes are
   // done. Errc::unsupported where the backend cannot (the default).
-  virtual std::unique_ptr<Request> expose(int peer, Tag tag, const std::vector<Buffer>& buffers);
+  [[nodiscard]] virtual std::unique_ptr<Request> expose(int peer, Tag tag,
+                                                        const std::vector<Buffer>& buffers);
   // Sender: maps what `peer` lends under `tag`. Once complete, `*addresses`
   // holds one address per lent buffer, in order (nullptr for an empty one),
   // that this process's copies for the transport's memory kind may write
@@ -229,7 +237,8 @@ class Transport {
   // null the loan is declined: nothing is mapped, and the peer's expose
   // fails with Errc::cancelled. Errc::unsupported where the backend cannot
   // (the default).
-  virtual std::unique_ptr<Request> map_exposed(int peer, Tag tag, std::vector<void*>* addresses);
+  [[nodiscard]] virtual std::unique_ptr<Request> map_exposed(int peer, Tag tag,
+                                                             std::vector<void*>* addresses);
 };
 
 // The registry. A factory receives the options with `name` as requested; a
@@ -280,8 +289,18 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 // nccl: CUDA memory only; tags are not matched by NCCL, so both sides must post
 //   operations with a peer in the same order. On a wait timeout the
 //   communicator is aborted (ncclCommAbort) and the transport is unusable.
+// cuda_ipc: the processes of one node (a peer on another machine is refused),
+//   over Unix-domain sockets in the abstract namespace, or in
+//   params["socket_dir"] when given (for ranks in different network
+//   namespaces). CUDA memory from cudaMalloc (or VMM) only.
+// ipc_host: cuda_ipc over host memory from each process's shared arena
+//   (allocate_host); params["socket_dir"] as for cuda_ipc, and
+//   params["local"] = "1" also accepts memory outside the arena within the
+//   process (a Publisher and Subscribers as threads of one process).
 // fault:<inner> (deterministic: the same seed and the same sequence of calls
-//   inject the same faults; it lends no memory: maps_peer_memory is false).
+//   inject the same faults; over a transport that lends memory it answers
+//   loans but lends nothing and declines what it is lent, so that every
+//   bucket goes through its faults: Capabilities::maps_peer_memory).
 //   Each fault applies to an operation chosen with
 //   probability P from a generator seeded with `seed`, among operations whose
 //   index (per kind: sends or receives, counted from 0) is >= `after`, whose
