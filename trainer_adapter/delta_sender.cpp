@@ -171,7 +171,6 @@ P2pFrame DeltaSender::first_twin(const SendAction& a, DeltaBase& d, int64_t step
   bool base_is_next = false;  // the encoder brought the base up to this step
   if (try_delta(d, held)) {
     pack();
-    out.packed = true;
     const auto encode_start = std::chrono::steady_clock::now();  // counted as packing
     const int64_t bytes = encode_p2p(a, d, step, body, frame, base_is_next);
     phases.pack += pipeline::seconds_since(encode_start);

@@ -43,8 +43,7 @@ struct DeltaBase {
 struct P2pFrame {
   bool delta = false;  // the delta frame, `bytes` with its trailer, is in the frame buffer
   int64_t bytes = 0;
-  bool packed = false;  // the frame's layout is in the slot (packed for the encoder)
-  bool take = false;    // whole bytes: the base takes them (the encoder did not)
+  bool take = false;  // whole bytes: the base takes them (the encoder did not)
 };
 
 class DeltaSender {
