@@ -106,11 +106,8 @@ struct EngineConfig {
   // "dtype"}], "ranks": [rank layouts as rank_layout_to_json writes them]}).
   std::shared_ptr<const DerivedLayout> derived;
 
-  // `base_dir` resolves a relative hf_config path. from_json and load are
-  // the layouts library's (they find the framework in its registry): the one
-  // exception to this header's owner, listed in tools/architecture_debts.txt.
-  static EngineConfig from_json(const nlohmann::json& j, const std::string& base_dir);
-  static EngineConfig load(const std::string& path);
+  // Read by engine_config_from_json / load_engine_config (layouts.h: reading
+  // finds the framework in the layouts' registry).
   nlohmann::json to_json() const;
 };
 
@@ -125,9 +122,7 @@ struct EngineSpec {
   EngineSpec() = default;
   EngineSpec(EngineConfig one) : groups{std::move(one)} {}  // NOLINT: one group
 
-  // Errc::format / invalid_layout naming the group (see EngineConfig).
-  static EngineSpec from_json(const nlohmann::json& j, const std::string& base_dir);
-  static EngineSpec load(const std::string& path);
+  // Read by engine_spec_from_json / load_engine_spec (layouts.h).
   nlohmann::json to_json() const;  // an object for one group, else an array
 };
 

@@ -22,6 +22,8 @@
 #include <weightsync/hf_model.h>
 #include <weightsync/load_spec.h>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -31,6 +33,16 @@
 namespace weightsync {
 
 // ---- Engine layouts
+
+// Engine configs from JSON (EngineConfig in engine_layout.h): the framework is
+// found in this library's registry, which checks its options. `base_dir`
+// resolves a relative hf_config path; the load_ forms read a file and name it
+// in errors. Errc::format / invalid_layout / unsupported naming the field (and
+// the group, for a spec: one config or an array of them).
+EngineConfig engine_config_from_json(const nlohmann::json& j, const std::string& base_dir);
+EngineConfig load_engine_config(const std::string& path);
+EngineSpec engine_spec_from_json(const nlohmann::json& j, const std::string& base_dir);
+EngineSpec load_engine_spec(const std::string& path);
 
 // Derives every rank's parameters from the config, by its framework's rules;
 // with a spec, every group's (EngineLayout::groups). Throws

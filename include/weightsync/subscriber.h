@@ -3,7 +3,7 @@
 //
 //   weightsync::SubscriberOptions opt;
 //   opt.coordinator = "10.0.0.1:29600";
-//   opt.engine = weightsync::EngineConfig::load("engine.json");
+//   opt.engine = weightsync::load_engine_config("engine.json");
 //   opt.replica = replica; opt.rank = tp_rank;
 //   opt.staging = true;  // a failed step leaves the served weights untouched
 //   weightsync::Subscriber sub(opt);

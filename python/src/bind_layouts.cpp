@@ -24,7 +24,7 @@ namespace {
 using ParamInfo = std::tuple<std::string, std::string, Shape>;
 
 EngineSpec engine_spec(const std::string& text, const std::string& base_dir) {
-  return EngineSpec::from_json(parse_json(text, "engine config"), base_dir);
+  return engine_spec_from_json(parse_json(text, "engine config"), base_dir);
 }
 
 TrainerLayout trainer_layout(const std::string& text) {

@@ -5,6 +5,7 @@
 
 #include <weightsync/control.h>
 #include <weightsync/engine_layout.h>
+#include <weightsync/layouts.h>
 #include <weightsync/publisher.h>
 
 #include <nanobind/stl/optional.h>
@@ -121,7 +122,7 @@ void bind_publisher_options(nb::module_& m) {
       .def(
           "set_engine",
           [](O& o, const std::string& engine, const std::string& base_dir) {
-            o.engine = EngineSpec::from_json(parse_json(engine, "engine config"), base_dir);
+            o.engine = engine_spec_from_json(parse_json(engine, "engine config"), base_dir);
           },
           nb::arg("engine"), nb::arg("base_dir"))
       .def_rw("transport", &O::transport)

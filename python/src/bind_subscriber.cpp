@@ -2,6 +2,7 @@
 #include "bindings.h"
 
 #include <weightsync/engine_layout.h>
+#include <weightsync/layouts.h>
 #include <weightsync/subscriber.h>
 
 #include <nanobind/ndarray.h>
@@ -136,7 +137,7 @@ void bind_subscriber_options(nb::module_& m) {
       .def(
           "set_engine",
           [](O& o, const std::string& engine, const std::string& base_dir) {
-            o.engine = EngineSpec::from_json(parse_json(engine, "engine config"), base_dir);
+            o.engine = engine_spec_from_json(parse_json(engine, "engine config"), base_dir);
           },
           nb::arg("engine"), nb::arg("base_dir"))
       .def_rw("replica", &O::replica)

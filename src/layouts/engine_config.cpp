@@ -4,6 +4,7 @@
 // The inverse, to_json, is core's (src/core/engine_layout_json.cpp).
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 
 #include "engine_framework.h"
 
@@ -100,7 +101,7 @@ std::optional<BlockQuant> get_quantization(const json& j) {
 
 }  // namespace
 
-EngineConfig EngineConfig::from_json(const json& j, const std::string& base_dir) {
+EngineConfig engine_config_from_json(const json& j, const std::string& base_dir) {
   if (!j.is_object()) fail(Errc::format, "engine config: expected a JSON object");
   EngineConfig c;
   c.framework = get_string(j, "framework", "");
@@ -160,17 +161,17 @@ T load_file(const std::string& path, Parse parse) {
 
 }  // namespace
 
-EngineConfig EngineConfig::load(const std::string& path) {
-  return load_file<EngineConfig>(path, &EngineConfig::from_json);
+EngineConfig load_engine_config(const std::string& path) {
+  return load_file<EngineConfig>(path, &engine_config_from_json);
 }
 
-EngineSpec EngineSpec::from_json(const json& j, const std::string& base_dir) {
-  if (!j.is_array()) return EngineSpec(EngineConfig::from_json(j, base_dir));
+EngineSpec engine_spec_from_json(const json& j, const std::string& base_dir) {
+  if (!j.is_array()) return EngineSpec(engine_config_from_json(j, base_dir));
   if (j.empty()) fail(Errc::format, "engine config: an empty array (expected engine configs)");
   EngineSpec spec;
   for (size_t i = 0; i < j.size(); ++i) {
     try {
-      spec.groups.push_back(EngineConfig::from_json(j[i], base_dir));
+      spec.groups.push_back(engine_config_from_json(j[i], base_dir));
     } catch (const Error& e) {
       throw Error(e.code(), cat("engine group ", i, ": ", e.what()));
     }
@@ -178,8 +179,8 @@ EngineSpec EngineSpec::from_json(const json& j, const std::string& base_dir) {
   return spec;
 }
 
-EngineSpec EngineSpec::load(const std::string& path) {
-  return load_file<EngineSpec>(path, &EngineSpec::from_json);
+EngineSpec load_engine_spec(const std::string& path) {
+  return load_file<EngineSpec>(path, &engine_spec_from_json);
 }
 
 }  // namespace weightsync

@@ -51,7 +51,7 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
           ? *spec.trainer
           : TrainerLayout::from_json(fetch_json(client, spec.who, keys.trainer_layout(), deadline));
   dp.engine = spec.engine ? *spec.engine
-                          : make_engine_layout(EngineSpec::from_json(
+                          : make_engine_layout(engine_spec_from_json(
                                 fetch_json(client, spec.who, keys.engine_config(), deadline), "."));
   const PublishedOptions published = fetch_options(client, spec.who, spec.job, deadline);
   dp.wire = published.wire;

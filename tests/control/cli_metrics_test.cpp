@@ -183,7 +183,7 @@ Job run_job(const std::string& address, int steps) {
   const e2e::Model m = e2e::make_model("tiny-llama", "fsdp=1", 1, 1);
   const Checkpoint ckpt = Checkpoint::open(m.checkpoint);
   const TrainerLayout layout = TrainerLayout::load(m.trainer);
-  const EngineConfig config = EngineConfig::load(m.engine);
+  const EngineConfig config = load_engine_config(m.engine);
   const EngineLayout engine_layout = make_engine_layout(config);
   const EngineRankLayout& rl = engine_layout.rank_layout(0);
   // ipc_host, its own memory usable in its own process: every machine has it.

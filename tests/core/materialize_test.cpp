@@ -171,7 +171,7 @@ TEST_F(Materialize, CheckpointDisagreeingWithTheConfigIsAClearError) {
 TEST_F(Materialize, CliWritesTheSameBytesAsTheLibrary) {
   const std::string engine_json = std::string(WEIGHTSYNC_SOURCE_DIR) +
                                   "/configs/examples/engine_tiny_qwen3_moe_vllm_tp4_ep.json";
-  const auto cfg = EngineConfig::load(engine_json);
+  const auto cfg = load_engine_config(engine_json);
   write_random_checkpoint(path("ckpt"), hf_tensors(cfg.hf), {9, 1, 2});
   const auto layout = make_engine_layout(cfg);
   materialize(Checkpoint::open(path("ckpt")), layout, 2, path("lib.safetensors"));

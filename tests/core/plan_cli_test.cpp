@@ -60,7 +60,7 @@ class PlanCli : public ::testing::Test {
         {"expert_parallel", ep}, {"expert_placement", "linear"},          {"replicas", replicas},
         {"dtype", "BF16"}};
     std::ofstream(dir_ / "e.json") << e.dump();
-    return {t, make_engine_layout(EngineConfig::load((dir_ / "e.json").string()))};
+    return {t, make_engine_layout(load_engine_config((dir_ / "e.json").string()))};
   }
   std::string files() const {
     return "--trainer " + (dir_ / "t.json").string() + " --engine " + (dir_ / "e.json").string();

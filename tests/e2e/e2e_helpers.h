@@ -165,7 +165,7 @@ inline Plan plan_of(const Model& m, const std::string& mode, int64_t bucket_byte
   PlanOptions po;
   po.mode = parse_plan_mode(mode);
   po.bucket_bytes = bucket_bytes;
-  return make_plan(TrainerLayout::load(m.trainer), make_engine_layout(EngineSpec::load(m.engine)),
+  return make_plan(TrainerLayout::load(m.trainer), make_engine_layout(load_engine_spec(m.engine)),
                    Topology{}, po);
 }
 
@@ -173,7 +173,7 @@ inline Plan plan_of(const Model& m, const std::string& mode, int64_t bucket_byte
 // checkpoint for that rank, tensor by tensor; "" when equal.
 inline std::string compare_with_materialize(const Model& m, const std::string& dump, int rank) {
   const std::string ref = dump + ".reference.safetensors";
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(m.engine));
   materialize(Checkpoint::open(m.checkpoint), layout, rank, ref);
   const auto a = SafetensorsFile::open(dump);
   const auto b = SafetensorsFile::open(ref);

@@ -63,7 +63,7 @@ nlohmann::json sync_and_compare(const Model& m, int engines, int steps,
       EXPECT_EQ(row["committed"].size(), static_cast<size_t>(engines)) << "step " << row["step"];
       EXPECT_EQ(row["verified"].size(), static_cast<size_t>(engines)) << "step " << row["step"];
     }
-    const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
+    const EngineLayout layout = make_engine_layout(load_engine_spec(m.engine));
     int fp8_params = 0;
     for (const auto& p : layout.ranks[0].params) fp8_params += p.dtype == DType::F8_E4M3;
     ASSERT_GT(fp8_params, 0) << "the engine config holds no FP8 param";
@@ -113,7 +113,7 @@ TEST(E2EFp8, SenderAndEngineQuantizationGiveTheSameBytesAndTheSenderHalvesTheWir
       << "sender-quantized " << s << " bytes, engine-quantized " << e;
   // What the plan predicts, exactly: 3 steps of the plan's bytes.
   const Plan plan = make_plan(TrainerLayout::load(m.trainer),
-                              make_engine_layout(EngineSpec::load(m.engine)), Topology{}, {});
+                              make_engine_layout(load_engine_spec(m.engine)), Topology{}, {});
   EXPECT_EQ(s, 3 * plan.stats().bytes_total);
   EXPECT_EQ(e, 3 * plan.stats().bytes_total_engine_site);
 }

@@ -35,7 +35,7 @@ class InProcess : public ::testing::Test {
     m_ = make_model("tiny-llama", "fsdp=1", 1, 1);
     ckpt_.emplace(Checkpoint::open(m_.checkpoint));
     layout_ = TrainerLayout::load(m_.trainer);
-    config_ = EngineConfig::load(m_.engine);
+    config_ = load_engine_config(m_.engine);
     engine_layout_ = make_engine_layout(config_);
     for (const auto& p : rank_layout().params)
       params_.emplace_back(static_cast<size_t>(numel(p.shape)) * itemsize(p.dtype), '\0');

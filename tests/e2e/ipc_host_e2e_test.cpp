@@ -47,7 +47,7 @@ void expect_all_good_and_lent(const Model& m, const Demo& d, int engines, int st
     EXPECT_EQ(ints(row["verified"]), upto(engines)) << "step " << row["step"];
     EXPECT_GT(row["buckets_lent"].get<int64_t>(), 0) << "step " << row["step"];
   }
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(m.engine));
   for (int g = 0; g < engines && !dump.empty(); ++g) {
     const std::string file = dump_file(dump, layout, g);
     EXPECT_EQ(compare_with_materialize(m, file, g), "") << file;

@@ -83,7 +83,7 @@ TEST_P(MegatronSync, EveryEngineRankBitExactAfterEveryStep) {
   const nlohmann::json s = read_json(summary);
   ASSERT_TRUE(s.is_object()) << run.output;
   EXPECT_TRUE(s["ok"].get<bool>());
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(m.engine));
   std::vector<int> all(static_cast<size_t>(layout.world()));
   for (int g = 0; g < layout.world(); ++g) all[static_cast<size_t>(g)] = g;
   ASSERT_EQ(s["steps"].size(), static_cast<size_t>(steps));

@@ -35,7 +35,7 @@ void expect_all_good(const Model& m, const Demo& d, int engines, const std::stri
     EXPECT_EQ(ints(row["committed"]), all) << "step " << row["step"];
     EXPECT_EQ(ints(row["verified"]), all) << "step " << row["step"];
   }
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(m.engine));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(m.engine));
   for (int g = 0; g < engines && !dump.empty(); ++g) {
     const std::string file = dump_file(dump, layout, g);
     EXPECT_EQ(compare_with_materialize(m, file, g), "") << file;
@@ -140,7 +140,7 @@ void expect_one_base_for_every_replica(const Model& m, const Demo& d, int64_t bu
   o.bucket_bytes = bucket_bytes;
   o.same_buckets_per_replica = true;
   const Plan plan = make_plan(TrainerLayout::load(m.trainer),
-                              make_engine_layout(EngineConfig::load(m.engine)), Topology{}, o);
+                              make_engine_layout(load_engine_config(m.engine)), Topology{}, o);
   for (const auto& step : d.summary["steps"])
     EXPECT_EQ(step["delta_base_bytes"].get<int64_t>() * replicas, plan.stats().bytes_total)
         << "step " << step["step"];

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <weightsync/backend/transport.h>
+#include <weightsync/layouts.h>
 #include "pipeline/wire.h"
 
 namespace weightsync::gpu_test {
@@ -38,7 +39,7 @@ void expect_all_good(const Model& m, const Demo& d, int engines, const std::stri
     EXPECT_EQ(ints(row["committed"]), all) << "step " << row["step"];
     EXPECT_EQ(ints(row["verified"]), all) << "step " << row["step"];
   }
-  const EngineConfig config = EngineConfig::load(m.engine);
+  const EngineConfig config = load_engine_config(m.engine);
   for (int g = 0; g < engines; ++g) {
     const std::string file = dump + "/engine" + std::to_string(g / config.tp) + "-rank" +
                              std::to_string(g % config.tp) + ".safetensors";

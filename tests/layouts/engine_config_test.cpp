@@ -30,7 +30,7 @@ json base() {
 }
 
 TEST(EngineConfig, ParsesTheContractFields) {
-  const auto c = EngineConfig::from_json(base(), "");
+  const auto c = engine_config_from_json(base(), "");
   EXPECT_EQ(c.framework, "vllm");
   EXPECT_EQ(c.hf.family, "mixtral");
   EXPECT_EQ(c.tp, 2);
@@ -40,26 +40,26 @@ TEST(EngineConfig, ParsesTheContractFields) {
   EXPECT_EQ(c.dtype, DType::BF16);
   EXPECT_EQ(c.moe_order, "w13");
   // Round trip through to_json (hf_config inline).
-  const auto again = EngineConfig::from_json(c.to_json(), "");
+  const auto again = engine_config_from_json(c.to_json(), "");
   EXPECT_EQ(again.to_json(), c.to_json());
   EXPECT_EQ(again.hf.num_experts, 6);
 }
 
 TEST(EngineConfig, RelativePathsResolveAgainstTheEngineFile) {
-  const auto c = EngineConfig::load(std::string(WEIGHTSYNC_SOURCE_DIR) +
+  const auto c = load_engine_config(std::string(WEIGHTSYNC_SOURCE_DIR) +
                                     "/configs/examples/engine_tiny_deepseek_v3_vllm_tp2.json");
   EXPECT_EQ(c.hf.family, "deepseek_v3");
   EXPECT_EQ(c.replicas, 2);
   // A model directory works too, and defaults apply to absent fields.
   const json j = {{"framework", "sglang"}, {"hf_config", "models/tiny-qwen2"}, {"tp", 1}};
-  const auto d = EngineConfig::from_json(j, std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs");
+  const auto d = engine_config_from_json(j, std::string(WEIGHTSYNC_SOURCE_DIR) + "/configs");
   EXPECT_EQ(d.hf.family, "qwen2");
   EXPECT_FALSE(d.expert_parallel);
   EXPECT_EQ(d.replicas, 1);
   EXPECT_EQ(d.dtype, DType::BF16);
   EXPECT_TRUE(throws_errc(
       [] {
-        EngineConfig::from_json({{"framework", "vllm"}, {"hf_config", "nope"}, {"tp", 1}}, "/tmp");
+        engine_config_from_json({{"framework", "vllm"}, {"hf_config", "nope"}, {"tp", 1}}, "/tmp");
       },
       Errc::not_found, "nope"));
 }
@@ -67,7 +67,7 @@ TEST(EngineConfig, RelativePathsResolveAgainstTheEngineFile) {
 TEST(EngineConfig, InlineHfConfig) {
   auto j = base();
   j["hf_config"] = testing::model("tiny-llama").raw();
-  EXPECT_EQ(EngineConfig::from_json(j, "").hf.family, "llama");
+  EXPECT_EQ(engine_config_from_json(j, "").hf.family, "llama");
 }
 
 TEST(EngineConfig, WrongTypesAreFormatErrorsNamingTheField) {
@@ -82,12 +82,12 @@ TEST(EngineConfig, WrongTypesAreFormatErrorsNamingTheField) {
                                                  {"moe_order", json::array()}}) {
     auto j = base();
     j[field] = value;
-    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, field)) << field;
+    EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::format, field)) << field;
   }
   auto j = base();
   j.erase("tp");
-  EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "tp"));
-  EXPECT_TRUE(throws_errc([] { EngineConfig::from_json(json::array(), ""); }, Errc::format));
+  EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::format, "tp"));
+  EXPECT_TRUE(throws_errc([] { engine_config_from_json(json::array(), ""); }, Errc::format));
 }
 
 TEST(EngineConfig, UnknownValuesAreLayoutErrors) {
@@ -99,13 +99,13 @@ TEST(EngineConfig, UnknownValuesAreLayoutErrors) {
                                                  {"moe_order", "w31"}}) {  // w31 is SGLang only
     auto j = base();
     j[field] = value;
-    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::invalid_layout, field))
+    EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::invalid_layout, field))
         << field;
   }
   auto j = base();
   j["framework"] = "sglang";
   j["moe_order"] = "w31";
-  EXPECT_EQ(EngineConfig::from_json(j, "").moe_order, "w31");
+  EXPECT_EQ(engine_config_from_json(j, "").moe_order, "w31");
 }
 
 }  // namespace
@@ -124,7 +124,7 @@ TEST(EngineLayoutCli, JsonMatchesTheLibrary) {
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   std::ifstream in(out);
   const auto j = nlohmann::json::parse(in);
-  const auto layout = make_engine_layout(EngineConfig::load(engine_json));
+  const auto layout = make_engine_layout(load_engine_config(engine_json));
   ASSERT_EQ(j["ranks"].size(), 1u);
   const auto& params = j["ranks"][0]["params"];
   const auto& want = layout.ranks[1].params;
@@ -145,7 +145,7 @@ TEST(EngineConfig, HfFrameworkHoldsEveryTensorWhole) {
   json j = base();
   j["framework"] = "hf";
   j["tp"] = 3;  // divides nothing of the model: whole tensors need no divisibility
-  const EngineLayout layout = make_engine_layout(EngineConfig::from_json(j, ""));
+  const EngineLayout layout = make_engine_layout(engine_config_from_json(j, ""));
   ASSERT_EQ(layout.ranks.size(), 3u);
   const auto tensors = hf_tensors(layout.config.hf);
   for (const auto& rank : layout.ranks) {
@@ -168,10 +168,10 @@ TEST(EngineSpec, GroupsNumberRanksAndReplicasInOrder) {
   hf["framework"] = "hf";
   hf["tp"] = 3;
   hf["replicas"] = 1;  // engine ranks 4..6, replica 2
-  const EngineSpec spec = EngineSpec::from_json(json::array({vllm, hf}), "");
+  const EngineSpec spec = engine_spec_from_json(json::array({vllm, hf}), "");
   ASSERT_EQ(spec.groups.size(), 2u);
-  EXPECT_EQ(EngineSpec::from_json(spec.to_json(), "").to_json(), spec.to_json());
-  EXPECT_TRUE(EngineSpec::from_json(vllm, "").to_json().is_object());
+  EXPECT_EQ(engine_spec_from_json(spec.to_json(), "").to_json(), spec.to_json());
+  EXPECT_TRUE(engine_spec_from_json(vllm, "").to_json().is_object());
   const EngineLayout layout = make_engine_layout(spec);
   EXPECT_EQ(layout.world(), 7);
   EXPECT_EQ(layout.num_replicas(), 3);
@@ -190,12 +190,12 @@ TEST(EngineSpec, GroupsNumberRanksAndReplicasInOrder) {
 
 TEST(EngineSpec, BadGroupsAreNamed) {
   EXPECT_TRUE(
-      throws_errc([] { EngineSpec::from_json(json::array(), ""); }, Errc::format, "empty array"));
+      throws_errc([] { engine_spec_from_json(json::array(), ""); }, Errc::format, "empty array"));
   json bad = base();
   bad["framework"] = "trtllm";
   EXPECT_TRUE(throws_errc(
       [&] {
-        EngineSpec::from_json(json::array({base(), bad}), "");
+        engine_spec_from_json(json::array({base(), bad}), "");
       },
       Errc::invalid_layout, "engine group 1: engine config: framework"));
 }
@@ -229,7 +229,7 @@ json derived_from_table(const std::string& model, int tp) {
 
 TEST(DerivedLayout, TakesTheEnginesRanksAsTheyAre) {
   const json j = derived_from_table("tiny-qwen3", 2);
-  const EngineConfig c = EngineConfig::from_json(j, "");
+  const EngineConfig c = engine_config_from_json(j, "");
   EXPECT_EQ(c.framework, "derived");
   EXPECT_EQ(c.hf.model_type, "no_table_for_this");
   const EngineLayout got = make_engine_layout(EngineSpec(c));
@@ -240,7 +240,7 @@ TEST(DerivedLayout, TakesTheEnginesRanksAsTheyAre) {
     EXPECT_EQ(rank_layout_to_json(got.ranks[r]), rank_layout_to_json(want.ranks[r])) << r;
   EXPECT_EQ(engine_hf_tensors(c).size(), hf_tensors(want.config.hf).size());
   // Round trip (the config travels through the job's store as JSON).
-  EXPECT_EQ(EngineConfig::from_json(c.to_json(), "").to_json(), c.to_json());
+  EXPECT_EQ(engine_config_from_json(c.to_json(), "").to_json(), c.to_json());
 }
 
 TEST(DerivedLayout, BadLayoutsAreRefusedNamingWhat) {
@@ -254,30 +254,30 @@ TEST(DerivedLayout, BadLayoutsAreRefusedNamingWhat) {
     segs[1]["param_box"] = segs[0]["param_box"];
     segs[1]["hf_box"]["lengths"] = segs[0]["param_box"]["lengths"];
     const std::string name = (*fused)["name"];
-    EXPECT_TRUE(throws_errc([&] { make_engine_layout(EngineConfig::from_json(j, "")); },
+    EXPECT_TRUE(throws_errc([&] { make_engine_layout(engine_config_from_json(j, "")); },
                             Errc::invalid_layout, name));
   }
   {  // fewer rank layouts than tp
     json j = derived_from_table("tiny-qwen3", 2);
     j["derived"]["ranks"].erase(1);
-    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::invalid_layout, "tp=2"));
+    EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::invalid_layout, "tp=2"));
   }
   {  // a segment past its HF tensor
     json j = derived_from_table("tiny-qwen3", 1);
     j["derived"]["tensors"][0]["shape"][0] = 1;
-    EXPECT_TRUE(throws_errc([&] { make_engine_layout(EngineConfig::from_json(j, "")); },
+    EXPECT_TRUE(throws_errc([&] { make_engine_layout(engine_config_from_json(j, "")); },
                             Errc::invalid_layout));
   }
   {  // malformed fields name where
     json j = derived_from_table("tiny-qwen3", 1);
     j["derived"]["ranks"][0]["params"][0]["segments"][0]["hf_box"]["offsets"] = "zero";
-    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "hf_box"));
+    EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::format, "hf_box"));
     j = derived_from_table("tiny-qwen3", 1);
     j["derived"].erase("tensors");
-    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "tensors"));
+    EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::format, "tensors"));
     j = derived_from_table("tiny-qwen3", 1);
     j["hf_config"] = "config.json";
-    EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::format, "inline"));
+    EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::format, "inline"));
   }
 }
 
@@ -290,8 +290,8 @@ TEST(EngineConfig, UnknownFrameworkListsTheRegisteredOnes) {
       "\"derived\")";
   auto j = base();
   j["framework"] = "trtllm";
-  EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(j, ""); }, Errc::invalid_layout, expected));
-  EngineConfig c = EngineConfig::from_json(base(), "");
+  EXPECT_TRUE(throws_errc([&] { engine_config_from_json(j, ""); }, Errc::invalid_layout, expected));
+  EngineConfig c = engine_config_from_json(base(), "");
   c.framework = "trtllm";
   EXPECT_TRUE(throws_errc([&] { make_engine_layout(c); }, Errc::invalid_layout, expected));
 }

@@ -33,59 +33,59 @@ json fp8_engine(const std::string& model, int tp, bool ep = false, json quant = 
 }
 
 EngineLayout layout_of(const json& j) {
-  return make_engine_layout(EngineConfig::from_json(j, ""));
+  return make_engine_layout(engine_config_from_json(j, ""));
 }
 
 TEST(Fp8Config, ParsesAndRoundTrips) {
   auto j = fp8_engine("tiny-fp8-llama", 2);
   j["quantization"]["scale"] = "ue8m0";
-  const EngineConfig c = EngineConfig::from_json(j, "");
+  const EngineConfig c = engine_config_from_json(j, "");
   ASSERT_TRUE(c.quantization);
   EXPECT_EQ(c.quantization->block_rows, 128);
   EXPECT_EQ(c.quantization->block_cols, 128);
   EXPECT_EQ(c.quantization->scale, ScaleFormat::ue8m0);
-  const EngineConfig again = EngineConfig::from_json(c.to_json(), "");
+  const EngineConfig again = engine_config_from_json(c.to_json(), "");
   EXPECT_EQ(again.quantization, c.quantization);
   // Default scale format and block size.
   const EngineConfig d =
-      EngineConfig::from_json(fp8_engine("tiny-fp8-llama", 1, false, {{"method", "fp8"}}), "");
+      engine_config_from_json(fp8_engine("tiny-fp8-llama", 1, false, {{"method", "fp8"}}), "");
   ASSERT_TRUE(d.quantization);
   EXPECT_EQ(d.quantization->scale, ScaleFormat::fp32);
   // Absent or null: no quantization.
   j.erase("quantization");
-  EXPECT_FALSE(EngineConfig::from_json(j, "").quantization);
+  EXPECT_FALSE(engine_config_from_json(j, "").quantization);
   j["quantization"] = nullptr;
-  EXPECT_FALSE(EngineConfig::from_json(j, "").quantization);
+  EXPECT_FALSE(engine_config_from_json(j, "").quantization);
 }
 
 TEST(Fp8Config, BadValuesAreClearErrors) {
   auto with = [](json q) { return fp8_engine("tiny-fp8-llama", 1, false, std::move(q)); };
   EXPECT_TRUE(throws_errc(
       [&] {
-        EngineConfig::from_json(with({{"method", "int8"}}), "");
+        engine_config_from_json(with({{"method", "int8"}}), "");
       },
       Errc::invalid_layout, "method 'int8'"));
   EXPECT_TRUE(throws_errc(
       [&] {
-        EngineConfig::from_json(with({{"method", "fp8"}, {"weight_block_size", {64, 64}}}), "");
+        engine_config_from_json(with({{"method", "fp8"}, {"weight_block_size", {64, 64}}}), "");
       },
       Errc::invalid_layout, "only [128, 128]"));
   EXPECT_TRUE(throws_errc(
       [&] {
-        EngineConfig::from_json(with({{"method", "fp8"}, {"weight_block_size", {128}}}), "");
+        engine_config_from_json(with({{"method", "fp8"}, {"weight_block_size", {128}}}), "");
       },
       Errc::format, "weight_block_size"));
   EXPECT_TRUE(throws_errc(
       [&] {
-        EngineConfig::from_json(with({{"method", "fp8"}, {"scale", "e5m2"}}), "");
+        engine_config_from_json(with({{"method", "fp8"}, {"scale", "e5m2"}}), "");
       },
       Errc::invalid_layout, "scale 'e5m2'"));
   EXPECT_TRUE(throws_errc(
       [&] {
-        EngineConfig::from_json(with({{"method", "fp8"}, {"activation", "dynamic"}}), "");
+        engine_config_from_json(with({{"method", "fp8"}, {"activation", "dynamic"}}), "");
       },
       Errc::format, "quantization.activation"));
-  EXPECT_TRUE(throws_errc([&] { EngineConfig::from_json(with("fp8"), ""); }, Errc::format,
+  EXPECT_TRUE(throws_errc([&] { engine_config_from_json(with("fp8"), ""); }, Errc::format,
                           "'quantization' must be an object"));
 }
 

@@ -60,7 +60,7 @@ TEST(Setup, MalformedStoreJsonIsAWeightsyncErrorNamingTheKey) {
   control::Client store(co);
   SubscriberOptions so;
   so.coordinator = coordinator.address();
-  so.engine = EngineConfig::load(m.engine);
+  so.engine = load_engine_config(m.engine);
   so.trainer = TrainerLayout::load(m.trainer);
   so.connect_timeout = std::chrono::milliseconds(5000);
   Subscriber sub(so);

@@ -526,7 +526,7 @@ TEST_P(WireSync, ParamsBitExactAndZeroCopyWhereDense) {
   const Model m = make_model("tiny-llama", "fsdp=1", 2, 1);
   const Checkpoint ckpt = Checkpoint::open(m.checkpoint);
   const TrainerLayout layout = TrainerLayout::load(m.trainer);
-  const EngineConfig config = EngineConfig::load(m.engine);
+  const EngineConfig config = load_engine_config(m.engine);
   const EngineLayout engine_layout = make_engine_layout(config);
   control::Coordinator coordinator(control::CoordinatorOptions{});
 

@@ -68,7 +68,7 @@ TEST_P(LendSync, BucketsWrittenIntoLentParamsAreBitExactEveryStep) {
   const Model m = make_model(lc.model, "fsdp=1", 2, 1);
   const Checkpoint ckpt = Checkpoint::open(m.checkpoint);
   const TrainerLayout layout = TrainerLayout::load(m.trainer);
-  const EngineConfig config = EngineConfig::load(m.engine);
+  const EngineConfig config = load_engine_config(m.engine);
   const EngineLayout engine_layout = make_engine_layout(config);
   control::Coordinator coordinator(control::CoordinatorOptions{});
 
@@ -204,7 +204,7 @@ void lend_engine(ScenarioContext&) {
   };
   const std::string dir = env("WS_LEND_MODEL");
   const Checkpoint ckpt = Checkpoint::open(dir + "/model.safetensors");
-  const EngineConfig config = EngineConfig::load(dir + "/engine.json");
+  const EngineConfig config = load_engine_config(dir + "/engine.json");
   const EngineRankLayout rl = make_engine_layout(config).rank_layout(0);
   std::vector<TensorView> params;
   for (const EngineParam& p : rl.params) {
@@ -253,7 +253,7 @@ TEST(LendSyncAcrossProcesses, TheTrainerWritesStraightIntoTheParamsOfAnEnginePro
   PublisherOptions po;
   po.coordinator = coordinator.address();
   po.layout = layout;
-  po.engine = EngineConfig::load(m.engine);
+  po.engine = load_engine_config(m.engine);
   po.transport = "ipc_host?local=1";
   po.plan.bucket_bytes = 16384;
   // Gone before the engine process ends: its mappings with it, so that the

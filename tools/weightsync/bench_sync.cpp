@@ -112,7 +112,7 @@ nlohmann::json box_json(const Box& b) {
 // and each engine rank's segments (so that python needs no layout logic).
 nlohmann::json peer_job(const demo::JobSpec& job, int steps) {
   const TrainerLayout tl = TrainerLayout::load(job.trainer);
-  const EngineLayout el = make_engine_layout(EngineSpec::load(job.engine));
+  const EngineLayout el = make_engine_layout(load_engine_spec(job.engine));
   const Checkpoint ckpt = Checkpoint::open(job.checkpoint);
   nlohmann::json pieces = nlohmann::json::array();
   for (int64_t r = 0; r < tl.mesh.world(); ++r) {
@@ -281,7 +281,7 @@ nlohmann::json raw_result(const demo::JobRun& run) {
 // the most bytes, each a multiple of 256 bytes apart (as allocators place
 // them).
 std::vector<size_t> limit_tensors(const std::string& engine) {
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(engine));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(engine));
   std::vector<size_t> best;
   size_t best_total = 0;
   for (int g = 0; g < layout.world(); ++g) {
@@ -588,7 +588,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
       model.bytes +=
           numel(ckpt.info(key).shape) * static_cast<int64_t>(itemsize(ckpt.info(key).dtype));
     model.tensors = ckpt.keys().size();
-    model.family = EngineSpec::load(model.engine).groups.front().hf.family;
+    model.family = load_engine_spec(model.engine).groups.front().hf.family;
   } else {
     demo::ModelSetup setup;
     setup.hf_config = demo::bench_model_config(gb);
@@ -615,7 +615,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   if (!args.flag("json")) {
     const TrainerLayout tl = TrainerLayout::load(job.trainer);
     std::string engines;
-    for (const EngineConfig& g : EngineSpec::load(job.engine).groups)
+    for (const EngineConfig& g : load_engine_spec(job.engine).groups)
       engines += cat(engines.empty() ? "" : " + ", g.replicas, " ", g.framework, " x tp=", g.tp,
                      g.quantization ? " FP8" : "");
     std::printf(
@@ -661,7 +661,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   }
   result["model_bytes"] = model.bytes;
   result["trainer_ranks"] = TrainerLayout::load(job.trainer).mesh.world();
-  result["engine_ranks"] = make_engine_layout(EngineSpec::load(job.engine)).world();
+  result["engine_ranks"] = make_engine_layout(load_engine_spec(job.engine)).world();
   if (args.flag("metrics-overhead") && summary["ok"].get<bool>())
     result["metrics_overhead"] = metrics_overhead(job, 2);
   // Not ok: which step, which rank, and why (demo::summarize).

@@ -134,7 +134,7 @@ demo::KillSpec parse_kill(const std::string& spec, const demo::JobSpec& job) {
   po.fp8_site = parse_fp8_site(job.fp8_site);
   po.same_buckets_per_replica = job.delta;  // as the publisher plans
   const Plan plan = make_plan(TrainerLayout::load(job.trainer),
-                              make_engine_layout(EngineSpec::load(job.engine)), Topology{}, po);
+                              make_engine_layout(load_engine_spec(job.engine)), Topology{}, po);
   WireOptions wire;
   wire.checksums = job.checksums;
   wire.delta = job.delta;
@@ -231,7 +231,7 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
     fail(Errc::invalid_argument, "--restart needs --kill engine:RANK:STEP");
   job.elastic = args.flag("elastic");
   job.min_replicas = static_cast<int>(args.get_int("min-replicas", 1));
-  const int slots = make_engine_layout(EngineSpec::load(job.engine)).num_replicas();
+  const int slots = make_engine_layout(load_engine_spec(job.engine)).num_replicas();
   auto replica_steps = [&](const char* option, std::map<int, int>& out) {
     const auto text = args.get(option);
     if (!text) return;

@@ -41,7 +41,7 @@ void print_rank(const EngineRankLayout& rank) {
 
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {"json"}, {"engine", "rank"});
-  const EngineSpec spec = EngineSpec::load(args.require("engine"));
+  const EngineSpec spec = load_engine_spec(args.require("engine"));
   const EngineLayout layout = make_engine_layout(spec);
   check_coverage(layout);
   std::vector<const EngineRankLayout*> ranks;

@@ -27,7 +27,7 @@ const char* kUsage =
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {}, {"checkpoint", "engine", "rank", "out"});
   const std::string out = args.require("out");
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(args.require("engine")));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(args.require("engine")));
   const int64_t rank = args.get_int("rank", -1);
   if (!args.has("rank")) fail(Errc::invalid_argument, "missing required option --rank");
   if (rank < 0 || rank >= layout.world())

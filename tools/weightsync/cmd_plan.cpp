@@ -82,7 +82,7 @@ int run_plan(const std::vector<std::string>& argv) {
     fail(Errc::invalid_argument,
          "plan: --items (JSON lines) and --json (one object) both want stdout; use one");
   const TrainerLayout trainer = TrainerLayout::load(args.require("trainer"));
-  const EngineLayout engine = make_engine_layout(EngineSpec::load(args.require("engine")));
+  const EngineLayout engine = make_engine_layout(load_engine_spec(args.require("engine")));
   const Topology topology =
       args.has("topology") ? Topology::load(*args.get("topology")) : Topology{};
   PlanOptions options;

@@ -270,7 +270,7 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
 
 int run_engine_worker(const JobSpec& job, int global) {
   const auto started = Clock::now();
-  const EngineSpec spec = EngineSpec::load(job.engine);
+  const EngineSpec spec = load_engine_spec(job.engine);
   const EngineLayout layout = make_engine_layout(spec);
   const EngineRankLayout& rl = layout.rank_layout(global);
   const auto [replica, rank] = replica_rank(layout, global);

@@ -105,7 +105,7 @@ std::string make_temp_dir(const std::string& what) {
 
 JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) {
   const int trainers = static_cast<int>(TrainerLayout::load(job.trainer).mesh.world());
-  const int engines = make_engine_layout(EngineSpec::load(job.engine)).world();
+  const int engines = make_engine_layout(load_engine_spec(job.engine)).world();
   control::CoordinatorOptions co;
   co.token = random_token();
   co.step_timeout = std::chrono::milliseconds(job.timeout_ms);
@@ -138,7 +138,7 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
   };
   // Elastic replicas: those that join later start once the step before
   // their join step was decided (some engine committed it).
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(job.engine));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(job.engine));
   auto replica_of = [&](int g) {
     const EngineGroup& grp = layout.group_of(g);
     return grp.first_replica + (g - grp.first_rank) / grp.config.tp;
@@ -203,7 +203,7 @@ JobRun run_job(JobSpec job, const std::string& trace_out, const SideTask& side) 
 }
 
 nlohmann::json summarize(const JobSpec& job, const JobRun& run) {
-  const EngineLayout layout = make_engine_layout(EngineSpec::load(job.engine));
+  const EngineLayout layout = make_engine_layout(load_engine_spec(job.engine));
   auto replica_of = [&](int g) {
     const EngineGroup& grp = layout.group_of(g);
     return grp.first_replica + (g - grp.first_rank) / grp.config.tp;

@@ -9,6 +9,7 @@
 
 #include <weightsync/control.h>
 #include <weightsync/error.h>
+#include <weightsync/layouts.h>
 #include <weightsync/publisher.h>
 #include <weightsync/safetensors.h>
 #include <weightsync/trace.h>
@@ -108,7 +109,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.token = job.token;
   opt.rank = rank;
   opt.layout = layout;
-  opt.engine = EngineSpec::load(job.engine);
+  opt.engine = load_engine_spec(job.engine);
   opt.transport = worker_transport(job, "trainer", rank);
   opt.plan.mode = parse_plan_mode(job.mode);
   opt.plan.bucket_bytes = job.bucket_bytes;
