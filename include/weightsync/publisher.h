@@ -73,7 +73,7 @@ struct PublisherOptions {
   // it serves. Not with NCCL (a communicator is fixed).
   bool elastic = false;
   int min_replicas = 1;
-  // How buckets travel (wire.h): per-bucket checksums (off by default) and
+  // How buckets travel (wire_options.h): per-bucket checksums (off by default) and
   // the smallest item sent zero-copy. Rank 0's settings hold for everyone.
   WireOptions wire;
   // Delta sync (docs/delta.md): off, or auto: a bucket whose engine rank

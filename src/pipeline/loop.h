@@ -3,8 +3,8 @@
 // events, polling the control plane about every millisecond (which throws to
 // abandon a step), bounded by the step's deadline.
 //
-// Compiled into weightsync_transport (src/transport/CMakeLists.txt): both
-// adapters link it.
+// Part of weightsync_pipeline (src/pipeline/CMakeLists.txt), which both
+// adapters link.
 #pragma once
 
 #include <weightsync/backend/transport.h>

@@ -17,7 +17,7 @@ namespace weightsync {
 // plain page-aligned host memory (host tensors), pinned host memory (CUDA
 // tensors over a transport that reaches host memory only: device-to-host at
 // PCIe speed, never pageable), or device memory (CUDA tensors over a
-// transport that reaches it: NCCL, CUDA IPC). wire.h chooses.
+// transport that reaches it: NCCL, CUDA IPC). pipeline/wire.h chooses.
 enum class SlotMemory : uint8_t { host, pinned, device };
 const char* slot_memory_name(SlotMemory memory) noexcept;  // "host", "pinned", "device"
 
