@@ -130,8 +130,9 @@ case "$job" in
         continue
       fi
       engine_python=$(bash "tools/engines/setup_$engine.sh" "$root" "$build_dir" | tail -n 1)/bin/python
-      (cd tests/real_engines && "$engine_python" -m pytest -q -p no:cacheprovider "test_$engine.py" "$@") ||
-        status=$?
+      # test_<engine>.py and its companions (test_<engine>_lora.py, ...), in one run.
+      (cd tests/real_engines && "$engine_python" -m pytest -q -p no:cacheprovider \
+        "test_$engine.py" $(ls "test_${engine}"_*.py 2>/dev/null) "$@") || status=$?
     done
     exit $status
     ;;

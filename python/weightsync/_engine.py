@@ -59,7 +59,8 @@ class UpdateProtocol:
                            (load_kind "engine": direct mode's fallback); the
                            tensors stay valid after the call
         finish()           after the last tensor: the engine processes and
-                           serves them
+                           serves them (a protocol with `atomic = True`
+                           changes the engine whole or, raising, not at all)
         abort()            the step failed between begin() and finish(): leave
                            the engine able to begin() again (its weights may
                            be mixed: EngineSync restores a version next)
@@ -346,6 +347,10 @@ class EngineSync:
                     self.protocol.abort()
                 except BaseException:  # noqa: BLE001 - handled below
                     pass
+            if getattr(self.protocol, "atomic", False):
+                # The protocol changed nothing (or put everything back).
+                self._restored = (step, f"version {self._version} (never left)")
+                raise
             if self._previous is None:
                 self._poison(step, f"applying it failed ({e}) and no previous version is kept")
                 raise

@@ -16,7 +16,7 @@ module, by name, when an engine is created with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -44,15 +44,23 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     keep_previous: bool = True
     connect_timeout: float = 60.0
     step_timeout: float = 120.0
+    #: LoRA adapter jobs (docs/lora.md), each {"engine": its engine config
+    #: (weightsync.lora.engine_config), and optionally "coordinator",
+    #: "replica", "job", "transport", "token"}: the others default to this
+    #: init_info's. `engine` may then be omitted (adapters only); an `engine`
+    #: with a "lora" field is an adapter job too.
+    adapters: list = field(default_factory=list)
 
 
 @dataclass
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     """update_info of `llm.update_weights`: waits up to `timeout` s for the
-    trainers' next push; with `step`, that push must be step `step`."""
+    trainers' next push; with `step`, that push must be step `step`. With
+    `adapter`, the step is that LoRA adapter's (not the base model's)."""
 
     timeout: float = 120.0
     step: Optional[int] = None
+    adapter: Optional[str] = None
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -68,27 +76,54 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     _replica: int = 0
     _tp_rank: int = 0
 
+    @property
+    def _loras(self) -> dict:
+        """{adapter name: EngineSync} of the LoRA adapter jobs (docs/lora.md)."""
+        return self.__dict__.setdefault("_weightsync_loras", {})
+
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         from ._vllm_reload import connect
+        from .lora import adapter_of
 
-        if not init_info.coordinator or init_info.engine is None:
+        adapters = [dict(a) for a in init_info.adapters]
+        if init_info.engine is not None and adapter_of(init_info.engine) is not None:
+            adapters.insert(0, {"engine": init_info.engine})
+            init_info.engine = None
+        if not init_info.coordinator or (init_info.engine is None and not adapters):
             raise Error("invalid_argument", "weightsync init_info needs 'coordinator' "
-                        "(HOST:PORT) and 'engine' (the engine config: path, dict or JSON)")
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
+                        "(HOST:PORT) and 'engine' (the engine config: path, dict or JSON) "
+                        "or 'adapters' (LoRA adapter jobs)")
+        self.shutdown()
         self._replica, self._tp_rank = init_info.replica, get_tensor_model_parallel_rank()
-        self._sync = connect(self.model, self.model_config, self.vllm_config,
-                             init_info.coordinator, init_info.engine, init_info.replica,
-                             self._tp_rank, init_info.mode,
-                             keep_previous=init_info.keep_previous,
-                             transport=init_info.transport, token=init_info.token,
-                             job=init_info.job, connect_timeout=init_info.connect_timeout,
-                             step_timeout=init_info.step_timeout)
+        if init_info.engine is not None:
+            self._sync = connect(self.model, self.model_config, self.vllm_config,
+                                 init_info.coordinator, init_info.engine, init_info.replica,
+                                 self._tp_rank, init_info.mode,
+                                 keep_previous=init_info.keep_previous,
+                                 transport=init_info.transport, token=init_info.token,
+                                 job=init_info.job, connect_timeout=init_info.connect_timeout,
+                                 step_timeout=init_info.step_timeout)
+        for a in adapters:
+            if not isinstance(a, dict) or "engine" not in a:
+                raise Error("invalid_argument", "weightsync init_info 'adapters': each is "
+                            "{'engine': the adapter job's engine config, ...}")
+            from .vllm import _lora_connect
+
+            options = dict(transport=a.get("transport", init_info.transport),
+                           token=a.get("token", init_info.token), job=a.get("job", init_info.job),
+                           connect_timeout=init_info.connect_timeout,
+                           step_timeout=init_info.step_timeout)
+            _lora_connect(self._loras, self.model, self.vllm_config,
+                          a.get("coordinator", init_info.coordinator), a["engine"],
+                          int(a.get("replica", init_info.replica)), self._tp_rank, options)
 
     def _connected(self):
+        if self._sync is None and self._loras:
+            raise Error("invalid_argument", "weightsync: this engine syncs LoRA adapters only "
+                        f"({', '.join(sorted(self._loras))}): update_info must name one "
+                        "('adapter')")
         if self._sync is None:
             raise Error("invalid_argument", "weightsync: init_weight_transfer_engine was not "
                         "called (its init_info names the coordinator and the engine config)")
@@ -97,7 +132,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     def start_weight_update(self) -> None:
         # weightsync runs vLLM's layerwise reload inside each step, so that a
         # step that fails is undone before update_weights returns.
-        self._connected()
+        if not self._loras:
+            self._connected()
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -113,8 +149,14 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise marked(e) from e
 
     def _receive(self, update_info: WeightsyncUpdateInfo) -> None:
-        sync = self._connected()
-        who = self._who()
+        if update_info.adapter is not None:
+            from .vllm import _lora_sync
+
+            sync = _lora_sync(self._loras, update_info.adapter)
+            who = f"adapter {update_info.adapter!r} on {self._who(sync)}"
+        else:
+            sync = self._connected()
+            who = self._who(sync)
         out = sync.update(update_info.timeout)
         if out is None:
             raise Error("timeout", f"weightsync: {who}: no weight update began within "
@@ -127,13 +169,13 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise Error("mismatch", f"weightsync: {who}: expected step {update_info.step}, the "
                         f"trainers pushed step {out['step']} (now the engine's version)")
 
-    def _who(self) -> str:
-        sync = self._connected()
+    def _who(self, sync: Any) -> str:
         return (f"engine rank {sync.sub.global_rank} (replica {self._replica}, "
                 f"tensor-parallel rank {self._tp_rank})")
 
     def finish_weight_update(self) -> None:
-        self._connected()
+        if not self._loras:
+            self._connected()
 
     @property
     def version(self) -> int:
@@ -144,6 +186,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+        from .vllm import _lora_close
+
+        _lora_close(self._loras, None)
 
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:

@@ -56,8 +56,9 @@ from typing import Any, Optional
 
 from ._errors import Error
 
-__all__ = ["WorkerExtension", "receive", "register_plugin", "register_weight_transfer_engine",
-           "update", "weight_transfer_engine_class", "worker_error"]
+__all__ = ["WorkerExtension", "connect_lora", "lora_request", "receive", "receive_lora",
+           "register_plugin", "register_weight_transfer_engine", "update",
+           "weight_transfer_engine_class", "worker_error"]
 
 #: The name weightsync's weight-transfer engine is registered under.
 ENGINE_NAME = "weightsync"
@@ -147,6 +148,138 @@ class WorkerExtension:
             sync.close()
             self._weightsync = None
 
+    # LoRA adapters (docs/lora.md) ------------------------------------------
+
+    def weightsync_lora_connect(self, coordinator: str, engine: Any, replica: int = 0,
+                                **options: Any) -> dict:
+        """Joins the adapter job of `engine` (weightsync.lora.engine_config:
+        its field "lora" names the adapter) as rank (replica, tp rank);
+        reconnecting an adapter replaces its connection. Checks the adapter
+        against this engine's LoRA config and base model first. Returns
+        {"name", "id", "global_rank"}."""
+        try:
+            adapters = self.__dict__.setdefault("_weightsync_loras", {})
+            _, sync = _lora_connect(adapters, self.model_runner.model,
+                                    getattr(self, "vllm_config", None), coordinator, engine,
+                                    replica, self.weightsync_tp_rank(), options)
+            return {"name": sync.protocol.name, "id": sync.protocol.id,
+                    "global_rank": sync.sub.global_rank}
+        except Error as e:
+            raise marked(e) from e
+
+    def weightsync_lora_update(self, name: str, timeout: float = 120.0) -> Optional[dict]:
+        """Runs adapter `name`'s next step (waits up to `timeout` s for it to
+        begin): weightsync_update's outcome, or None."""
+        try:
+            return _lora_sync(self.__dict__.get("_weightsync_loras", {}), name).update(timeout)
+        except Error as e:
+            raise marked(e) from e
+
+    def weightsync_lora_version(self, name: str) -> int:
+        """The last step of adapter `name` this worker serves, -1 before the first."""
+        return _lora_sync(self.__dict__.get("_weightsync_loras", {}), name).version
+
+    def weightsync_lora_close(self, name: Optional[str] = None) -> None:
+        """Leaves adapter `name`'s job (None: every adapter's). The worker
+        keeps serving the adapter's last version."""
+        _lora_close(self.__dict__.get("_weightsync_loras", {}), name)
+
+
+def _lora_connect(adapters: dict, model: Any, vllm_config: Any, coordinator: Any, engine: Any,
+                  replica: int, rank: int, options: dict) -> tuple:
+    """Connects one worker to an adapter job; `adapters`: {name: EngineSync}
+    of the worker's adapters (the new one replaces one of its name)."""
+    from ._vllm_lora import connect_lora
+    from .lora import adapter_of
+
+    wanted = adapter_of(engine)
+    if wanted is not None:
+        for name, sync in adapters.items():
+            if name != wanted["name"] and sync.protocol.id == wanted["id"]:
+                raise Error("invalid_argument", f"adapter {wanted['name']!r}: id {wanted['id']} "
+                            f"is adapter {name!r}'s on this engine (each adapter its own id)")
+        old = adapters.pop(wanted["name"], None)
+        if old is not None:
+            old.close()
+    adapter, sync = connect_lora(model, vllm_config, coordinator, engine, replica, rank,
+                                 **options)
+    adapters[adapter["name"]] = sync
+    return adapter, sync
+
+
+def _lora_sync(adapters: dict, name: str) -> Any:
+    sync = adapters.get(name)
+    if sync is None:
+        have = ", ".join(repr(n) for n in sorted(adapters)) or "none"
+        raise Error("not_found", f"adapter {name!r} is not connected on this worker (connected: "
+                    f"{have}); connect it first (weightsync.vllm.connect_lora)")
+    return sync
+
+
+def _lora_close(adapters: dict, name: Optional[str]) -> None:
+    for n in [name] if name is not None else list(adapters):
+        sync = adapters.pop(n, None)
+        if sync is not None:
+            sync.close()
+
+
+def connect_lora(llm: Any, coordinator: str, engine: Any, replica: int = 0,
+                 **options: Any) -> list:
+    """Connects every worker of `llm` (started with enable_lora=True and
+    worker_extension_cls="weightsync.vllm.WorkerExtension") to the adapter
+    job of `engine` (weightsync.lora.engine_config). Raises weightsync's
+    error when the adapter does not fit the engine (rank, target modules,
+    base model, no slot). Returns each worker's {"name", "id", "global_rank"}."""
+    try:
+        return llm.collective_rpc("weightsync_lora_connect", kwargs=dict(
+            coordinator=coordinator, engine=engine, replica=replica, **options))
+    except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
+        raise worker_error(e, "weightsync_lora_connect") from e
+
+
+def receive_lora(llm: Any, name: str, step: Optional[int] = None, timeout: float = 120.0,
+                 reset_prefix_cache: bool = True) -> dict:
+    """Adapter `name`'s next step in every worker of `llm` (connected with
+    connect_lora): once committed, requests naming the adapter
+    (lora_request(engine)) see the new version; requests without it and
+    other adapters are untouched. The prefix cache is reset (vLLM keys it
+    by the adapter's name and path, not its weights). Returns {"name",
+    "step", "version", "bytes", "seconds", "workers"}; a step that did not
+    commit raises weightsync.Error and the engine serves the version before."""
+    try:
+        outs = llm.collective_rpc("weightsync_lora_update", kwargs={"name": name,
+                                                                     "timeout": timeout})
+    except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
+        if reset_prefix_cache:
+            llm.reset_prefix_cache()
+        raise worker_error(e, "weightsync_lora_update") from e
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+    if any(o is None for o in outs):
+        raise Error("timeout", f"adapter {name!r}: no step began within {timeout} s on "
+                    f"{sum(o is None for o in outs)} of {len(outs)} workers")
+    failed = [(r, o) for r, o in enumerate(outs) if not o["committed"]]
+    steps = sorted({o["step"] for o in outs})
+    if failed or len(steps) != 1:
+        r, o = failed[0] if failed else (0, outs[0])
+        raise Error("peer_failure", f"adapter {name!r}: step {o['step']} was not committed on "
+                    f"tensor-parallel rank {r}: {o.get('reason') or 'steps ' + str(steps)} (it "
+                    f"serves version {o.get('version')})")
+    if step is not None and steps[0] != step:
+        raise Error("mismatch", f"adapter {name!r}: expected step {step}, the trainers pushed "
+                    f"step {steps[0]} (now the adapter's version)")
+    return {"name": name, "step": steps[0], "version": outs[0]["version"],
+            "bytes": sum(o["bytes"] for o in outs), "seconds": max(o["seconds"] for o in outs),
+            "workers": outs}
+
+
+def lora_request(engine_or_adapter: Any, path: Optional[str] = None) -> Any:
+    """vLLM's LoRARequest for a synced adapter (the adapter job's engine
+    config, or its "lora" field): its name and id."""
+    from ._vllm_lora import lora_request as make
+
+    return make(engine_or_adapter, path)
+
 
 def update(llm: Any, timeout: float = 120.0, reset_prefix_cache: bool = True) -> dict:
     """The worker extension's step, from the process that owns `llm`: every
@@ -171,7 +304,7 @@ def update(llm: Any, timeout: float = 120.0, reset_prefix_cache: bool = True) ->
 
 
 def receive(llm: Any, step: Optional[int] = None, timeout: float = 120.0,
-            reset_prefix_cache: bool = True) -> None:
+            reset_prefix_cache: bool = True, adapter: Optional[str] = None) -> None:
     """One step through vLLM's weight-transfer API (backend "weightsync"):
     start_weight_update, update_weights, finish_weight_update with the step as
     weight version, then the prefix-cache reset.
@@ -182,11 +315,14 @@ def receive(llm: Any, step: Optional[int] = None, timeout: float = 120.0,
     engine keeps its version; its update session is over (vLLM >= 0.32 ends
     it on every worker whose update_weights raised, and weightsync fails a
     step on every rank of a replica), and the prefix cache is reset all the
-    same."""
+    same. With `adapter`, the step is that LoRA adapter's (init_info
+    "adapters", docs/lora.md): vLLM's weight version stays the model's."""
     llm.start_weight_update()
     info: dict = {"timeout": timeout}
     if step is not None:
         info["step"] = step
+    if adapter is not None:
+        info["adapter"] = adapter
     try:
         llm.update_weights({"update_info": info})
     except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
@@ -194,7 +330,8 @@ def receive(llm: Any, step: Optional[int] = None, timeout: float = 120.0,
         if reset_prefix_cache:
             llm.reset_prefix_cache()
         raise error from e
-    llm.finish_weight_update(weight_version=None if step is None else str(step))
+    llm.finish_weight_update(weight_version=None if step is None or adapter is not None
+                             else str(step))
     if reset_prefix_cache:
         llm.reset_prefix_cache()
 

