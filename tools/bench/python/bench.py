@@ -20,6 +20,12 @@ bench sync --delta --update adamw[:lr=X]`): delta sync (docs/delta.md) of
 the versions real torch.optim.AdamW steps make of the C++ job's bf16 shards,
 against a full sync of the same versions in the same run: what fraction of
 the elements changed, the bytes on the wire and the step time of each.
+
+`python tools/bench/python/bench.py lora [--steps K] [--rank R] [--layers N]`:
+adapter-only sync of a PEFT LoRA (weightsync.lora) against a merged full
+sync of the same Qwen3-0.6B-shaped model in the same run: bytes and seconds
+per step of each and their ratios, the engine's tensors checked bit for bit
+(bench_lora.py, beside this script).
 """
 
 from __future__ import annotations
@@ -255,6 +261,10 @@ def main(argv: Any = None) -> int:
         import bench_engine  # beside this script, on sys.path[0]
 
         return bench_engine.main(argv[1:])
+    if argv[:1] == ["lora"]:  # adapter-only against merged sync (bench_lora.py, beside this script)
+        import bench_lora  # beside this script, on sys.path[0]
+
+        return bench_lora.main(argv[1:])
     p = argparse.ArgumentParser(prog="python tools/bench/python/bench.py",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=1.0)
