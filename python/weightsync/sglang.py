@@ -31,6 +31,12 @@ a step the others did not go back to the version before it (the replica
 serves the previous version, bit for bit); `update` then returns
 committed=False. docs/engines.md says more.
 
+LoRA adapters (docs/lora.md): `connect_lora(engine, coordinator, E)` with an
+adapter job's config (weightsync.lora.engine_config, tp=1) returns a
+LoraSync whose receive(step) takes each committed version into SGLang's
+LoRA manager through SGLang's own load_lora_adapter_from_tensors; requests
+name it with `lora_path=<adapter name>`.
+
 `WorkerSync` is the per-worker object underneath, usable from any code that
 runs inside an SGLang scheduler process (mode "load_weights" as above, or
 "direct": SGLang's fused parameters written in place, with a framework
@@ -53,8 +59,8 @@ from typing import Any, Optional
 from ._engine import EngineSync, outcome_dict
 from ._errors import Error
 
-__all__ = ["LOADER", "WorkerSync", "close", "connect", "engine_args", "tp_rank", "update",
-           "weight_loader"]
+__all__ = ["LOADER", "WorkerSync", "close", "connect", "connect_lora", "engine_args", "tp_rank",
+           "update", "weight_loader"]
 
 #: The import path SGLang calls as a custom weight loader (`load_format`).
 LOADER = "weightsync.sglang.weight_loader"
@@ -418,6 +424,18 @@ def update(engine: Any, timeout: float = 120.0, flush_cache: bool = True,
             _set_weight_version(engine, str(out["version"]))
         _pause(engine, False)
     return out
+
+
+def connect_lora(engine: Any, coordinator: Any, engine_config: Any, replica: int = 0,
+                 **options: Any) -> Any:
+    """A LoraSync (weightsync._sglang_lora) of `engine` (an sglang.Engine
+    started with enable_lora=True) for the adapter job of `engine_config`,
+    as replica `replica`; refuses an adapter the engine cannot serve (rank,
+    target modules, base model). `options`: Subscriber options."""
+    from ._sglang_lora import LoraSync
+
+    return LoraSync(engine, getattr(coordinator, "address", coordinator), engine_config,
+                    replica, **options)
 
 
 def close(engine: Any) -> None:

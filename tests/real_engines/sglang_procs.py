@@ -90,9 +90,46 @@ def _engine_op(engine: Any, op: str, args: dict) -> Any:
                                "code": getattr(e, "code", None), "message": str(e)}}
     if op == "close":
         return wsg.close(engine)
+    if op.startswith("lora_"):
+        return _lora_op(engine, op, args)
     if op == "shutdown":
         engine.shutdown()
         return None
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _lora_op(engine: Any, op: str, args: dict) -> Any:
+    """LoRA adapters (test_sglang_lora.py): weightsync's LoraSync objects live
+    in this process, by adapter name."""
+    import weightsync as ws
+    import weightsync.sglang as wsg
+
+    syncs = engine.__dict__.setdefault("_test_lora_syncs", {})
+    if op == "lora_generate":  # lora: an adapter name or None
+        outs = engine.generate(input_ids=args["prompts"], lora_path=[args["lora"]] *
+                               len(args["prompts"]) if args["lora"] else None,
+                               sampling_params={"max_new_tokens": args["max_new_tokens"],
+                                                "temperature": 0.0})
+        return [o["output_ids"] for o in outs]
+    if op == "lora_from_disk":  # SGLang's own loader: the reference
+        out = engine.load_lora_adapter(args["name"], args["path"])
+        assert out.success, out
+        return None
+    try:
+        if op == "lora_connect":
+            sync = wsg.connect_lora(engine, **args)
+            syncs[sync.name] = sync
+            return {"name": sync.name, "version": sync.version}
+        if op == "lora_receive":
+            out = syncs[args.pop("name")].receive(**args)
+            return {"out": out}
+        if op == "lora_close":
+            for sync in syncs.values():
+                sync.close()
+            syncs.clear()
+            return None
+    except ws.Error as e:
+        return {"raised": {"code": e.code, "message": str(e)}}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -152,9 +189,11 @@ class Proc:
             self.kill()
 
 
-def start_engine(model_path: str, tp: int, started_timeout: float = 900) -> Proc:
+def start_engine(model_path: str, tp: int, started_timeout: float = 900,
+                 **engine_args: Any) -> Proc:
     """An sglang.Engine on the CPU (SGLang's generic path, with the test-only
-    shims of sglang_shim/), weightsync's loader enabled, token ids only."""
+    shims of sglang_shim/), weightsync's loader enabled, token ids only;
+    `engine_args`: more of sglang.Engine's."""
     import weightsync
 
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
@@ -167,7 +206,7 @@ def start_engine(model_path: str, tp: int, started_timeout: float = 900) -> Proc
                                                    for r in range(tp))}
     kwargs = dict(model_path=model_path, device="cpu", tp_size=tp, dtype="bfloat16",
                   skip_tokenizer_init=True, context_length=128, max_total_tokens=2048,
-                  max_running_requests=16, random_seed=0, log_level="error")
+                  max_running_requests=16, random_seed=0, log_level="error", **engine_args)
     return Proc(_engine_main, (kwargs, env), f"SGLang engine ({model_path}, tp={tp})",
                 started_timeout)
 

@@ -32,10 +32,12 @@ venvs=${WEIGHTSYNC_ENGINE_VENVS:-$HOME/.cache/weightsync/venvs}
 venv="$venvs/sglang-0.5.23"
 
 # SGLang resolves the rest itself (torch 2.14.1, transformers 5.19.0, ...);
-# pytest runs the tests. Changing this list reinstalls.
+# pytest runs the tests, PEFT makes the LoRA tests' adapters. Changing this
+# list reinstalls.
 requirements=$(cat <<'REQ'
 sglang==0.5.23
 pytest
+peft==0.21.2
 REQ
 )
 

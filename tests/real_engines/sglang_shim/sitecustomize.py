@@ -10,6 +10,13 @@ part of the weightsync package):
   platform says otherwise, and PyNccl needs CUDA; on a CPU it is turned off
   (gloo carries the collectives).
 
+- LoRA (test_sglang_lora.py): SGLang's LoRA layers and its torch_native
+  LoRA backend allocate pinned host memory unconditionally
+  (`torch.tensor(..., pin_memory=True)`, sglang/srt/lora/layers.py), and
+  pinning needs a CUDA driver. Without CUDA, pinning is made a no-op: it
+  only speeds host-to-device copies, which a CPU-only process never makes
+  (engines started with WEIGHTSYNC_TEST_SGLANG_LORA=1 only).
+
 SGLang starts its scheduler processes with `spawn`, so each runs this file at
 interpreter start; the patch is applied when SGLang's module is imported.
 """
@@ -49,3 +56,31 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Finder())
+
+
+def _unpinned_host_memory():
+    import functools
+    import os
+
+    if os.environ.get("WEIGHTSYNC_TEST_SGLANG_LORA") != "1":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+    def drop_pin(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like",
+                 "zeros_like", "ones_like", "as_tensor"):
+        setattr(torch, name, drop_pin(getattr(torch, name)))
+
+
+_unpinned_host_memory()
