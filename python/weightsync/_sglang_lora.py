@@ -144,7 +144,7 @@ class LoraSync:
         out = self.sub.run_step(timeout=timeout)
         if out is None:
             return None
-        result = outcome_dict(out)
+        result: dict = outcome_dict(out) or {}
         if out.committed and self.sub.version == out.step:
             try:
                 self._apply({n: t.clone() for n, t in self._staged.items()})

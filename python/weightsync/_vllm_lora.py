@@ -217,15 +217,16 @@ def _held(am: Any) -> dict:
     would reload each from its request's path: weightsync's are put back
     from their committed versions instead (their weights do not depend on
     the base's)."""
-    held = am.__dict__.get("_weightsync_held")
+    held: Optional[dict] = am.__dict__.get("_weightsync_held")
     if held is None:
         held = am.__dict__["_weightsync_held"] = {}
         remove_all = am.remove_all_adapters
 
         def remove_all_adapters(*args: Any, **kwargs: Any) -> Any:
             out = remove_all(*args, **kwargs)
-            for lora in list(held.values()):
-                lora.reinstall()
+            kept: VllmLora
+            for kept in list((held or {}).values()):
+                kept.reinstall()
             return out
 
         am.remove_all_adapters = remove_all_adapters
@@ -258,7 +259,7 @@ def connect_lora(model: Any, vllm_config: Any, coordinator: Any, engine: Any, re
         # (a failed load there ends vLLM's engine).
         try:
             protocol.begin()
-            protocol.load(sync._staged)  # zeros
+            protocol.load(list(sync._staged or []))  # zeros
             protocol.finish()
         except BaseException:
             sync.close()
@@ -275,4 +276,6 @@ def lora_request(adapter: Any, path: Optional[str] = None) -> Any:
 
     info = adapter if isinstance(adapter, dict) and "id" in adapter and "config" in adapter \
         else adapter_of(adapter)
+    if info is None:
+        raise Error("invalid_argument", "this engine config names no LoRA adapter (field 'lora')")
     return LoRARequest(info["name"], info["id"], path or f"weightsync-lora://{info['name']}")

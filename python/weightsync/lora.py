@@ -189,6 +189,13 @@ def adapter_of(engine: Any) -> Optional[dict]:
             raise Error("format", f"engine config: field '{ADAPTER_FIELD}.{field}' must be "
                         f"{'a string' if kind is str else 'an integer' if kind is int else 'an object'}"
                         f", got {json.dumps(lora.get(field))}")
+    if isinstance(lora["id"], bool):
+        raise Error("format", f"engine config: field '{ADAPTER_FIELD}.id' must be an integer, "
+                    f"got {json.dumps(lora['id'])}")
+    base = lora.get("base")
+    if base is not None and not isinstance(base, dict):
+        raise Error("format", f"engine config: field '{ADAPTER_FIELD}.base' must be an object "
+                    f"(the base model's config fields), got {json.dumps(base)}")
     if lora["id"] < 1:
         raise Error("invalid_argument", f"adapter {lora['name']!r}: id must be positive, got "
                     f"{lora['id']}")
@@ -229,7 +236,9 @@ def publisher(model: Any, coordinator: Any, rank: int, engine: Any, adapter: str
 
 def check_base(adapter: dict, engine_config: dict, where: str) -> None:
     """Refuses an adapter trained on another base model than the engine's:
-    `engine_config` is the engine's HF config (dict); `where` names the engine."""
+    `engine_config` is the engine's HF config (dict); `where` names the engine.
+    Only fields both configs have are compared (an engine's config may leave
+    out what the adapter's base recorded, e.g. head_dim)."""
     bad = [f"{k}: the adapter's base has {v!r}, the engine's model {engine_config.get(k)!r}"
            for k, v in sorted(adapter.get("base", {}).items())
            if k in engine_config and engine_config.get(k) != v]
