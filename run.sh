@@ -122,8 +122,9 @@ case "$job" in
     # every checkout; weightsync is imported there from this checkout.
     install_package
     status=0
-    # WEIGHTSYNC_ENGINES picks them (default: both).
-    for engine in ${WEIGHTSYNC_ENGINES:-vllm sglang}; do
+    # WEIGHTSYNC_ENGINES picks them (default: all three; verl's venv sits on
+    # vLLM's).
+    for engine in ${WEIGHTSYNC_ENGINES:-vllm verl sglang}; do
       if [ ! -f "tools/engines/setup_$engine.sh" ] || [ ! -f "tests/real_engines/test_$engine.py" ]; then
         echo "run.sh: no engine suite '$engine' (tools/engines/setup_$engine.sh, tests/real_engines/test_$engine.py)" >&2
         status=2

@@ -53,7 +53,7 @@ warn_return_any = True
 ignore_errors = True
 
 # Engines and frameworks that are not installed where CI runs.
-[mypy-vllm.*,sglang.*,megatron.*,transformers.*,safetensors.*]
+[mypy-vllm.*,sglang.*,megatron.*,transformers.*,safetensors.*,verl.*,ray.*,peft.*]
 ignore_missing_imports = True
 EOF
 # The cache lives under .cache/ (ignored by git), the build folders untouched.
