@@ -13,14 +13,16 @@ and `send_weights()` per step.
   tensor differs): after each step the server's greedy tokens (token ids in,
   /v1/completions) equal those of a fresh engine started from that
   checkpoint, for prompts the server answered before the sync (one fills a
-  KV block: a prefix cache kept across the sync would show); vLLM's weight
-  version is the step; the two ranks each sent their own half (the bytes
+  KV block: a prefix cache kept across the sync would show), and every
+  tensor its worker's forward reads equals that fresh engine's bit for bit
+  (the dev route's collective_rpc, through files); vLLM's weight version is
+  the step; the two ranks each sent their own half (the bytes
   add up to the model's, neither sent it all: no all-gather).
 - A step whose data goes bad part way (a byte flipped in one bucket of
   each rank, fault transport; small buckets with checksums: the engine had
   taken the buckets before) raises weightsync's error on both ranks (rank
   0: the vLLM worker's own, read back from the server's HTTP answer), and
-  the server keeps serving v2.
+  the server keeps serving v2, bit for bit.
 - A non-module WeightSource (full tensors from an export, here a checkpoint
   reader) in this process pushes v0 afterwards, with the prefix-cache reset
   off: the long prompt's tokens are stale (a negative control for the
@@ -85,7 +87,7 @@ def _model_bytes(path: str) -> int:
     return sum(t.nbytes for t in vs.hf_tensors(path).values())
 
 
-def _fsdp_steps(server, trainers, versions, want, timings) -> None:
+def _fsdp_steps(server, trainers, versions, want, states, tmp, timings) -> None:
     """Steps 1 and 2 (v1, v2) from the two FSDP2 ranks."""
     model_bytes = _model_bytes(versions[0])
     for s in trainers.shards:
@@ -106,6 +108,8 @@ def _fsdp_steps(server, trainers, versions, want, timings) -> None:
         assert 0 < rank0["bytes_sent"] < model_bytes and 0 < rank1["bytes_sent"] < model_bytes
         got = server.tokens()
         assert got == want[v], f"step {step}: the server's tokens are not v{v}'s: {got} {want[v]}"
+        bad = vs.diff_states(server.states(str(tmp)), states[v])
+        assert not bad, f"step {step}: {len(bad)} tensors differ from a fresh engine of v{v}: {bad[:8]}"
         assert server.weight_version() == str(step)
         assert server.rpc("weightsync_version") == [str(step)]
         timings.append((f"FSDP2 x2, step {step}", rank0["seconds"], rank0["push_seconds"],
@@ -113,7 +117,7 @@ def _fsdp_steps(server, trainers, versions, want, timings) -> None:
     assert trainers.call("shutdown") == [("ok", None)] * 2
 
 
-def _failed_step(server, trainers, versions, want) -> None:
+def _failed_step(server, trainers, versions, want, states, tmp) -> None:
     """Step 3 (v0) whose 4th send on each trainer rank goes out with a byte
     flipped (fault transport; 16 KiB buckets with checksums): the engine
     rejects the bucket after it took the ones before, and undoes the step."""
@@ -134,6 +138,8 @@ def _failed_step(server, trainers, versions, want) -> None:
     assert outs[1][1][0].endswith(("Error", "Failure")), outs[1]
     assert trainers.call("shutdown") == [("ok", None)] * 2
     assert server.tokens() == want[2], "after the failed step the server is not on v2"
+    bad = vs.diff_states(server.states(str(tmp)), states[2])
+    assert not bad, f"after the failed step {len(bad)} tensors differ from v2: {bad[:8]}"
     assert server.weight_version() == "2"
 
 
@@ -174,7 +180,9 @@ def test_trainer_api_drives_vllm_serve(tmp_path):
     try:
         trainers = vs.ApiTrainers(2, server.url, versions[0], str(tmp_path))
         # Fresh engines of v1 and v2 (in this process) while the server starts.
-        want = {v: vs.reference(versions[v], 1)["tokens"] for v in (1, 2)}
+        refs = {v: vs.reference(versions[v], 1) for v in (1, 2)}
+        want = {v: r["tokens"] for v, r in refs.items()}
+        states = {v: r["states"] for v, r in refs.items()}
         start = server.wait_ready()
         want[0] = server.tokens()  # the server as started: a fresh engine of v0
         assert server.weight_version() == "default"
@@ -183,8 +191,8 @@ def test_trainer_api_drives_vllm_serve(tmp_path):
                 assert want[a][0] != want[b][0] and want[a] != want[b], (a, b)
         trainers.ready()
         timings: list = []
-        _fsdp_steps(server, trainers, versions, want, timings)
-        _failed_step(server, trainers, versions, want)
+        _fsdp_steps(server, trainers, versions, want, states, tmp_path, timings)
+        _failed_step(server, trainers, versions, want, states, tmp_path)
         _source_step(server, versions, want, timings)
         print(f"\nvllm serve up in {start:.1f} s; whole test {time.monotonic() - t0:.1f} s")
         for what, total, push0, push1 in timings:

@@ -184,6 +184,14 @@ class VllmTestExtension(_Base):
             self.weightsync_tp_rank(),
             _vllm_reload._gather_tp)
 
+    def test_kernel_state_to(self, path: str) -> str:
+        """test_kernel_state written to `path`.<tp rank>; returns that path
+        (vllm serve's collective_rpc route answers JSON, not bytes)."""
+        out = f"{path}.{self.weightsync_tp_rank()}"
+        with open(out, "wb") as f:
+            f.write(self.test_kernel_state())
+        return out
+
     def test_lora_slot(self, lora_id: int) -> bytes:
         """The LoRA buffers every LoRA layer's kernels read for adapter
         `lora_id` (its slot's rows of lora_a/b_stacked), as they are."""
@@ -506,9 +514,19 @@ class Server:
 
         return requests.get(self.url + "/weight_info", timeout=30).json()["weight_version"]
 
-    def rpc(self, method: str) -> list:
-        """A collective_rpc on every worker (the dev route): each one's result."""
-        return self.post("/collective_rpc", {"method": method})["results"]
+    def rpc(self, method: str, *args: str) -> list:
+        """A collective_rpc on every worker (the dev route; string arguments
+        only): each one's result."""
+        return self.post("/collective_rpc", {"method": method, "args": list(args)})["results"]
+
+    def states(self, tmp: str) -> list:
+        """Every worker's kernel state (test_kernel_state, through files: the
+        dev route answers JSON), in tensor-parallel rank order."""
+        out = []
+        for path in self.rpc("test_kernel_state_to", os.path.join(tmp, "server-state")):
+            with open(path, "rb") as f:
+                out.append(load_dump(f.read()))
+        return out
 
     def stop(self) -> None:
         if self.proc.poll() is None:
