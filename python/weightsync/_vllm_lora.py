@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from ._engine import EngineSync, UpdateProtocol
 from ._errors import Error
-from .lora import adapter_of, check_base
+from .lora import adapter_of, check_base, config_dict
 
 
 def _lora_api():
@@ -36,20 +36,6 @@ def _lora_api():
         raise Error("unsupported", f"this vLLM has no LoRA model API weightsync knows "
                     f"(vllm.lora.lora_model.LoRAModel.from_lora_tensors, vLLM 0.32): {e}") from None
     return LoRAModel, PEFTHelper, parse_fine_tuned_lora_name, is_base_embedding_weights
-
-
-def _hf_config(model_config: Any) -> dict:
-    hf = getattr(model_config, "hf_config", None)
-    if hf is None:
-        return {}
-    text = hf.to_json_string() if hasattr(hf, "to_json_string") else None
-    if text is None:
-        return dict(getattr(hf, "__dict__", {}))
-    import json
-
-    full = json.loads(text)
-    # Multimodal configs nest the language model's.
-    return {**full.get("text_config", {}), **full}
 
 
 class VllmLora(UpdateProtocol):
@@ -72,7 +58,7 @@ class VllmLora(UpdateProtocol):
         self.am, self.lora_config = am, am.lora_config
         self.LoRAModel, PEFTHelper, self._parse, self._is_embedding = _lora_api()
         model_config = getattr(vllm_config, "model_config", None)
-        check_base(adapter, _hf_config(model_config), where)
+        check_base(adapter, config_dict(getattr(model_config, "hf_config", None)), where)
         config = dict(adapter["config"])
         text = model_config.hf_config.get_text_config() if model_config is not None else None
         config["vllm_max_position_embeddings"] = getattr(text, "max_position_embeddings", None)

@@ -31,7 +31,7 @@ from typing import Any, Optional
 from ._errors import Error
 
 __all__ = ["ADAPTER_FIELD", "adapter_params", "adapter_config", "engine_config", "trainer_layout",
-           "publisher", "adapter_of", "peft_key", "check_base"]
+           "publisher", "adapter_of", "peft_key", "check_base", "config_dict"]
 
 #: The engine config's field that makes its job an adapter job.
 ADAPTER_FIELD = "lora"
@@ -112,15 +112,21 @@ def adapter_config(model: Any, adapter: str = "default") -> dict:
     return _jsonable(config.to_dict() if hasattr(config, "to_dict") else dict(vars(config)))
 
 
-def _base_config(model: Any) -> dict:
-    base = model
-    for attr in ("get_base_model",):
-        if hasattr(base, attr):
-            base = getattr(base, attr)()
-    config = getattr(base, "config", None)
+def config_dict(config: Any) -> dict:
+    """A transformers config (None: {}) as a dict, a multimodal config's
+    language-model fields (`text_config`) merged in: what check_base
+    compares, on the trainer's base model and on the engine's."""
     if config is None:
         return {}
-    full = json.loads(config.to_json_string()) if hasattr(config, "to_json_string") else {}
+    if not hasattr(config, "to_json_string"):
+        return dict(getattr(config, "__dict__", {}))
+    full = json.loads(config.to_json_string())
+    return {**full.get("text_config", {}), **full}
+
+
+def _base_config(model: Any) -> dict:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    full = config_dict(getattr(base, "config", None))
     return {k: full[k] for k in BASE_FIELDS if full.get(k) is not None}
 
 
