@@ -86,6 +86,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
         from ._vllm_reload import connect
         from .lora import adapter_of
+        from .vllm import _lora_connect
 
         adapters = [dict(a) for a in init_info.adapters]
         if init_info.engine is not None and adapter_of(init_info.engine) is not None:
@@ -95,6 +96,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise Error("invalid_argument", "weightsync init_info needs 'coordinator' "
                         "(HOST:PORT) and 'engine' (the engine config: path, dict or JSON) "
                         "or 'adapters' (LoRA adapter jobs)")
+        if any("engine" not in a for a in adapters):
+            raise Error("invalid_argument", "weightsync init_info 'adapters': each is "
+                        "{'engine': the adapter job's engine config, ...}")
         self.shutdown()
         self._replica, self._tp_rank = init_info.replica, get_tensor_model_parallel_rank()
         if init_info.engine is not None:
@@ -106,11 +110,6 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                                  job=init_info.job, connect_timeout=init_info.connect_timeout,
                                  step_timeout=init_info.step_timeout)
         for a in adapters:
-            if not isinstance(a, dict) or "engine" not in a:
-                raise Error("invalid_argument", "weightsync init_info 'adapters': each is "
-                            "{'engine': the adapter job's engine config, ...}")
-            from .vllm import _lora_connect
-
             options = dict(transport=a.get("transport", init_info.transport),
                            token=a.get("token", init_info.token), job=a.get("job", init_info.job),
                            connect_timeout=init_info.connect_timeout,
