@@ -375,6 +375,7 @@ class Job:
         self.args = args
         self.cluster: Any = None
         self.tmp: Optional[str] = None
+        self.saved_ray_tmpdir: Optional[str] = None
         self.pgs: list = []
         self.actors: list[Any] = []
         self.coord: Any = None
@@ -407,6 +408,13 @@ class Job:
 
         self.report["cluster"] = "local ray.cluster_utils.Cluster"
         self.tmp = tempfile.mkdtemp(prefix="ray-ws-")
+        # Cluster writes the head's address to <RAY_TMPDIR or TMPDIR or /tmp>/ray/
+        # ray_current_cluster, a folder it never creates (only an earlier Ray run
+        # leaves it), and there the address would outlive the job and steer a
+        # later plain ray.init(). Both go to the job's own folder instead.
+        self.saved_ray_tmpdir = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = self.tmp
+        os.makedirs(os.path.join(self.tmp, "ray"))
         gpus = torch.cuda.device_count() if a.device != "cpu" else 0
         trainer_gpus = a.trainers if gpus >= a.trainers else 0
         common = dict(object_store_memory=80 << 20)
@@ -698,9 +706,13 @@ class Job:
                     pass
             ray.shutdown()
         if self.cluster is not None:
-            self.cluster.shutdown()
+            self.cluster.shutdown()  # removes the address file under RAY_TMPDIR
             self.cluster = None
         if self.tmp:
+            if self.saved_ray_tmpdir is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = self.saved_ray_tmpdir
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
