@@ -21,6 +21,7 @@ struct Registry {
   std::mutex mutex;
   std::map<std::string, TransportFactory> factories;
   std::map<std::string, HostAllocator> host_allocators;
+  std::map<std::string, std::vector<std::string>> params;  // the built-in backends' ?keys
 };
 
 // Backends live in a static library, so self-registering globals in their
@@ -32,6 +33,7 @@ Registry& registry() {
     for (const auto& builtin : transport::builtin_transports()) {
       reg->factories.emplace(builtin.name, builtin.factory);
       if (builtin.host) reg->host_allocators.emplace(builtin.name, builtin.host);
+      if (builtin.params) reg->params.emplace(builtin.name, *builtin.params);
     }
     return reg;
   }();
@@ -169,7 +171,41 @@ void register_transport(const std::string& name, TransportFactory factory) {
   auto& r = registry();
   std::lock_guard lock(r.mutex);
   r.factories[name] = std::move(factory);
+  r.params.erase(name);  // a replaced backend reads its own keys
 }
+
+namespace transport {
+
+std::string accepted_params(const std::string& name) {
+  auto& r = registry();
+  std::lock_guard lock(r.mutex);
+  const auto it = r.params.find(name);
+  if (it == r.params.end()) return "";
+  std::string out;
+  for (const auto& key : it->second) out += (out.empty() ? "" : ", ") + key;
+  return out.empty() ? "none" : out;
+}
+
+void check_param(const std::string& transport, const std::string& backend, const std::string& key,
+                 const std::string& wrapper_keys) {
+  {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    const auto it = r.params.find(backend);
+    if (it == r.params.end()) return;  // a backend of the user's reads its own
+    for (const auto& accepted : it->second) {
+      const bool prefix = !accepted.empty() && accepted.back() == '*';
+      if (prefix ? key.rfind(accepted.substr(0, accepted.size() - 1), 0) == 0 : key == accepted)
+        return;
+    }
+  }
+  const std::string wrapper = transport.substr(0, transport.find(':'));
+  fail(Errc::invalid_argument, "transport '", transport, "': unknown option '", key, "' (",
+       wrapper_keys.empty() ? "" : cat(wrapper, " takes ", wrapper_keys, "; "), backend, " takes ",
+       accepted_params(backend), ")");
+}
+
+}  // namespace transport
 
 void register_host_allocator(const std::string& name, HostAllocator allocate) {
   auto& r = registry();
@@ -220,6 +256,8 @@ std::unique_ptr<Transport> make_transport(TransportOptions options) {
     }
     factory = it->second;
   }
+  for (const auto& [param, value] : options.params)
+    transport::check_param(options.name, key, param);
   return factory(options);
 }
 

@@ -41,6 +41,49 @@ TEST(TransportRegistry, OptionsMustBeKeyValue) {
                Errc::invalid_argument, {"seed", "key=value"});
 }
 
+TEST(TransportRegistry, UnknownOptionsAreRefusedWithTheAcceptedOnes) {
+  TempDir dir;
+  // Before, each of these was ignored: the transport ran as if it were not there.
+  if (built("ucx")) {
+    expect_error([&] { make_test_transport("ucx?tls=tcp,self&bogus=1", dir.path, 0, 1); },
+                 Errc::invalid_argument,
+                 {"'ucx'", "unknown option 'bogus'", "cuda", "keepalive_interval", "peer_errors",
+                  "tls", "UCX_*"});
+    // A misspelt fault key: the drill would have injected nothing.
+    expect_error([&] { make_test_transport("fault:ucx?corrupt_after=3", dir.path, 0, 1); },
+                 Errc::invalid_argument,
+                 {"'fault:ucx'", "unknown option 'corrupt_after'", "fault takes", "corrupt_send",
+                  "fail_after", "ucx takes", "tls"});
+  }
+  expect_error([&] { make_test_transport("ipc_host?socket_dirr=/x", dir.path, 0, 1); },
+               Errc::invalid_argument, {"unknown option 'socket_dirr'", "local, socket_dir"});
+  expect_error([&] { make_test_transport("fault:ipc_host?seed=2&locl=1", dir.path, 0, 1); },
+               Errc::invalid_argument, {"unknown option 'locl'", "ipc_host takes local"});
+}
+
+TEST(TransportRegistry, AcceptedOptionsPass) {
+  TempDir dir;
+  if (built("ucx")) {
+    EXPECT_NO_THROW(make_test_transport(
+        "fault:ucx?tls=tcp,self&peer_errors=auto&keepalive_interval=2s&UCX_RNDV_THRESH=64k&seed=3",
+        dir.path, 0, 1));
+  }
+  EXPECT_NO_THROW(make_test_transport("fault:ipc_host?local=1&seed=2", dir.path, 0, 1));
+}
+
+TEST(TransportRegistry, ABackendOfTheUsersReadsItsOwnOptions) {
+  std::map<std::string, std::string> seen;
+  register_transport("registry-test-own",
+                     [&](const TransportOptions& o) -> std::unique_ptr<Transport> {
+                       seen = o.params;
+                       fail(Errc::unsupported, "registry-test-own: created");
+                     });
+  TempDir dir;
+  expect_error([&] { make_test_transport("registry-test-own?anything=1", dir.path, 0, 1); },
+               Errc::unsupported, {"created"});
+  EXPECT_EQ(seen.at("anything"), "1");
+}
+
 TEST(TransportRegistry, NeedsAStoreAndARankInsideTheWorld) {
   TransportOptions o;
   expect_error([&] { make_transport(o); }, Errc::invalid_argument, {"Store"});

@@ -262,6 +262,11 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 
 // ---- backend settings (TransportOptions::params) ----------------------------
 //
+// A built-in backend refuses a key it does not read, and the fault wrapper one
+// that is neither its own nor its inner transport's (Errc::invalid_argument,
+// naming the key and the accepted ones); a backend added with
+// register_transport reads its params itself.
+//
 // ucx: tags < 2^48 (the sender rank rides in the high 16 bits; world <= 65536).
 //   The UCX transports used follow UCX_TLS from the environment, or
 //   params["tls"] (e.g. "tcp,self" or "posix,sysv,cma,self") when given.

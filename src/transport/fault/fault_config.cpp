@@ -58,12 +58,26 @@ bool freeze_points_armed() {
   return freeze_armed.load();
 }
 
-bool FaultConfig::is_fault_key(const std::string& key) {
+namespace {
+
+const std::set<std::string>& fault_keys() {
   static const std::set<std::string> keys{
       "seed",     "drop_send",   "corrupt_send", "truncate_send", "corrupt_recv",
       "delay_ms", "fail_after",  "dead",         "after",         "tag",
       "count",    "freeze_send", "freeze_recv",  "release_ms"};
-  return keys.count(key) > 0;
+  return keys;
+}
+
+}  // namespace
+
+bool FaultConfig::is_fault_key(const std::string& key) {
+  return fault_keys().count(key) > 0;
+}
+
+std::string FaultConfig::keys() {
+  std::string out;
+  for (const auto& key : fault_keys()) out += (out.empty() ? "" : ", ") + key;
+  return out;
 }
 
 FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params) {

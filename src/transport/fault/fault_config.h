@@ -39,6 +39,8 @@ struct FaultConfig {
   static FaultConfig parse(const std::map<std::string, std::string>& params);
   // The keys parse() understands.
   static bool is_fault_key(const std::string& key);
+  // Every fault key, sorted and joined with ", " (for messages).
+  static std::string keys();
 };
 
 // Decides, deterministically from the seed and the order of calls, which

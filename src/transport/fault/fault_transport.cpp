@@ -295,8 +295,15 @@ std::unique_ptr<Transport> make_fault_transport(const TransportOptions& options)
   TransportOptions inner = options;
   inner.name = options.name.substr(colon + 1);
   inner.params.clear();
-  for (const auto& [k, v] : options.params)
-    if (!fault::FaultConfig::is_fault_key(k)) inner.params[k] = v;
+  // The inner transport's own keys pass through; a misspelt fault key is
+  // named here, with both lists, rather than handed on (an ignored fault key
+  // would make a drill that injects nothing).
+  const std::string backend = inner.name.substr(0, inner.name.find(':'));
+  for (const auto& [k, v] : options.params) {
+    if (fault::FaultConfig::is_fault_key(k)) continue;
+    check_param(options.name, backend, k, fault::FaultConfig::keys());
+    inner.params[k] = v;
+  }
   return std::make_unique<fault::FaultTransport>(make_transport(inner), config);
 }
 
