@@ -29,6 +29,16 @@ Labels rank_labels(Role role, int rank) {
   return {{"role", std::string(role_name(role))}, {"rank", std::to_string(rank)}};
 }
 
+const prometheus::Histogram::BucketBoundaries& step_buckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets{
+      0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+  return kBuckets;
+}
+
+// The step-abort classes of step_decided (coordinator_status.cpp).
+constexpr const char* kAbortReasons[] = {"trainer_failed", "trainer_lost", "timeout",
+                                         "no_engine_committed"};
+
 }  // namespace
 
 struct Metrics::Impl {
@@ -120,7 +130,23 @@ Metrics::Metrics(const std::string& host, int port) : impl_(std::make_unique<Imp
   } catch (const std::exception& e) {
     fail(Errc::io, "cannot serve metrics on ", host, ":", port, ": ", e.what());
   }
+  export_zeros();
   impl_->exposer->RegisterCollectable(impl_->registry);
+}
+
+// Every series that has no per-rank label exists from the start, at 0: an
+// alert on an absent series must not fire on a healthy coordinator that has
+// no job yet.
+void Metrics::export_zeros() {
+  Impl& m = *impl_;
+  m.begun.Add({});
+  m.committed.Add({});
+  for (const char* reason : kAbortReasons) m.aborted.Add({{"reason", reason}});
+  m.step_seconds.Add({}, step_buckets());
+  m.step_bytes.Add({});
+  m.bytes.Add({});
+  m.plan_changes.Add({});
+  membership(0, 0, 0, 0);
 }
 
 Metrics::~Metrics() = default;
@@ -152,9 +178,7 @@ void Metrics::step_begun(const std::string& plan_id) {
 
 void Metrics::step_decided(double seconds, uint64_t bytes, bool committed,
                            const std::string& abort_reason) {
-  static const prometheus::Histogram::BucketBoundaries kBuckets{
-      0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
-  impl_->step_seconds.Add({}, kBuckets).Observe(seconds);
+  impl_->step_seconds.Add({}, step_buckets()).Observe(seconds);
   impl_->step_bytes.Add({}).Set(static_cast<double>(bytes));
   impl_->bytes.Add({}).Increment(static_cast<double>(bytes));
   if (committed)

@@ -45,6 +45,8 @@ class Metrics {
   void rank_stats(Role role, int rank, const nlohmann::json& stats);
 
  private:
+  void export_zeros();
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
