@@ -328,20 +328,37 @@ std::vector<Overlap> PlanBuilder::all_overlaps() const {
 // at 1T scale): it reads only the small rank and load tables.
 uint32_t PlanBuilder::choose_holder(const PieceGroup& group, int64_t bytes) {
   uint32_t best = group.first;
+  if (group.count > 1) best = shared_nics_ ? least_loaded_by_nic(group) : least_loaded(group);
+  const auto rank = static_cast<size_t>(sorted_rank_[best]);
+  rank_load_[rank] += bytes;
+  nic_load_[static_cast<size_t>(rank_nic_[rank])] += bytes;
+  return best;
+}
+
+uint32_t PlanBuilder::least_loaded_by_nic(const PieceGroup& group) const {
+  uint32_t best = group.first;
   int32_t rank = sorted_rank_[best];
-  if (group.count > 1) {
-    int64_t best_nic = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rank)])];
-    int64_t best_own = rank_load_[static_cast<size_t>(rank)];
-    for (uint32_t pos = group.first + 1; pos < group.first + group.count; ++pos) {
-      const int32_t r = sorted_rank_[pos];
-      const int64_t nic = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(r)])];
-      const int64_t own = rank_load_[static_cast<size_t>(r)];
-      if (nic < best_nic || (nic == best_nic && own < best_own))
-        best = pos, rank = r, best_nic = nic, best_own = own;
-    }
+  int64_t best_nic = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rank)])];
+  int64_t best_own = rank_load_[static_cast<size_t>(rank)];
+  for (uint32_t pos = group.first + 1; pos < group.first + group.count; ++pos) {
+    const int32_t r = sorted_rank_[pos];
+    const int64_t nic = nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(r)])];
+    const int64_t own = rank_load_[static_cast<size_t>(r)];
+    if (nic < best_nic || (nic == best_nic && own < best_own))
+      best = pos, best_nic = nic, best_own = own;
   }
-  rank_load_[static_cast<size_t>(rank)] += bytes;
-  nic_load_[static_cast<size_t>(rank_nic_[static_cast<size_t>(rank)])] += bytes;
+  return best;
+}
+
+// One NIC per rank (the default topology): a NIC's bytes are its rank's, so
+// the same choice reads one load per holder instead of three tables.
+uint32_t PlanBuilder::least_loaded(const PieceGroup& group) const {
+  uint32_t best = group.first;
+  int64_t best_own = rank_load_[static_cast<size_t>(sorted_rank_[best])];
+  for (uint32_t pos = group.first + 1; pos < group.first + group.count; ++pos) {
+    const int64_t own = rank_load_[static_cast<size_t>(sorted_rank_[pos])];
+    if (own < best_own) best = pos, best_own = own;
+  }
   return best;
 }
 
@@ -363,6 +380,7 @@ void PlanBuilder::init_loads() {
                                   topology_.trainer_slot(r, world) / topology_.gpus_per_nic};
     rank_nic_[static_cast<size_t>(r)] = nic_ids.emplace(nic, r).first->second;
   }
+  shared_nics_ = nic_ids.size() < static_cast<size_t>(world);
 }
 
 void PlanBuilder::build_p2p() {

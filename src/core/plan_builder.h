@@ -47,6 +47,8 @@ class PlanBuilder {
   std::vector<Overlap> all_overlaps() const;
   void decide_fp8_sites(std::vector<Overlap>& overlaps);
   uint32_t choose_holder(const PieceGroup& group, int64_t bytes);
+  uint32_t least_loaded_by_nic(const PieceGroup& group) const;
+  uint32_t least_loaded(const PieceGroup& group) const;
   void build_p2p();
   struct P2pChoices;
   // Calls f(k, overlap, dst engine rank) for every p2p item k in the order
@@ -78,6 +80,7 @@ class PlanBuilder {
   std::vector<int64_t> rank_load_;  // bytes sent per trainer rank so far
   std::vector<int64_t> nic_load_;   // bytes sent per trainer NIC so far
   std::vector<int32_t> rank_nic_;   // trainer rank -> NIC id
+  bool shared_nics_ = false;        // some trainer ranks share a NIC
   // Engine groups, per template: its group's replicas and global rank of
   // replica 0 (replica `rep` of template t is template_base_[t] + rep * tp).
   std::vector<int32_t> template_replicas_, template_base_, template_tp_;

@@ -145,6 +145,7 @@ void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
   std::vector<PlanItem>& out = plan_.items_;
   out.reserve(sorted.size() + sorted.size() / 64);  // room for split items
   BucketFiller filler(plan_, plan_.buckets_, plan_.options_.bucket_bytes);
+  const bool any_fp8 = !plan_.fp8_sender_params_.empty();
   for (size_t l = 0; l < links; ++l) {
     filler.close();
     const int32_t src = static_cast<int32_t>(l / engines);
@@ -157,7 +158,9 @@ void PlanBuilder::pack_p2p_links(const P2pChoices& c) {
       it.piece = sorted[e].piece;
       it.segment = ov.segment;
       it.dst_rank = dst;
-      const bool fp8 = plan_.segments_[static_cast<size_t>(ov.segment)].fp8_wire;
+      // Without sender-quantized params no segment needs reading (a cache
+      // miss per item: the segments table is megabytes).
+      const bool fp8 = any_fp8 && plan_.segments_[static_cast<size_t>(ov.segment)].fp8_wire;
       filler.place(
           src, dst, [&] { return plan_.pieces_[static_cast<size_t>(it.piece)].key; }, ov.bytes,
           [&] { return item_hf_box(plan_, it); },
