@@ -24,10 +24,11 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/weightsyncConfig.cmake
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/weightsync)
 
 # Data files the command finds beside itself (tools/weightsync/cli.h,
-# find_data): the benches' peer baselines and the model configs, under
-# share/weightsync as they sit in the source tree.
+# find_data): the benches' peer baselines, the planner's recorded times
+# (bench plan) and the model configs, under share/weightsync as they sit in
+# the source tree.
 set(_ws_data_scripts tools/bench/peer_baseline.py tools/bench/peer_ipc_baseline.py
-                      tools/bench/peer_checkpoint_engine.py)
+                      tools/bench/peer_checkpoint_engine.py tools/bench/plan_reference.json)
 set(_ws_bench_scripts tools/bench/python/bench.py tools/bench/python/bench_engine.py)
 install(FILES ${_ws_data_scripts} DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync/tools/bench)
 install(FILES ${_ws_bench_scripts} DESTINATION ${CMAKE_INSTALL_DATADIR}/weightsync/tools/bench/python)

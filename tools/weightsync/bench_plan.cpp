@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <optional>
 
@@ -28,7 +29,7 @@ namespace fs = std::filesystem;
 const char* kUsage =
     "usage: weightsync bench plan [--json] [--topology X.json] [--configs DIR]\n"
     "                             [--bucket-bytes N] [--broadcast] [--dtype F8_E4M3]\n"
-    "                             [--fp8] [--fp8-site sender|engine]\n\n"
+    "                             [--fp8] [--fp8-site sender|engine] [--case NAME]\n\n"
     "Plans, p2p, with trainer mesh ep=8,fsdp=32 (256 ranks, XTuner-style layout):\n"
     "  deepseek-v3: -> 16 vLLM replicas of tp=16 with expert parallel (256 engine ranks)\n"
     "  kimi-k2:     -> 8 vLLM replicas of tp=16 with expert parallel (128 engine ranks)\n"
@@ -49,7 +50,13 @@ const char* kUsage =
     "the trainer ranks where they hold whole 128 x 128 blocks (FP8 codes and scales on\n"
     "the wire) and by the engine ranks elsewhere (--fp8-site engine: everywhere).\n"
     "Each case then also prints the FP8 params quantized on each side and the wire\n"
-    "bytes, against those of quantizing every FP8 param on the engines.\n";
+    "bytes, against those of quantizing every FP8 param on the engines.\n"
+    "--case NAME: only that case.\n"
+    "Each case's planner CPU time is compared with the one recorded in\n"
+    "tools/bench/plan_reference.json (found as the configs are; default options only):\n"
+    "vs_recorded is their ratio, and a case over the file's slower_than (1.5 x) is\n"
+    "reported on stderr and as \"slower_than_recorded\": true. The command still\n"
+    "succeeds: a benchmark reports, it does not judge.\n";
 
 struct BenchCase {
   std::string name, model_dir;
@@ -155,9 +162,83 @@ nlohmann::json run_isolated(const BenchCase& c, const fs::path& configs, const T
   return nlohmann::json::parse(text);
 }
 
+// The planner times recorded in the repository, so that a slower planner is
+// noticed where it is measured (plans are remade whenever the fleet changes).
+struct PlanReference {
+  std::string path;
+  nlohmann::json doc;  // null when not found
+};
+
+PlanReference load_reference() {
+  PlanReference ref;
+  ref.path = find_data("tools/bench/plan_reference.json");
+  if (ref.path.empty()) {
+    std::fprintf(stderr,
+                 "bench plan: no tools/bench/plan_reference.json beside this command; "
+                 "times are not compared\n");
+    return ref;
+  }
+  std::ifstream in(ref.path);
+  ref.doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!ref.doc.is_object() || !ref.doc.contains("cases") || !ref.doc["cases"].is_object()) {
+    std::fprintf(stderr, "bench plan: %s is not a reference (no \"cases\" object); ignored\n",
+                 ref.path.c_str());
+    ref.doc = nullptr;
+  }
+  return ref;
+}
+
+// Adds "recorded_s" and "vs_recorded" (CPU time: wall time counts other jobs
+// on the core) and says so on stderr when the case is over the threshold.
+void compare_to_reference(nlohmann::json& r, const PlanReference& ref) {
+  if (ref.doc.is_null()) return;
+  const nlohmann::json& cases = ref.doc["cases"];
+  const std::string name = r["case"].get<std::string>();
+  if (!cases.contains(name) || !cases[name].contains("plan_cpu_s")) return;
+  const double recorded = cases[name]["plan_cpu_s"].get<double>();
+  const double limit = ref.doc.value("slower_than", 1.5);
+  const double ratio = r["plan_cpu_s"].get<double>() / recorded;
+  r["recorded_s"] = recorded;
+  r["vs_recorded"] = ratio;
+  r["slower_than_recorded"] = ratio > limit;
+  if (ratio > limit)
+    std::fprintf(stderr,
+                 "bench plan: %s planned in %.3f s of CPU, %.2f x the %.3f s recorded in %s "
+                 "(commit %s, %s): slower than %.2f x\n",
+                 name.c_str(), r["plan_cpu_s"].get<double>(), ratio, recorded, ref.path.c_str(),
+                 ref.doc.value("commit", "?").c_str(), ref.doc.value("machine", "?").c_str(),
+                 limit);
+}
+
+void print_case(const BenchCase& c, const nlohmann::json& r) {
+  std::printf(
+      "%-20s %-9s %4lld -> %4lld ranks  plan %.3f s (cpu %.3f s)  rss %6.1f MiB  "
+      "buckets %6lld  predicted %.3f s  lower bound %.3f s  ratio %.4f\n",
+      c.name.c_str(), r["mode"].get<std::string>().c_str(),
+      static_cast<long long>(r["trainer_ranks"].get<int64_t>()),
+      static_cast<long long>(r["engine_ranks"].get<int64_t>()), r["plan_s"].get<double>(),
+      r["plan_cpu_s"].get<double>(), r["peak_rss_mib"].get<double>(),
+      static_cast<long long>(r["buckets"].get<int64_t>()), r["predicted_s"].get<double>(),
+      r["lower_bound_s"].get<double>(), r["ratio"].get<double>());
+  if (r.contains("vs_recorded"))
+    std::printf("%-20s cpu %.2f x the recorded %.3f s%s\n", "", r["vs_recorded"].get<double>(),
+                r["recorded_s"].get<double>(),
+                r["slower_than_recorded"].get<bool>() ? "  (SLOWER than recorded)" : "");
+  if (r.contains("fp8")) {
+    const auto& f = r["fp8"];
+    std::printf(
+        "%-20s FP8 params: %lld quantized by the senders, %lld by the engines; "
+        "wire %.1f GB (all on the engines: %.1f GB, ratio %.3f)\n",
+        "", static_cast<long long>(f["params_quantized_by_sender"].get<int64_t>()),
+        static_cast<long long>(f["params_quantized_by_engine"].get<int64_t>()),
+        f["wire_bytes"].get<double>() / 1e9, f["wire_bytes_engine_site"].get<double>() / 1e9,
+        f["wire_bytes"].get<double>() / f["wire_bytes_engine_site"].get<double>());
+  }
+}
+
 int run_bench_plan(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "broadcast", "fp8"},
-            {"topology", "configs", "bucket-bytes", "dtype", "fp8-site"});
+            {"topology", "configs", "bucket-bytes", "dtype", "fp8-site", "case"});
   std::optional<DType> dtype;
   bool fp8 = args.flag("fp8");
   if (auto d = args.get("dtype")) {
@@ -176,31 +257,25 @@ int run_bench_plan(const std::vector<std::string>& argv) {
   if (args.flag("broadcast"))
     cases.push_back({"kimi-k2-broadcast", "Kimi-K2", 8, PlanMode::broadcast});
   for (BenchCase& c : cases) c.fp8 = fp8, c.fp8_site = site;
+  if (auto only = args.get("case")) {
+    std::erase_if(cases, [&](const BenchCase& c) { return c.name != *only; });
+    if (cases.empty()) fail(Errc::invalid_argument, "bench plan: no case named '", *only, "'");
+  }
+  // The recorded times are of the default options (the cases as listed).
+  const bool comparable = !args.has("topology") && !args.has("bucket-bytes") &&
+                          !args.has("dtype") && !fp8 && !args.has("configs");
+  const PlanReference ref = comparable ? load_reference() : PlanReference{};
+  if (!comparable)
+    std::fprintf(stderr,
+                 "bench plan: options other than the recorded run's; times not compared "
+                 "with tools/bench/plan_reference.json\n");
   nlohmann::json results = nlohmann::json::array();
   for (const BenchCase& c : cases) {
     nlohmann::json r = run_isolated(c, configs, topo, bucket, dtype);
     if (r.contains("error"))
       fail(Errc::internal, "bench plan: ", c.name, ": ", r["error"].get<std::string>());
-    if (!args.flag("json"))
-      std::printf(
-          "%-20s %-9s %4lld -> %4lld ranks  plan %.3f s (cpu %.3f s)  rss %6.1f MiB  "
-          "buckets %6lld  predicted %.3f s  lower bound %.3f s  ratio %.4f\n",
-          c.name.c_str(), r["mode"].get<std::string>().c_str(),
-          static_cast<long long>(r["trainer_ranks"].get<int64_t>()),
-          static_cast<long long>(r["engine_ranks"].get<int64_t>()), r["plan_s"].get<double>(),
-          r["plan_cpu_s"].get<double>(), r["peak_rss_mib"].get<double>(),
-          static_cast<long long>(r["buckets"].get<int64_t>()), r["predicted_s"].get<double>(),
-          r["lower_bound_s"].get<double>(), r["ratio"].get<double>());
-    if (!args.flag("json") && r.contains("fp8")) {
-      const auto& f = r["fp8"];
-      std::printf(
-          "%-20s FP8 params: %lld quantized by the senders, %lld by the engines; "
-          "wire %.1f GB (all on the engines: %.1f GB, ratio %.3f)\n",
-          "", static_cast<long long>(f["params_quantized_by_sender"].get<int64_t>()),
-          static_cast<long long>(f["params_quantized_by_engine"].get<int64_t>()),
-          f["wire_bytes"].get<double>() / 1e9, f["wire_bytes_engine_site"].get<double>() / 1e9,
-          f["wire_bytes"].get<double>() / f["wire_bytes_engine_site"].get<double>());
-    }
+    compare_to_reference(r, ref);
+    if (!args.flag("json")) print_case(c, r);
     results.push_back(std::move(r));
   }
   if (args.flag("json"))
