@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <compare>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -22,9 +23,12 @@ namespace {
 
 constexpr int64_t kMaxCoord = std::numeric_limits<int32_t>::max();
 
-bool box_less(const Box& a, const Box& b) {
-  if (a.offsets != b.offsets) return a.offsets < b.offsets;
-  return a.lengths < b.lengths;
+// Boxes by offsets, then lengths, in one pass over each: the pieces of a
+// key are sorted by it, and comparing the vectors for equality first (two
+// memcmp calls and a third compare) cost more than the sort's own work.
+std::strong_ordering box_order(const Box& a, const Box& b) {
+  if (const auto c = a.offsets <=> b.offsets; c != 0) return c;
+  return a.lengths <=> b.lengths;
 }
 
 // A segment's param box may add leading length-1 dims to its HF box.
@@ -249,7 +253,7 @@ void PlanBuilder::group_pieces() {
     std::sort(sorted_pieces_.begin() + first[k], sorted_pieces_.begin() + first[k + 1],
               [&](uint32_t a, uint32_t b) {
                 const auto &pa = pieces[a], &pb = pieces[b];
-                if (pa.hf_box != pb.hf_box) return box_less(pa.hf_box, pb.hf_box);
+                if (const auto c = box_order(pa.hf_box, pb.hf_box); c != 0) return c < 0;
                 return pa.rank != pb.rank ? pa.rank < pb.rank : a < b;
               });
   key_groups_.assign(plan_.keys_.size() + 1, 0);
