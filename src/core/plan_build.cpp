@@ -90,6 +90,18 @@ Plan::SegmentRef segment_ref(const PlanOptions& options, const Segment& s,
 
 }  // namespace
 
+int64_t common_numel(const Box& a, const Box& b) {
+  if (a.rank() != b.rank()) (void)intersect(a, b);  // Errc::internal, as intersect says
+  int64_t n = 1;
+  for (size_t d = 0; d < a.rank(); ++d) {
+    const int64_t lo = std::max(a.offsets[d], b.offsets[d]);
+    const int64_t hi = std::min(a.end(d), b.end(d));
+    if (hi <= lo) return 0;
+    n *= hi - lo;
+  }
+  return n;
+}
+
 PlanBuilder::PlanBuilder(const TrainerLayout& trainer, const EngineLayout& engine,
                          const Topology& topology, const PlanOptions& options)
     : trainer_(trainer), engine_(engine), topology_(topology) {
@@ -298,10 +310,10 @@ std::vector<Overlap> PlanBuilder::overlaps_of_key(int32_t key,
                                     [&](uint32_t g) { return group_box(g).offsets[0]; });
     int64_t covered = 0;
     for (uint32_t g = a; g < b; ++g) {
-      auto cut = intersect(group_box(g), seg.hf_box);
-      if (!cut) continue;
-      covered += cut->numel();
-      out.push_back({static_cast<int32_t>(g), s, cut->numel() * static_cast<int64_t>(item)});
+      const int64_t n = common_numel(group_box(g), seg.hf_box);
+      if (n == 0) continue;
+      covered += n;
+      out.push_back({static_cast<int32_t>(g), s, n * static_cast<int64_t>(item)});
     }
     if (covered != seg.hf_box.numel()) {
       const auto& rank = engine_.ranks[static_cast<size_t>(seg.tp_rank)];

@@ -140,6 +140,9 @@ std::pair<uint32_t, uint32_t> dim0_window(uint32_t first, uint32_t last, int64_t
   return {a, b};
 }
 
+// The number of elements intersect(a, b) holds (0: none), without building
+// the box: the planner tests millions of candidate pairs and keeps few cuts.
+int64_t common_numel(const Box& a, const Box& b);
 // The HF box an item moves: its piece's box, cut by its segment and its split.
 Box item_hf_box(const Plan& plan, const PlanItem& item);
 // Maps a sub-box of a segment's HF box into the parameter (transpose, rank).

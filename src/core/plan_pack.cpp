@@ -268,7 +268,7 @@ void PlanBuilder::build_apply_items() {
       const int32_t key = plan_.pieces_[static_cast<size_t>(item.piece)].key;
       for (int32_t s : key_segments_[static_cast<size_t>(key)]) {
         const auto& seg = plan_.segments_[static_cast<size_t>(s)];
-        if (intersect(hf, seg.hf_box))
+        if (common_numel(hf, seg.hf_box) > 0)
           per_rank[static_cast<size_t>(seg.tp_rank)].push_back({static_cast<int32_t>(i), s});
       }
     }
