@@ -11,7 +11,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <chrono>
+#include <memory>
 #include <tuple>
 
 namespace weightsync::python {
@@ -79,8 +81,7 @@ nb::object torch_view(const TensorView& v) {
 
 // on_weights for Python: fn(batch), batch a list of (hf_key, torch.Tensor),
 // as model.load_weights takes them.
-Subscriber::WeightsHook weights_callback(nb::object fn) {
-  auto ref = callable_ref(std::move(fn), "the on_weights hook");
+Subscriber::WeightsHook weights_callback(std::shared_ptr<PyRef> ref) {
   if (!ref) return {};
   return [ref](int64_t, const std::vector<std::pair<std::string, TensorView>>& tensors) {
     nb::gil_scoped_acquire gil;
@@ -98,7 +99,39 @@ Subscriber::WeightsHook weights_callback(nb::object fn) {
 
 class PySubscriber : public Handle<Subscriber> {
  public:
+  enum Hook { kBegin, kEnd, kWeights, kLoaded, kHooks };
+
   void open(const SubscriberOptions& options) { reset(std::make_unique<Subscriber>(options)); }
+  // The Python callable behind hook `h` (null: none), set or replaced; the
+  // C++ hook holds the same reference.
+  std::shared_ptr<PyRef> set_hook(Hook h, nb::object fn, const char* what) {
+    get("subscriber");  // a closed one is refused before anything is kept
+    hooks_[h] = callable_ref(std::move(fn), what);
+    return hooks_[h];
+  }
+
+  // Python's garbage collector sees the hooks through these: a hook that
+  // refers back to its Subscriber (a closure over it, a bound method of an
+  // object that holds it) would otherwise make a cycle that nothing collects,
+  // which nanobind reports as a leak at exit.
+  static int traverse(PyObject* self, visitproc visit, void* arg) {
+    Py_VISIT(Py_TYPE(self));
+    if (!nb::inst_ready(self)) return 0;
+    for (const auto& ref : nb::inst_ptr<PySubscriber>(self)->hooks_)
+      if (ref) Py_VISIT(ref->obj);
+    return 0;
+  }
+  // Breaks such a cycle: the subscriber is closed (its C++ hooks, which hold
+  // the same references, go with it), then the references are dropped.
+  static int clear(PyObject* self) {
+    auto* s = nb::inst_ptr<PySubscriber>(self);
+    {
+      nb::gil_scoped_release release;  // closing may wait for a hook on another thread
+      s->close();
+    }
+    for (auto& ref : s->hooks_) ref.reset();
+    return 0;
+  }
   void register_param(const std::string& name, uintptr_t data, const std::string& dtype,
                       const Shape& shape, const Shape& strides, int device) {
     get("subscriber")
@@ -115,7 +148,15 @@ class PySubscriber : public Handle<Subscriber> {
       out.emplace_back(p.name, std::string(dtype_name(p.dtype)), p.shape);
     return out;
   }
+
+ private:
+  std::array<std::shared_ptr<PyRef>, kHooks> hooks_;
 };
+
+PyType_Slot subscriber_slots[] = {
+    {Py_tp_traverse, reinterpret_cast<void*>(&PySubscriber::traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(&PySubscriber::clear)},
+    {0, nullptr}};
 
 nb::dict step_phases(const StepPhases& p) {
   nb::dict d;
@@ -179,33 +220,38 @@ void bind_outcome(nb::module_& m) {
 void bind_subscriber(nb::module_& m) {
   bind_subscriber_options(m);
   bind_outcome(m);
-  nb::class_<PySubscriber>(m, "Subscriber")
+  using S = PySubscriber;
+  nb::class_<PySubscriber>(m, "Subscriber", nb::type_slots(subscriber_slots))
       .def(nb::init<>())
       .def("open", &PySubscriber::open, nb::arg("options"), ReleaseGil())
       .def("register_param", &PySubscriber::register_param, nb::arg("name"), nb::arg("data"),
            nb::arg("dtype"), nb::arg("shape"), nb::arg("strides"), nb::arg("device"))
       .def(
           "on_begin",
-          [](PySubscriber& s, nb::object fn) {
-            s.get("subscriber").on_begin(step_callback(std::move(fn), "the on_begin hook"));
+          [](S& s, nb::object fn) {
+            const char* what = "the on_begin hook";
+            s.get("subscriber").on_begin(step_callback(s.set_hook(S::kBegin, fn, what), what));
           },
           nb::arg("fn").none())
       .def(
           "on_end",
-          [](PySubscriber& s, nb::object fn) {
-            s.get("subscriber").on_end(step_callback(std::move(fn), "the on_end hook"));
+          [](S& s, nb::object fn) {
+            const char* what = "the on_end hook";
+            s.get("subscriber").on_end(step_callback(s.set_hook(S::kEnd, fn, what), what));
           },
           nb::arg("fn").none())
       .def(
           "on_weights",
-          [](PySubscriber& s, nb::object fn, bool changed_only) {
-            s.get("subscriber").on_weights(weights_callback(std::move(fn)), changed_only);
+          [](S& s, nb::object fn, bool changed_only) {
+            auto ref = s.set_hook(S::kWeights, fn, "the on_weights hook");
+            s.get("subscriber").on_weights(weights_callback(ref), changed_only);
           },
           nb::arg("fn").none(), nb::arg("changed_only") = false)
       .def(
           "on_loaded",
-          [](PySubscriber& s, nb::object fn) {
-            s.get("subscriber").on_loaded(step_callback(std::move(fn), "the on_loaded hook"));
+          [](S& s, nb::object fn) {
+            const char* what = "the on_loaded hook";
+            s.get("subscriber").on_loaded(step_callback(s.set_hook(S::kLoaded, fn, what), what));
           },
           nb::arg("fn").none())
       .def(

@@ -82,5 +82,7 @@ std::string python_error_line(nb::python_error& e);
 // and a Python exception becomes a weightsync::Error naming `what`; the last
 // reference is dropped under the GIL.
 std::function<void(int64_t)> step_callback(nb::object fn, const std::string& what);
+// The same over a callable already held (`ref` from callable_ref; null: no hook).
+std::function<void(int64_t)> step_callback(std::shared_ptr<PyRef> ref, const std::string& what);
 
 }  // namespace weightsync::python

@@ -53,7 +53,10 @@ std::string python_error_line(nb::python_error& e) {
 }
 
 std::function<void(int64_t)> step_callback(nb::object fn, const std::string& what) {
-  auto ref = callable_ref(std::move(fn), what);
+  return step_callback(callable_ref(std::move(fn), what), what);
+}
+
+std::function<void(int64_t)> step_callback(std::shared_ptr<PyRef> ref, const std::string& what) {
   if (!ref) return {};
   return [ref, what](int64_t step) {
     nb::gil_scoped_acquire gil;

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -664,3 +666,44 @@ def test_delta_bench_of_adamw_steps_reports_what_changed():
     assert r["delta"]["delta_buckets"] > 0 and r["full"]["delta_buckets"] == 0
     assert 0 < r["bytes_ratio_to_full"] < 1
     assert r["time_ratio_to_full"] > 0
+
+
+LEAK_SCRIPT = r"""
+import gc, sys, weakref
+import weightsync as ws
+
+coord = ws.Coordinator()
+engine = {"framework": "vllm", "hf_config": sys.argv[1], "tp": 1, "replicas": 2, "dtype": "BF16"}
+
+
+def subscriber_in_a_cycle():
+    sub = ws.Subscriber(coordinator=coord.address, engine=engine, replica=0, rank=0)
+    # Hooks that close over their Subscriber, as an engine integration's do.
+    sub.on_begin(lambda step: print(sub.version))
+    sub.on_end(lambda step: sub.version)
+    sub.on_weights(lambda batch: sub.version)
+    sub.on_loaded(lambda step: sub.version)
+    return weakref.ref(sub)
+
+
+alive = subscriber_in_a_cycle()
+gc.collect()
+print("collected" if alive() is None else "alive")
+# And one left to the interpreter's exit, its hook reaching it through the
+# module's globals.
+kept = ws.Subscriber(coordinator=coord.address, engine=engine, replica=1, rank=0)
+kept.on_begin(lambda step: print(kept.version))
+"""
+
+
+def test_hooks_that_refer_to_their_subscriber_do_not_leak_it():
+    """A hook closing over its own Subscriber made a cycle through the C++
+    hook that Python's collector could not see: the Subscriber lived on, and
+    at exit nanobind printed 'leaked 1 instances ... weightsync._core.Subscriber'
+    (as vLLM workers did at every shutdown). The collector now sees the hooks."""
+    proc = subprocess.run([sys.executable, "-c", LEAK_SCRIPT,
+                           model_config("tiny-llama") + "/config.json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["collected"], (proc.stdout, proc.stderr[-3000:])
+    assert "leaked" not in proc.stderr, proc.stderr[-3000:]
