@@ -85,14 +85,16 @@ class FailFast : public ::testing::Test {
     return out;
   }
 
-  // The engine rank (no staging), on its own thread, until version kLast or
-  // `max_steps` outcomes; each outcome is recorded with what it left.
-  std::thread engine(int max_steps) {
+  // The engine rank (no staging) over `transport`, on its own thread, until
+  // version kLast or `max_steps` outcomes; each outcome is recorded with
+  // what it left.
+  std::thread engine(int max_steps, const std::string& transport = "ucx") {
     return std::thread([=, this] {
       try {
         SubscriberOptions so;
         so.coordinator = coordinator_.address();
         so.engine = config_;
+        so.transport = transport;
         so.step_timeout = std::chrono::seconds(30);
         Subscriber sub(so);
         for (size_t i = 0; i < params_.size(); ++i)
@@ -204,6 +206,39 @@ TEST_F(FailFast, TrainerSendFailureAbortsTheStepAtOnceAndTheEngineSaysItIsTorn) 
   EXPECT_EQ(seen_[2].version, 3);
   EXPECT_FALSE(seen_[2].torn);
   EXPECT_EQ(seen_[2].params, expected(3));
+}
+
+// The engine rank's own receives fail (after its first three operations):
+// it stops receiving and says so at once, and the coordinator tells the
+// trainer to stop sending to it. The trainer's sends are rendezvous ones
+// (UCX_RNDV_THRESH below the bucket), which complete only when the engine
+// receives them: without that word the push would wait out the step
+// timeout. The rank never committed, so it is torn (its receives had begun
+// landing in the params).
+TEST_F(FailFast, EngineReceiveFailureStopsTheTrainersSendsAtOnce) {
+  std::thread engine = this->engine(1, "fault:ucx?fail_after=3");
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<PushResult> result;
+  std::string thrown;
+  try {
+    result = push(1, "ucx?UCX_RNDV_THRESH=1024");
+  } catch (const Error& e) {
+    thrown = e.what();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("push(1) to an engine whose receive failed returned after %.3f s\n", seconds);
+  engine.join();
+  EXPECT_LT(seconds, 5.0) << "the trainer must not wait out the 30 s step timeout";
+  ASSERT_TRUE(result) << "push(1) threw: " << thrown;
+  EXPECT_TRUE(result->committed.empty());
+  ASSERT_EQ(result->failed.size(), 1u);
+  EXPECT_TRUE(has(result->failed[0].second, "injected failure")) << result->failed[0].second;
+  ASSERT_EQ(engine_error_, "");
+  ASSERT_EQ(seen_.size(), 1u);
+  EXPECT_FALSE(seen_[0].outcome.committed);
+  EXPECT_EQ(seen_[0].version, -1);
+  EXPECT_TRUE(seen_[0].torn);
 }
 
 }  // namespace
