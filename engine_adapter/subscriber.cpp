@@ -54,6 +54,11 @@ struct Subscriber::Impl : pipeline::Endpoint {
   int64_t arena_version = -1;
   std::string adopt_error;  // elastic: why the step's plan could not be made
   std::atomic<int64_t> version{-1};
+  // Subscriber::torn(); `landing`: this step may have written the params
+  // (or handed the engine tensors) already.
+  std::atomic<bool> torn{false};
+  bool landing = false;
+  bool stopped = false;  // this step's receives failed and were cancelled (StepAck::stopped)
   std::atomic<bool> stopping{false};
   std::string abort_reason;
   // The member id of each trainer rank this rank's transport talks to; a
@@ -107,6 +112,10 @@ struct Subscriber::Impl : pipeline::Endpoint {
   // Runs a hook; "" when it returned, else the failure (naming the hook).
   std::string run_hook(const std::function<void(int64_t)>& hook, const char* name, int64_t step);
   void end_hook(StepOutcome& out);
+  // After the decision (or the abort): whether the params hold a mix now.
+  void settle_torn(StepOutcome& out);
+  // Aborted while receiving, torn: a late ack tells the coordinator (status).
+  void report_late_landing(const StepOutcome& out);
   bool wait_decision(int64_t step, Clock::time_point deadline, std::string& reason);
   void publish_staging();
   std::string quantize(StepOutcome& out);
@@ -400,6 +409,8 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   out.step = begin.step;
   current_step = begin.step;
   weights_handed = 0;
+  landing = false;
+  stopped = false;
   abort_reason.clear();
   // A hook that throws fails this step on this rank, never the process: the
   // step's data is still received (the senders must not stall) and the ack
@@ -410,6 +421,8 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   if (!report) {  // aborted while receiving: no ack, no decision to wait for
     out.reason = abort_reason;
     out.seconds = seconds_since(start);
+    settle_torn(out);
+    if (out.torn) report_late_landing(out);
     end_hook(out);
     return out;
   }
@@ -428,6 +441,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   if (out.committed) commit(begin.step, out);
   out.phases.commit = seconds_since(commit_start);
   out.seconds = seconds_since(start);
+  settle_torn(out);
   end_hook(out);
   return out;
 }
@@ -450,11 +464,14 @@ std::optional<engine::ReceiveReport> Subscriber::Impl::receive(const control::St
   }
   try {
     pipeline->set_version(on_weights ? arena_version : version.load());
+    // Without staging, receives land in the params from now on.
+    landing = !opt.staging && !on_weights;
     return pipeline->run(
         begin.step, *transport, [this] { poll(); }, deadline, out.phases, opt.tracer);
   } catch (const Error& e) {
     pipeline->cancel_all();
     if (!abort_reason.empty()) return std::nullopt;
+    stopped = true;  // the trainers are told to stop sending to this rank
     report.error = e.what();
     return report;
   }
@@ -482,6 +499,8 @@ control::StepAck Subscriber::Impl::acked(int64_t step, const engine::ReceiveRepo
   ack.bytes = report.bytes;
   ack.checksum = report.checksum;
   ack.error = report.error;
+  ack.landed = landing || weights_handed > 0;
+  ack.stopped = stopped;
   ack.stats.phases = {
       {"receive", out.phases.receive}, {"verify", out.phases.verify}, {"apply", out.phases.apply}};
   ack.stats.bytes = report.bytes;
@@ -515,6 +534,36 @@ std::string Subscriber::Impl::run_hook(const std::function<void(int64_t)>& hook,
   } catch (const std::exception& e) {
     return cat("engine rank ", global, ": the ", name, " hook of step ", step,
                " failed: ", e.what());
+  }
+}
+
+// A commit writes every element of the rank's params (exact cover), so it
+// ends a mix; a step that did not commit but wrote some of them (or handed
+// the engine some tensors) leaves one, which nothing restores: the rank
+// says so until its next commit, and its version stays the last committed.
+void Subscriber::Impl::settle_torn(StepOutcome& out) {
+  if (out.committed)
+    torn = false;
+  else if (landing || weights_handed > 0)
+    torn = true;
+  out.torn = torn;
+  if (out.torn && !out.committed)
+    out.reason = cat(out.reason.empty() ? std::string() : out.reason + "; ", "engine rank ", global,
+                     " is torn: step ", out.step,
+                     " may have written part of its params (no staging) and did not commit; version ",
+                     version.load(), " is no longer whole until the next commit");
+}
+
+void Subscriber::Impl::report_late_landing(const StepOutcome& out) {
+  control::StepAck ack;
+  ack.step = out.step;
+  ack.ok = false;
+  ack.error = out.reason;
+  ack.landed = true;
+  try {
+    client->ack(ack, Millis(1000));
+  } catch (const Error&) {
+    // Only the coordinator's status misses it; torn() says it here.
   }
 }
 
@@ -656,6 +705,10 @@ void Subscriber::serve() {
 void Subscriber::stop() {
   impl_->stopping = true;
 }
+bool Subscriber::torn() const {
+  return impl_->torn;
+}
+
 int64_t Subscriber::version() const {
   return impl_->version;
 }

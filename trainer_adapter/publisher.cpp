@@ -86,7 +86,18 @@ void Publisher::Impl::build_sender(const Plan& p) {
   sender->prepare(*transport, slots, slot_device, memory,
                   trainer::Producer{opt.producer_stream, opt.producer_event});
   sender->set_delta_verify(opt.delta_verify);
+  sender->on_engine_failed([this](int g, const std::string& why) { report_send_failure(g, why); });
   pipeline = std::move(sender);
+}
+
+// Told at once, the coordinator fails that engine rank's step and stops its
+// receives; untold, the rank would wait for the step timeout.
+void Publisher::Impl::report_send_failure(int engine_rank, const std::string& why) {
+  try {
+    client->send_failed(current_step, engine_rank, why, Millis(2000));
+  } catch (const Error&) {
+    // A coordinator that cannot be reached decides at its own timeout.
+  }
 }
 
 void Publisher::Impl::use_plan(const std::vector<int>& replicas) {
@@ -197,6 +208,12 @@ void Publisher::Impl::admit(const std::vector<control::Member>& step_engines) {
         dead[g] = true;  // this backend cannot take a new process in
       }
     }
+    // A live engine rank this rank cannot send to would wait for its buckets
+    // until the step timeout: the coordinator fails it now.
+    if (dead[g])
+      report_send_failure(static_cast<int>(g),
+                          cat("trainer rank ", opt.rank, ": cannot send to engine rank ", g,
+                              ": its connection over ", transport->name(), " failed"));
     engine_member[g] = now[g];
   }
 }
@@ -207,6 +224,13 @@ void Publisher::Impl::poll() {
       const auto& m = left->member;
       if (m.role == control::Role::engine && m.rank >= 0 && m.rank < static_cast<int>(dead.size()))
         dead[static_cast<size_t>(m.rank)] = true;
+    } else if (auto* abort = std::get_if<control::Abort>(&*ev)) {
+      // An engine rank that failed the step already (a send to it failed
+      // here or on another trainer, or it stopped receiving): its sends are
+      // dropped, not waited for.
+      const int g = abort->engine_rank;
+      if (abort->step == current_step && g >= 0 && g < static_cast<int>(dead.size()))
+        dead[static_cast<size_t>(g)] = true;
     } else if (auto* result = std::get_if<control::StepResult>(&*ev)) {
       if (result->step != current_step) continue;
       // Decided before this rank reported: only an abort does that.

@@ -49,6 +49,8 @@ struct Publisher::Impl : pipeline::Endpoint {
   control::StepStart begin(int64_t step, std::chrono::steady_clock::time_point deadline);
   void adopt(int64_t step, const control::StepStart& start);
   void poll();
+  // A send to `engine_rank` failed in the current step: tells the coordinator.
+  void report_send_failure(int engine_rank, const std::string& why);
   void admit(const std::vector<control::Member>& step_engines);
   PushResult push(int64_t step);
   // push's parts: the step's data sent and reported to the coordinator; a

@@ -319,11 +319,11 @@ void SendPipeline::send_to_engines(Slot& slot, Tag tag, const Buffer& buffer,
     if (dead[static_cast<size_t>(g)]) continue;
     try {
       slot.posted.add(t.send(trainer_world_ + g, tag, buffer), g);
-    } catch (const Error&) {
+    } catch (const Error& e) {
       // Refused at posting (known dead, endpoint timeout, unreachable): that
       // engine is dropped, as a failed transfer is in drain(); the others
       // get the bucket.
-      dead[static_cast<size_t>(g)] = true;
+      drop_engine(g, e, dead, cat("sending bucket ", slot.bucket));
     }
   }
 }
@@ -360,15 +360,35 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
   return pipeline::kFrameHeaderBytes + a.bytes;
 }
 
+void SendPipeline::drop_engine(int g, const Error& error, std::vector<bool>& dead,
+                               const std::string& what) {
+  if (dead[static_cast<size_t>(g)]) return;
+  dead[static_cast<size_t>(g)] = true;
+  if (engine_failed_)
+    engine_failed_(g, cat("trainer rank ", rank_, ": ", what, " to engine rank ", g,
+                          " failed: ", error.what()));
+}
+
+void SendPipeline::uncount(Slot& slot) {
+  unsent_ += slot.counted;
+  slot.counted = 0;
+}
+
 void SendPipeline::drain(Slot& slot, std::vector<bool>& dead) {
   pipeline::DrainHooks hooks;
-  hooks.dropped = [&](int g) { return dead[static_cast<size_t>(g)]; };
+  hooks.dropped = [&](int g) {
+    if (!dead[static_cast<size_t>(g)]) return false;
+    uncount(slot);
+    return true;
+  };
   // An engine whose transfer fails (died, unreachable, endpoint timeout) is
-  // dropped: the coordinator fails it, the others go on. A failure towards a
-  // trainer (a gather part) fails the step.
-  hooks.failed = [&](int g, const Error&) {
+  // dropped and reported at once: the coordinator fails it and tells it to
+  // stop, the others go on. A failure towards a trainer (a gather part)
+  // fails the step.
+  hooks.failed = [&](int g, const Error& e) {
     if (g < 0) throw;
-    dead[static_cast<size_t>(g)] = true;
+    uncount(slot);
+    drop_engine(g, e, dead, cat("sending bucket ", slot.bucket));
   };
   slot.posted.drain(*loop_, hooks);
   if (tracer_ && slot.bucket >= 0)
@@ -386,6 +406,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
   loop_ = &loop;
   tracer_ = tracer;
   uint64_t sent = 0;
+  unsent_ = 0;
   bytes_direct_ = 0;
   buckets_lent_ = 0;
   delta_.begin_run();
@@ -405,13 +426,16 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     phases.wire += seconds_since(wire_start);
     // The drain may have learned of the engine's death.
     if (p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
+    slots_[s].counted = 0;
     try {
-      sent += post_action(i, s, step, lend, dead, phases);
-    } catch (const Error&) {
+      const uint64_t bytes = post_action(i, s, step, lend, dead, phases);
+      sent += bytes;
+      if (p2p) slots_[s].counted = bytes;
+    } catch (const Error& e) {
       // A send to an engine refused at posting (known dead, endpoint timeout,
       // unreachable) drops that engine, as a failed transfer does in drain().
       if (!p2p) throw;
-      dead[static_cast<size_t>(a.dst_engine)] = true;
+      drop_engine(a.dst_engine, e, dead, cat("sending bucket ", a.bucket));
     }
   }
   settle_lent(step, dead);
@@ -419,7 +443,7 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
   for (Slot& slot : slots_) drain(slot, dead);
   phases.wire += seconds_since(wire_start);
   loop_ = nullptr;
-  return sent;
+  return sent - std::min(sent, unsent_);
 }
 
 uint64_t SendPipeline::post_action(size_t index, int s, int64_t step, bool lend,
@@ -470,8 +494,10 @@ void SendPipeline::settle_lent(const LentCopy& copy, int64_t step, std::vector<b
             trainer_world_ + a.dst_engine, bucket_tag(step, a.bucket, 0),
             Buffer{nullptr, 0, loans_.memory(), copier_.memory().device, nullptr}),
         a.dst_engine);
-  } catch (const Error&) {
-    dead[static_cast<size_t>(a.dst_engine)] = true;  // refused at posting, as in run()
+  } catch (const Error& e) {
+    // Refused at posting, as in run(): the bucket did not reach its engine.
+    uncount(slots_[copy.slot]);
+    drop_engine(a.dst_engine, e, dead, cat("sending lent bucket ", a.bucket));
     return;
   }
   bytes_direct_ += static_cast<uint64_t>(a.bytes);

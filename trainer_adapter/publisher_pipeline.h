@@ -38,6 +38,7 @@
 
 #include <chrono>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace weightsync::trainer {
@@ -93,6 +94,13 @@ class SendPipeline {
                PushPhases& phases, Tracer* tracer);
   // Cancels whatever is still posted (after a failure).
   void cancel_all();
+  // Called (from run()) once per engine rank and run when a send to it fails
+  // or is refused: the rank is dropped from the step, and `fn` gets a
+  // message naming this rank, the bucket, the engine rank and the error, to
+  // report at once (the engine would otherwise wait for the step timeout).
+  void on_engine_failed(std::function<void(int engine, const std::string& why)> fn) {
+    engine_failed_ = std::move(fn);
+  }
 
  private:
   struct Slot {
@@ -102,7 +110,15 @@ class SendPipeline {
     int32_t bucket = -1;      // on the wire from this slot (for the trace)
     int64_t bytes = 0;
     int64_t posted_us = 0;
+    // p2p: the bytes run() counted as sent for the bucket in this slot,
+    // taken back if one of its messages fails or is dropped.
+    uint64_t counted = 0;
   };
+  // Drops engine rank `g` from the step after `error` (`what`: what failed)
+  // and reports it once (engine_failed_).
+  void drop_engine(int g, const Error& error, std::vector<bool>& dead, const std::string& what);
+  // The bucket in `slot` did not reach its engine rank: not sent.
+  void uncount(Slot& slot);
   // The programs of action `a` (its bucket's sizes are ordered_actions').
   void compile_action(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
   void pack(size_t index, int slot, size_t first = 0, size_t count = static_cast<size_t>(-1));
@@ -156,6 +172,8 @@ class SendPipeline {
   DeltaSender delta_;
   std::size_t slot_bytes_ = 0;
   uint64_t bytes_direct_ = 0;
+  uint64_t unsent_ = 0;  // this run(): counted, then failed or dropped (uncount)
+  std::function<void(int, const std::string&)> engine_failed_;
   std::vector<Slot> slots_;  // slot_depth of them
   pipeline::Copier copier_;
   LoanWriter loans_;

@@ -134,6 +134,10 @@ struct Commit {  // to an engine: make `step` visible
 struct Abort {  // to an engine: drop `step`, keep the previous version
   int64_t step = 0;
   std::string reason;
+  // To trainers, while the step is open: engine rank `engine_rank` failed
+  // it already (a send to it failed, or it stopped receiving): stop sending
+  // to it. -1 in an engine's abort.
+  int engine_rank = -1;
 };
 struct MemberLeft {  // a member left, died or was dropped: to everyone (an observer: to observers)
   Member member;
@@ -197,6 +201,15 @@ struct StepAck {
   uint64_t checksum = 0;
   std::string error;  // why, when !ok
   RankStepStats stats;
+  // The step wrote the rank's params before its decision (no staging): if
+  // it does not commit, the rank is torn (Subscriber::torn) until its next
+  // commit. An ack of a step already decided (the rank was told to abort
+  // while receiving) is ignored but for this.
+  bool landed = false;
+  // The rank stopped receiving before the step's data all came (a receive
+  // failed; its receives are cancelled): the coordinator tells the trainers
+  // to stop sending to it (Abort::engine_rank) instead of waiting.
+  bool stopped = false;
 };
 
 class Client final : public Store {
@@ -245,6 +258,13 @@ class Client final : public Store {
   StepStart follow_step(int64_t step, Millis wait);
   void sent(int64_t step, bool ok, const std::string& error = {}, Millis wait = Millis(0),
             const RankStepStats& stats = {});
+  // This trainer's send to `engine_rank` failed in `step`: the coordinator
+  // fails that rank's step at once with `error` as its reason and tells it
+  // to stop receiving (the abort), instead of it waiting out the step
+  // timeout for data that will not come. The trainer goes on with the
+  // others and reports sent as usual.
+  void send_failed(int64_t step, int engine_rank, const std::string& error,
+                   Millis wait = Millis(0));
   StepResult wait_step_result(int64_t step, Millis timeout);
 
   // Engines.

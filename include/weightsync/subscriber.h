@@ -19,8 +19,9 @@
 // bucket is verified. The subscriber acks (step, bytes, checksum); on Commit
 // the staging copy is copied into the params and version() moves to the step;
 // on Abort nothing becomes visible in staging mode (without staging, the
-// params may hold part of the failed step: use staging where a failed step
-// must leave the served weights intact). on_end runs after either. A bucket
+// params may hold part of the failed step: the rank is then torn, see
+// torn(); use staging where a failed step must leave the served weights
+// intact). on_end runs after either. A bucket
 // that fails its checksum fails the step for this rank: acked as failed, the
 // coordinator aborts it here. A hook that throws never ends the process:
 // on_begin failing fails the step on this rank (its data is still received so
@@ -89,6 +90,9 @@ struct StepOutcome {
   uint64_t weights_handed = 0;  // load_weights mode: HF tensors handed to on_weights
   double seconds = 0;           // StepBegin to decision
   StepPhases phases;
+  // After this step the params hold part of a step that did not commit
+  // (Subscriber::torn()).
+  bool torn = false;
 };
 
 class Subscriber {
@@ -142,6 +146,14 @@ class Subscriber {
   void stop();
 
   int64_t version() const;  // last committed step, -1 before the first
+  // True while the params may hold a mix: a step that did not commit began
+  // writing them (no staging: its buckets land in the params as they
+  // arrive, so once its receives are posted; in load_weights mode, once the
+  // engine took some of its tensors). version() is
+  // then the last committed step, but the params are not that version whole.
+  // Cleared by the next commit (every element is written by every step).
+  // Never set with staging: a failed step leaves the params untouched.
+  bool torn() const;
   int global_rank() const;  // among every group's engine ranks (replica * tp + rank with one)
   int live_trainers();      // trainers currently registered with the coordinator
   const EngineRankLayout& layout() const;

@@ -207,11 +207,12 @@ void bind_outcome(nb::module_& m) {
       .def_ro("weights_handed", &StepOutcome::weights_handed)
       .def_ro("checksum", &StepOutcome::checksum)
       .def_ro("seconds", &StepOutcome::seconds)
+      .def_ro("torn", &StepOutcome::torn)
       .def_prop_ro("phases", [](const StepOutcome& o) { return step_phases(o.phases); })
       .def("__repr__", [](const StepOutcome& o) {
         return cat("StepOutcome(step=", o.step, ", committed=", o.committed ? "True" : "False",
-                   o.reason.empty() ? "" : ", reason='" + o.reason + "'", ", bytes=", o.bytes,
-                   ", seconds=", o.seconds, ")");
+                   o.reason.empty() ? "" : ", reason='" + o.reason + "'",
+                   o.torn ? ", torn=True" : "", ", bytes=", o.bytes, ", seconds=", o.seconds, ")");
       });
 }
 
@@ -259,6 +260,7 @@ void bind_subscriber(nb::module_& m) {
       .def("run_step", &PySubscriber::run_step, nb::arg("timeout"), ReleaseGil())
       .def("stop", [](PySubscriber& s) { s.get("subscriber").stop(); })
       .def_prop_ro("version", [](PySubscriber& s) { return s.get("subscriber").version(); })
+      .def_prop_ro("torn", [](PySubscriber& s) { return s.get("subscriber").torn(); })
       .def_prop_ro("global_rank", [](PySubscriber& s) { return s.get("subscriber").global_rank(); })
       .def("params", &PySubscriber::params)
       .def("close", &PySubscriber::close, ReleaseGil());

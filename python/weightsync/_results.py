@@ -72,6 +72,8 @@ class StepOutcome:
         checksum: the checksum this rank acked.
         seconds: from the step's begin to its decision.
         phases: seconds per phase: "receive", "verify", "apply", "commit".
+        torn: after this step the params hold part of a step that did not
+            commit (no staging): `Subscriber.torn`, until the next commit.
     """
 
     step: int
@@ -85,6 +87,7 @@ class StepOutcome:
     checksum: int
     seconds: float
     phases: dict[str, float]
+    torn: bool = False
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,13 @@ class Subscriber:
         return self._core.version
 
     @property
+    def torn(self) -> bool:
+        """True while the registered tensors hold a mix: a step that did not
+        commit wrote part of them (no staging), so they are not `version`
+        whole. Cleared by the next commit; never set with staging=True."""
+        return self._core.torn
+
+    @property
     def global_rank(self) -> int:
         """This rank among every engine rank (replica * tp + rank with one
         engine group)."""

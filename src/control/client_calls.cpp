@@ -174,6 +174,15 @@ void Client::sent(int64_t step, bool ok, const std::string& error, Millis wait,
   impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("sent for step ", step));
 }
 
+void Client::send_failed(int64_t step, int engine_rank, const std::string& error, Millis wait) {
+  Json m = wire::make(Kind::send_failed);
+  m["step"] = step;
+  m["engine_rank"] = engine_rank;
+  m["error"] = error;
+  impl_->request(m, or_default(wait, impl_->options.request_timeout),
+                 cat("send_failed for step ", step, ", engine rank ", engine_rank));
+}
+
 void Client::ack(const StepAck& a, Millis wait) {
   Json m = wire::make(Kind::ack);
   m["step"] = a.step;
@@ -183,6 +192,8 @@ void Client::ack(const StepAck& a, Millis wait) {
   m["checksum"] = std::to_string(a.checksum);
   if (!a.error.empty()) m["error"] = a.error;
   m["stats"] = stats_json(a.stats);
+  if (a.landed) m["landed"] = true;
+  if (a.stopped) m["stopped"] = true;
   impl_->request(m, or_default(wait, impl_->options.request_timeout), cat("ack for step ", a.step));
 }
 

@@ -129,6 +129,9 @@ void CoordinatorState::drop(ConnId conn, const std::string& reason) {
   std::erase_if(member_waiters_, [&](const MemberWaiter& w) { return w.conn == conn; });
   std::erase_if(followers_, [&](const Follower& w) { return w.conn == conn; });
   if (!c.registered) return;
+  // A new process for the rank holds none of the mix.
+  if (c.member.role == Role::engine && torn_.erase(c.member.rank) > 0 && metrics_)
+    metrics_->engine_torn(c.member.rank, false);
   Json left = wire::make(Kind::member_left);
   left["member"] = wire::member_to_json(c.member);
   left["reason"] = reason;
@@ -227,6 +230,8 @@ void CoordinatorState::handle_request(ConnId conn, Conn& c, const wire::Message&
       return record_report(conn, c, id, b, Role::trainer);
     case Kind::ack:
       return record_report(conn, c, id, b, Role::engine);
+    case Kind::send_failed:
+      return record_send_failure(conn, c, id, b);
     default:
       fail(Errc::internal, "unhandled request kind '", wire::kind_name(m.kind), "'");
   }

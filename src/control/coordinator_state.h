@@ -84,7 +84,9 @@ class CoordinatorState {
     Member member;
     Outcome outcome = Outcome::pending;
     std::string reason;
-    uint64_t bytes = 0;  // an engine's acked bytes
+    uint64_t bytes = 0;    // an engine's acked bytes
+    bool aborted = false;  // told to abort already (a trainer's send to it failed)
+    bool landed = false;   // an engine's ack: the step wrote its params (no staging)
   };
   struct Follower : Waiter {  // a trainer waiting for the leader of `step`
     int64_t step;
@@ -129,7 +131,14 @@ class CoordinatorState {
   void open_new_step(ConnId conn, uint64_t id, StepBegin b, Clock::time_point now);
   // A trainer's "sent" (from == trainer) or an engine's "ack" of the open step.
   void record_report(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body, Role from);
+  // A trainer's send_failed: the engine rank fails the step and is told now.
+  void record_send_failure(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
   bool report_applies(ConnId conn, uint64_t id, int64_t step, const std::string& what);
+  void stop_sends_to(const Participant& p);
+  // An engine rank's late ack of a step decided without it (told to abort
+  // while receiving): torn if the step wrote its params.
+  void note_late_landing(int rank, int64_t step);
+  void mark_torn(int rank);  // torn_ and its metric
   void participant_lost(uint64_t member_id, const std::string& reason);
   void try_decide();
   void decide();
@@ -159,6 +168,9 @@ class CoordinatorState {
   std::optional<OpenStep> open_step_;
   std::optional<int64_t> last_decided_;
   std::map<int, int64_t> versions_;  // engine rank -> committed step
+  // Engine ranks whose params hold part of a step that did not commit
+  // (StepAck::landed), until their next commit: status() and the metrics.
+  std::set<int> torn_;
   Metrics* metrics_ = nullptr;
   std::deque<wire::Json> recent_steps_;  // the last decided steps, for status()
 };

@@ -83,6 +83,8 @@ void CoordinatorState::record_decision(const OpenStep& s, const Json& result, bo
   int64_t newest = -1;
   for (const auto& [rank, v] : versions_) newest = std::max(newest, v);
   for (const auto& [rank, v] : versions_) metrics_->engine_version(rank, v, newest);
+  for (const auto& [id, p] : s.engines)
+    metrics_->engine_torn(p.member.rank, torn_.count(p.member.rank) > 0);
 }
 
 Json CoordinatorState::status() const {
@@ -99,6 +101,8 @@ Json CoordinatorState::status() const {
       const int64_t v = committed_version(m.rank);
       j["version"] = v;
       j["lag"] = newest < 0 ? 0 : newest - v;
+      // Its params hold part of a step that did not commit (no staging).
+      j["torn"] = torn_.count(m.rank) > 0;
     }
     members.push_back(std::move(j));
   }

@@ -181,12 +181,16 @@ void CoordinatorState::record_report(ConnId conn, const Conn& c, uint64_t id, co
   if (c.member.role != from)
     return reply_error(conn, id, Errc::protocol,
                        cat(what, who(c.member), trainer ? ": trainers only" : ": engines only"));
+  const bool landed = !trainer && body.value("landed", false);
+  if (landed && !(open_step_ && open_step_->step == step)) note_late_landing(c.member.rank, step);
   if (!report_applies(conn, id, step, cat(what, who(c.member)))) return;
   auto& group = trainer ? open_step_->trainers : open_step_->engines;
   auto p = group.find(c.member.id);
   if (p == group.end())
     return reply_error(conn, id, Errc::protocol,
                        cat(who(c.member), " is not a participant of step ", step));
+  // A rank told to abort early still says whether the step wrote its params.
+  p->second.landed |= landed;
   if (p->second.outcome == Outcome::pending) {
     const bool ok = body.at("ok").get<bool>();
     p->second.outcome = ok ? Outcome::ok : Outcome::failed;
@@ -195,11 +199,67 @@ void CoordinatorState::record_report(ConnId conn, const Conn& c, uint64_t id, co
           trainer ? cat(who(c.member), " reported failure: ", body.value("error", "(none)"))
                   : cat(who(c.member), " failed: ", body.value("error", "(no reason given)"));
     if (!trainer) p->second.bytes = wire::get_u64(body, "bytes");
+    if (!trainer && !ok && body.value("stopped", false)) stop_sends_to(p->second);
     if (metrics_ && body.contains("stats"))
       metrics_->rank_stats(from, c.member.rank, body["stats"]);
   }
+  // A rank that failed never commits the step: what it landed is a mix now.
+  if (p->second.landed && p->second.outcome == Outcome::failed) mark_torn(c.member.rank);
   reply(conn, id);
   try_decide();
+}
+
+// A trainer could not send to an engine rank: that rank cannot complete the
+// step, so it fails now with the trainer's reason and is told to stop
+// receiving (its receives would otherwise wait for the step timeout). The
+// other engines go on, as when an engine dies.
+void CoordinatorState::record_send_failure(ConnId conn, const Conn& c, uint64_t id,
+                                           const Json& body) {
+  const int64_t step = body.at("step").get<int64_t>();
+  const int rank = body.at("engine_rank").get<int>();
+  if (c.member.role != Role::trainer)
+    return reply_error(conn, id, Errc::protocol,
+                       cat("send_failed from ", who(c.member), ": trainers only"));
+  if (!report_applies(conn, id, step, cat("send_failed from ", who(c.member)))) return;
+  auto e = std::find_if(open_step_->engines.begin(), open_step_->engines.end(),
+                        [&](const auto& kv) { return kv.second.member.rank == rank; });
+  if (e == open_step_->engines.end())
+    return reply_error(conn, id, Errc::protocol,
+                       cat("send_failed from ", who(c.member), ": engine rank ", rank,
+                           " is not a participant of step ", step));
+  Participant& p = e->second;
+  if (p.outcome != Outcome::failed) {
+    p.outcome = Outcome::failed;
+    p.reason = body.at("error").get<std::string>();
+  }
+  if (!p.aborted && conns_.count(p.conn) > 0) {
+    send_abort(p.conn, step, p.reason);
+    p.aborted = true;
+  }
+  reply(conn, id);
+  stop_sends_to(p);
+  try_decide();
+}
+
+// Tells the trainers of the open step that engine rank `p` failed it, so
+// that they stop sending to it (sends it will never receive would wait for
+// the step timeout).
+void CoordinatorState::stop_sends_to(const Participant& p) {
+  Json abort = wire::make(Kind::abort);
+  abort["step"] = open_step_->step;
+  abort["reason"] = p.reason;
+  abort["engine_rank"] = p.member.rank;
+  for (const auto& [id, t] : open_step_->trainers)
+    if (t.outcome == Outcome::pending && conns_.count(t.conn) > 0) outbox_.send(t.conn, abort);
+}
+
+void CoordinatorState::note_late_landing(int rank, int64_t step) {
+  if (!last_decided_ || step > *last_decided_ || committed_version(rank) >= step) return;
+  mark_torn(rank);
+}
+
+void CoordinatorState::mark_torn(int rank) {
+  if (torn_.insert(rank).second && metrics_) metrics_->engine_torn(rank, true);
 }
 
 void CoordinatorState::participant_lost(uint64_t member_id, const std::string& reason) {
@@ -291,6 +351,7 @@ void CoordinatorState::decide() {
       const std::string reason =
           cat("replica ", p->member.replica, " aborts whole: ", replica_failed->second);
       send_abort(p->conn, s.step, reason);
+      if (p->landed) mark_torn(p->member.rank);
       failed.push_back(Json{{"rank", p->member.rank}, {"reason", reason}});
       continue;
     }
@@ -299,13 +360,15 @@ void CoordinatorState::decide() {
       commit["step"] = s.step;
       outbox_.send(p->conn, commit);
       versions_[p->member.rank] = s.step;
+      torn_.erase(p->member.rank);
       committed.push_back(p->member.rank);
       continue;
     }
     std::string reason = !trainers_ok                     ? cat("step aborted: ", trainer_failure)
                          : p->outcome == Outcome::pending ? cat(who(p->member), " did not ack")
                                                           : p->reason;
-    if (alive) send_abort(p->conn, s.step, reason);
+    if (alive && !p->aborted) send_abort(p->conn, s.step, reason);
+    if (p->landed) mark_torn(p->member.rank);
     failed.push_back(Json{{"rank", p->member.rank}, {"reason", reason}});
   }
   Json result = wire::make(Kind::step_result);

@@ -63,7 +63,8 @@ Event event_from_message(const wire::Message& m) {
     case Kind::commit:
       return Commit{b.at("step").get<int64_t>()};
     case Kind::abort:
-      return Abort{b.at("step").get<int64_t>(), b.at("reason").get<std::string>()};
+      return Abort{b.at("step").get<int64_t>(), b.at("reason").get<std::string>(),
+                   b.contains("engine_rank") ? b.at("engine_rank").get<int>() : -1};
     case Kind::member_left:
       return MemberLeft{wire::member_from_json(b.at("member")), b.at("reason").get<std::string>()};
     case Kind::step_result:

@@ -88,6 +88,11 @@ struct Metrics::Impl {
           .Name("weightsync_engine_version_lag")
           .Help("Steps an engine rank's committed version is behind the newest committed one")
           .Register(r);
+  prometheus::Family<prometheus::Gauge>& torn =
+      BuildGauge()
+          .Name("weightsync_engine_torn")
+          .Help("1 while an engine rank's params hold part of a step that did not commit")
+          .Register(r);
   prometheus::Family<prometheus::Counter>& plan_changes =
       BuildCounter()
           .Name("weightsync_plan_changes_total")
@@ -198,6 +203,10 @@ void Metrics::engine_version(int rank, int64_t version, int64_t newest) {
   impl_->lag.Add(l).Set(static_cast<double>(newest - version));
 }
 
+void Metrics::engine_torn(int rank, bool torn) {
+  impl_->torn.Add({{"engine_rank", std::to_string(rank)}}).Set(torn ? 1.0 : 0.0);
+}
+
 void Metrics::rank_stats(Role role, int rank, const nlohmann::json& stats) {
   if (!stats.is_object()) return;
   const Labels who = rank_labels(role, rank);
@@ -232,6 +241,7 @@ void Metrics::step_begun(const std::string&) {}
 void Metrics::step_decided(double, uint64_t, bool, const std::string&) {}
 void Metrics::engine_step_failed(int, const std::string&) {}
 void Metrics::engine_version(int, int64_t, int64_t) {}
+void Metrics::engine_torn(int, bool) {}
 void Metrics::rank_stats(Role, int, const nlohmann::json&) {}
 
 #endif

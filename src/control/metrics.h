@@ -41,6 +41,9 @@ class Metrics {
   // timeout, aborted).
   void engine_step_failed(int rank, const std::string& reason);
   void engine_version(int rank, int64_t version, int64_t newest);
+  // 1 while an engine rank's params hold part of a step that did not commit
+  // (no staging), until its next commit.
+  void engine_torn(int rank, bool torn);
   // A rank's own report of its step (RankStepStats as JSON).
   void rank_stats(Role role, int rank, const nlohmann::json& stats);
 

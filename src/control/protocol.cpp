@@ -87,7 +87,8 @@ std::vector<KindSpec> membership_requests() {
   };
 }
 
-// Requests that publish plans and drive a step: put/get a plan, begin, ack, sent.
+// Requests that publish plans and drive a step: put/get a plan, begin, ack, sent,
+// send_failed.
 std::vector<KindSpec> step_requests() {
   return {
       {Kind::plan_put,
@@ -115,7 +116,9 @@ std::vector<KindSpec> step_requests() {
         {"bytes", Type::u64},
         {"checksum", Type::u64},
         {"error", Type::str, false},
-        {"stats", Type::object, false}}},
+        {"stats", Type::object, false},
+        {"landed", Type::boolean, false},
+        {"stopped", Type::boolean, false}}},
       {Kind::sent,
        "sent",
        true,
@@ -124,6 +127,15 @@ std::vector<KindSpec> step_requests() {
         {"ok", Type::boolean},
         {"error", Type::str, false},
         {"stats", Type::object, false}}},
+      // A trainer's send to one engine rank failed: that rank fails the step
+      // now (it is told to stop), not at the step timeout.
+      {Kind::send_failed,
+       "send_failed",
+       true,
+       {{"id", Type::u64},
+        {"step", Type::i64},
+        {"engine_rank", Type::count},
+        {"error", Type::str}}},
       {Kind::version, "version", true, {{"id", Type::u64}, {"engine_rank", Type::count}}},
       {Kind::status, "status", true, {{"id", Type::u64}}},
   };
@@ -146,7 +158,10 @@ std::vector<KindSpec> coordinator_messages() {
        false,
        {{"step", Type::i64}, {"plan_id", Type::str}, {"replicas", Type::array, false}}},
       {Kind::commit, "commit", false, {{"step", Type::i64}}},
-      {Kind::abort, "abort", false, {{"step", Type::i64}, {"reason", Type::str}}},
+      {Kind::abort,
+       "abort",
+       false,
+       {{"step", Type::i64}, {"reason", Type::str}, {"engine_rank", Type::count, false}}},
       {Kind::member_left, "member_left", false, {{"member", Type::object}, {"reason", Type::str}}},
       {Kind::step_result,
        "step_result",

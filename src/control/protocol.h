@@ -65,6 +65,7 @@ enum class Kind {
   begin_step,
   ack,
   sent,
+  send_failed,
   version,
   status,
   // coordinator -> client

@@ -52,6 +52,14 @@ class StateTest : public ::testing::Test {
     fields["id"] = ++next_id_;
     message(conn, fields);
   }
+  // Whether status() lists engine rank `rank` as torn.
+  bool torn(int rank) const {
+    const Json status = state_.status();
+    for (const Json& m : status.at("members"))
+      if (m.at("role") == "engine" && m.at("rank") == rank) return m.at("torn").get<bool>();
+    ADD_FAILURE() << "no engine rank " << rank << " in " << status.dump();
+    return false;
+  }
   Recorder out_;
   CoordinatorState state_;
   Clock::time_point now_ = Clock::now();
@@ -109,6 +117,86 @@ TEST_F(StateTest, AbortReasonNamesTheTrainerThatFailedNotOneStillSending) {
   EXPECT_NE(reason.find("heartbeat timeout"), std::string::npos) << reason;
   EXPECT_EQ(reason.find("rank 0"), std::string::npos) << reason;
   EXPECT_EQ(out_.take(4), (std::vector<std::string>{"member_left", "abort"}));
+}
+
+// A trainer whose send to engine rank 0 failed says so: that rank fails the
+// step with the trainer's reason and is told to abort at once (not at the
+// step timeout); engine rank 1 goes on and commits. Rank 0's late ack says
+// the step wrote its params: status lists it torn until it commits again.
+TEST_F(StateTest, SendFailureAbortsThatEngineAtOnceAndItsLandingMarksItTorn) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 2);
+  join(3, "engine", 1, 2);
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  for (ConnId c : {1, 2, 3}) out_.take(c);
+  const std::string why = "trainer rank 0: sending bucket 3 to engine rank 0 failed: injected";
+  request(1, "send_failed", {{"step", 1}, {"engine_rank", 0}, {"error", why}});
+  ASSERT_EQ(out_.sent[1].size(), 2u);
+  EXPECT_EQ(out_.sent[1][0].at("kind"), "reply");
+  EXPECT_EQ(out_.sent[1][1].at("kind"), "abort") << "the trainers stop sending to it";
+  EXPECT_EQ(out_.sent[1][1].at("engine_rank"), 0);
+  out_.take(1);
+  ASSERT_EQ(out_.sent[2].size(), 1u) << "engine rank 0 is told before the step is decided";
+  EXPECT_EQ(out_.sent[2][0].at("kind"), "abort");
+  EXPECT_EQ(out_.sent[2][0].at("reason"), why);
+  out_.take(2);
+  EXPECT_TRUE(out_.take(3).empty()) << "engine rank 1 is not aborted";
+  request(2, "ack", {{"step", 1}, {"ok", false}, {"bytes", 0}, {"checksum", 0}, {"landed", true}});
+  request(3, "ack", {{"step", 1}, {"ok", true}, {"bytes", 1}, {"checksum", 1}, {"landed", true}});
+  request(1, "sent", {{"step", 1}, {"ok", true}});
+  const auto& result = out_.sent[1].back();
+  ASSERT_EQ(result.at("kind"), "step_result");
+  EXPECT_EQ(result.at("committed"), Json::array({1}));
+  ASSERT_EQ(result.at("failed").size(), 1u);
+  EXPECT_EQ(result.at("failed")[0].at("reason"), why);
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"reply"}) << "its ack's; no second abort";
+  EXPECT_EQ(out_.take(3), (std::vector<std::string>{"reply", "commit"}));
+  EXPECT_TRUE(torn(0));
+  EXPECT_FALSE(torn(1));
+  request(1, "begin_step", {{"step", 2}, {"plan_id", "p"}});
+  for (ConnId e : {2, 3})
+    request(e, "ack", {{"step", 2}, {"ok", true}, {"bytes", 1}, {"checksum", 1}, {"landed", true}});
+  request(1, "sent", {{"step", 2}, {"ok", true}});
+  EXPECT_EQ(out_.sent[1].back().at("committed"), Json::array({0, 1}));
+  EXPECT_FALSE(torn(0)) << "its commit ends the mix";
+}
+
+// An engine rank whose receive failed stops receiving and acks at once
+// (stopped): the trainers still sending are told to drop it, the others
+// are not told anything yet.
+TEST_F(StateTest, EngineThatStoppedReceivingIsDroppedByTheTrainersStillSending) {
+  join(1, "trainer", 0, 2);
+  join(2, "trainer", 1, 2);
+  join(3, "engine", 0, 2);
+  join(4, "engine", 1, 2);
+  for (ConnId t : {1, 2}) request(t, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  request(2, "sent", {{"step", 1}, {"ok", true}});
+  for (ConnId c : {1, 2, 3, 4}) out_.take(c);
+  request(3, "ack",
+          {{"step", 1},
+           {"ok", false},
+           {"bytes", 0},
+           {"checksum", 0},
+           {"error", "engine rank 0: receive from rank 0 failed"},
+           {"stopped", true}});
+  ASSERT_EQ(out_.sent[1].size(), 1u) << "trainer rank 0 still sends";
+  EXPECT_EQ(out_.sent[1][0].at("kind"), "abort");
+  EXPECT_EQ(out_.sent[1][0].at("engine_rank"), 0);
+  EXPECT_TRUE(out_.take(2).empty()) << "trainer rank 1 has sent everything";
+  EXPECT_TRUE(out_.take(4).empty());
+}
+
+// An engine rank told to abort while receiving does not ack before the
+// decision; its late ack (of a decided step) still marks it torn.
+TEST_F(StateTest, LateLandingOfADecidedStepMarksTheRankTorn) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 1);
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  request(1, "sent", {{"step", 1}, {"ok", false}, {"error", "out of memory"}});
+  EXPECT_EQ(out_.take(2), (std::vector<std::string>{"step_begin", "abort"}));
+  request(2, "ack", {{"step", 1}, {"ok", false}, {"bytes", 0}, {"checksum", 0}, {"landed", true}});
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"reply"}) << "acknowledged, ignored";
+  EXPECT_TRUE(torn(0)) << state_.status().dump(1);
 }
 
 TEST_F(StateTest, MembersJoiningMidStepWaitForTheNextStep) {

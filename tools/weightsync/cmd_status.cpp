@@ -62,9 +62,11 @@ std::string table(const std::string& address, const nlohmann::json& s) {
     for (const auto& m : s["members"]) {
       if (m["role"] != "engine") continue;
       char line[96];
-      std::snprintf(line, sizeof line, "  %11d  %7d  %7lld  %3lld\n", m["rank"].get<int>(),
+      // A torn rank's params hold part of a step that did not commit.
+      std::snprintf(line, sizeof line, "  %11d  %7d  %7lld  %3lld%s\n", m["rank"].get<int>(),
                     m["replica"].get<int>(), static_cast<long long>(m["version"].get<int64_t>()),
-                    static_cast<long long>(m["lag"].get<int64_t>()));
+                    static_cast<long long>(m["lag"].get<int64_t>()),
+                    m.value("torn", false) ? "  torn" : "");
       out << line;
     }
   }
