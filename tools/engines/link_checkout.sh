@@ -69,8 +69,11 @@ import importlib.util
 import os
 import sys
 
-CORE = "$core"
-CLI = "$cli"
+# WEIGHTSYNC_CORE and WEIGHTSYNC_CLI name another build's extension and
+# command (a second checkout or worktree testing against this venv, with its
+# python/ first on PYTHONPATH).
+CORE = os.environ.get("WEIGHTSYNC_CORE") or "$core"
+CLI = os.environ.get("WEIGHTSYNC_CLI") or "$cli"
 
 
 class _CoreFinder(importlib.abc.MetaPathFinder):
