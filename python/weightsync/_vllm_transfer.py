@@ -99,6 +99,12 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if any("engine" not in a for a in adapters):
             raise Error("invalid_argument", "weightsync init_info 'adapters': each is "
                         "{'engine': the adapter job's engine config, ...}")
+        accepted = ("engine", "coordinator", "replica", "job", "transport", "token")
+        for a in adapters:
+            unknown = sorted(set(a) - set(accepted))
+            if unknown:
+                raise Error("invalid_argument", f"weightsync init_info 'adapters': unknown key "
+                            f"{unknown[0]!r} (accepted: {', '.join(accepted)})")
         self.shutdown()
         self._replica, self._tp_rank = init_info.replica, get_tensor_model_parallel_rank()
         if init_info.engine is not None:

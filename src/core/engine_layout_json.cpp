@@ -6,6 +6,7 @@
 // frameworks).
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/json_fields.h>
 
 #include <nlohmann/json.hpp>
 
@@ -40,6 +41,7 @@ Shape shape_of(const json& j, const std::string& where) {
 }
 
 Box box_of(const json& j, const std::string& where) {
+  check_fields(j, {"offsets", "lengths"}, where);
   Box b{shape_of(member(j, "offsets", where), where + ".offsets"),
         shape_of(member(j, "lengths", where), where + ".lengths")};
   if (b.offsets.size() != b.lengths.size())
@@ -93,6 +95,7 @@ EngineRankLayout rank_layout_from_json(const json& j) {
     fail(Errc::format, "rank layout: field 'rank' must be a non-negative integer");
   rank.rank = r.get<int>();
   const std::string where = cat("rank ", rank.rank);
+  check_fields(j, {"rank", "params"}, cat("rank layout ", rank.rank));
   const json& params = member(j, "params", where);
   if (!params.is_array()) fail(Errc::format, where, ": field 'params' must be an array");
   std::set<std::string> names;
@@ -102,6 +105,7 @@ EngineRankLayout rank_layout_from_json(const json& j) {
     p.name = string_of(member(pj, "name", cat(where, " param ", i)), cat(where, " param ", i));
     const std::string at = cat(where, " param '", p.name, "'");
     if (!names.insert(p.name).second) fail(Errc::format, at, ": named twice");
+    check_fields(pj, {"name", "dtype", "shape", "segments", "quantization", "scale_of"}, at);
     if (pj.contains("quantization") || pj.contains("scale_of"))
       fail(Errc::unsupported, at, ": FP8 params are not taken from JSON (FP8 engines use the ",
            "vllm or sglang tables)");
@@ -111,6 +115,7 @@ EngineRankLayout rank_layout_from_json(const json& j) {
     if (!segs.is_array()) fail(Errc::format, at, ": field 'segments' must be an array");
     for (size_t k = 0; k < segs.size(); ++k) {
       const std::string sat = cat(at, " segment ", k);
+      check_fields(segs[k], {"hf_key", "hf_box", "param_box", "transpose"}, sat);
       Segment s;
       s.hf_key = string_of(member(segs[k], "hf_key", sat), sat + ".hf_key");
       s.hf_box = box_of(member(segs[k], "hf_box", sat), sat + ".hf_box");
@@ -130,12 +135,14 @@ EngineRankLayout rank_layout_from_json(const json& j) {
 std::shared_ptr<const DerivedLayout> derived_layout_from_json(const json& j, int tp) {
   auto out = std::make_shared<DerivedLayout>();
   const std::string where = "engine config (derived)";
+  check_fields(j, {"tensors", "ranks"}, where);
   const json& tensors = member(j, "tensors", where);
   if (!tensors.is_array() || tensors.empty())
     fail(Errc::format, where, ": field 'tensors' must be a non-empty array");
   std::set<std::string> keys;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string at = cat(where, " tensor ", i);
+    check_fields(tensors[i], {"key", "shape", "dtype"}, at);
     HfTensorSpec t;
     t.key = string_of(member(tensors[i], "key", at), at + ".key");
     if (!keys.insert(t.key).second) fail(Errc::format, where, ": HF tensor '", t.key, "' twice");

@@ -2,6 +2,7 @@
 #include "load_spec_runs.h"
 
 #include <weightsync/error.h>
+#include <weightsync/json_fields.h>
 #include <weightsync/load_spec.h>
 
 #include <nlohmann/json.hpp>
@@ -52,6 +53,7 @@ Shape as_shape(const json& v, const std::string& where) {
 
 ShardSpec parse_shard(const json& j, const std::string& where) {
   as_object(j, where);
+  check_fields(j, {"dim", "axis", "interleave"}, where);
   ShardSpec s;
   s.dim = static_cast<int>(as_int(field(j, "dim", where), where + ".dim"));
   s.axis = as_string(field(j, "axis", where), where + ".axis");
@@ -62,6 +64,7 @@ ShardSpec parse_shard(const json& j, const std::string& where) {
 
 Box parse_box(const json& j, const std::string& where) {
   as_object(j, where);
+  check_fields(j, {"offsets", "lengths"}, where);
   return {as_shape(field(j, "offsets", where), where + ".offsets"),
           as_shape(field(j, "lengths", where), where + ".lengths")};
 }
@@ -78,6 +81,7 @@ void parse_segments(const json& j, LoadSpec& spec, const std::string& where) {
   for (size_t i = 0; i < j.size(); ++i) {
     const std::string at = cat(where, ".segments[", i, "]");
     as_object(j[i], at);
+    check_fields(j[i], {"hf_key", "hf_box", "param_box"}, at);
     const std::string key = as_string(field(j[i], "hf_key", at), at + ".hf_key");
     auto it = index.find(key);
     if (it == index.end()) {
@@ -93,6 +97,7 @@ void parse_segments(const json& j, LoadSpec& spec, const std::string& where) {
 
 StageSpec parse_stage(const json& j, const std::string& where) {
   as_object(j, where);
+  check_fields(j, {"axis", "index"}, where);
   return {as_string(field(j, "axis", where), where + ".axis"),
           as_int(field(j, "index", where), where + ".index")};
 }
@@ -103,6 +108,10 @@ LoadSpec parse_param(const json& j, size_t index) {
   LoadSpec spec;
   spec.name = as_string(field(j, "name", where), where + ".name");
   where = cat("trainer layout: param '", spec.name, "'");
+  check_fields(j,
+               {"name", "hf_keys", "fused_dim", "stack_dim", "global_shape", "origin_shape",
+                "dtype", "shards", "segments", "stage", "mirror_of"},
+               where);
   auto segments = j.find("segments");
   const bool has_segments = segments != j.end() && !segments->is_null();
   // With segments, hf_keys may be left out (the segments name the keys).
@@ -142,6 +151,7 @@ LoadSpec parse_param(const json& j, size_t index) {
 Mesh parse_mesh(const json& j) {
   const std::string where = "trainer layout: mesh";
   as_object(j, where);
+  check_fields(j, {"axes", "shape"}, where);
   Mesh mesh;
   const json& axes = as_array(field(j, "axes", where), where + ".axes");
   for (size_t i = 0; i < axes.size(); ++i)
@@ -346,6 +356,7 @@ json segments_json(const LoadSpec& p) {
 
 TrainerLayout TrainerLayout::from_json(const json& j) {
   as_object(j, "trainer layout");
+  check_fields(j, {"mesh", "params"}, "trainer layout");
   TrainerLayout layout;
   layout.mesh = parse_mesh(field(j, "mesh", "trainer layout"));
   const json& params = as_array(field(j, "params", "trainer layout"), "trainer layout: params");

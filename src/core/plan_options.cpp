@@ -1,5 +1,6 @@
 // PlanOptions as JSON (trainer rank 0 publishes them for every process).
 #include <weightsync/error.h>
+#include <weightsync/json_fields.h>
 #include <weightsync/plan_options.h>
 
 #include <nlohmann/json.hpp>
@@ -19,6 +20,8 @@ PlanOptions PlanOptions::from_json(const nlohmann::json& j) {
   if (!j.is_object() || !j.contains("mode") || !j["mode"].is_string() ||
       !j.contains("bucket_bytes") || !j["bucket_bytes"].is_number_integer())
     fail(Errc::format, "lacks a string \"mode\" and an integer \"bucket_bytes\": ", j.dump());
+  check_fields(j, {"mode", "bucket_bytes", "fp8_site", "same_buckets_per_replica", "replicas"},
+               "plan options");
   PlanOptions o;
   o.mode = parse_plan_mode(j["mode"].get<std::string>());
   o.bucket_bytes = j["bucket_bytes"].get<int64_t>();

@@ -4,6 +4,7 @@
 // The inverse, to_json, is core's (src/core/engine_layout_json.cpp).
 #include <weightsync/engine_layout.h>
 #include <weightsync/error.h>
+#include <weightsync/json_fields.h>
 #include <weightsync/layouts.h>
 
 #include "engine_framework.h"
@@ -103,6 +104,12 @@ std::optional<BlockQuant> get_quantization(const json& j) {
 
 EngineConfig engine_config_from_json(const json& j, const std::string& base_dir) {
   if (!j.is_object()) fail(Errc::format, "engine config: expected a JSON object");
+  // "lora": an adapter job's adapter (read by the Python integrations,
+  // weightsync.lora).
+  check_fields(j,
+               {"framework", "hf_config", "tp", "replicas", "expert_parallel", "expert_placement",
+                "dtype", "moe_order", "quantization", "derived", "lora"},
+               "engine config");
   EngineConfig c;
   c.framework = get_string(j, "framework", "");
   const engine::Framework& framework = engine::find_framework(c.framework);
