@@ -212,6 +212,21 @@ class VllmTestExtension(_Base):
         engine = getattr(self, "weight_transfer_engine", None)
         return None if engine is None else type(engine).__name__
 
+    def test_cpu_gemm_packs(self) -> bool:
+        """Whether a linear layer's CPU GEMM dispatch reads a packed copy of
+        its weight (vLLM's CPU backend on CPUs whose oneDNN path packs)
+        rather than calling torch's linear on the parameter itself."""
+        import torch
+
+        for module in self.model_runner.model.modules():
+            linear = module.__dict__.get("cpu_linear")
+            if linear is None or linear is torch.nn.functional.linear:
+                continue
+            code = getattr(linear, "__code__", None)
+            if code is None or code.co_freevars or getattr(linear, "__defaults__", None):
+                return True
+        return False
+
 
 # ---- engines ---------------------------------------------------------------------
 
