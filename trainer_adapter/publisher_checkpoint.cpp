@@ -236,7 +236,7 @@ trainer::SaveStats Publisher::SaveRun::transfer() {
   caps.host_memory = true;
   if (!wl->windows.empty()) {
     net = pipeline::open_transport(*m.client, opt.transport, key("transport"), rank(), world(),
-                                   memory, left_until(deadline));
+                                   world(), memory, left_until(deadline));
     caps = net.transport->capabilities();
     // Every rank's address is in the store before anyone connects: a rank
     // that died or failed before it got here aborts this wait (poll) instead

@@ -77,7 +77,7 @@ DataPath open(control::Client& client, const SetupSpec& spec) {
   dp.transport_rank = spec.trainer_side ? spec.rank : trainers + spec.rank;
   TransportEnd end =
       open_transport(client, spec.transport, keys.transport(), dp.transport_rank,
-                     trainers + dp.engine.world(), spec.memory, left_until(deadline));
+                     trainers + dp.engine.world(), trainers, spec.memory, left_until(deadline));
   dp.transport = std::move(end.transport);
   dp.progress = std::move(end.progress);
   if (!dp.elastic) dp.plan = make_plan(dp.trainer, dp.engine, Topology{}, dp.options);
@@ -211,7 +211,7 @@ control::Client::Progress keep_progressing(control::Client& client, Transport& t
 }
 
 TransportEnd open_transport(control::Client& client, const std::string& name,
-                            const std::string& prefix, int rank, int world,
+                            const std::string& prefix, int rank, int world, int trainers,
                             const RankMemory& memory, std::chrono::milliseconds bootstrap_timeout) {
   TransportOptions t;
   t.name = name;
@@ -219,6 +219,15 @@ TransportEnd open_transport(control::Client& client, const std::string& name,
   t.prefix = prefix;
   t.rank = rank;
   t.world = world;
+  t.incarnation = client.member_id();
+  t.incarnation_of = [&client, trainers](int peer) -> uint64_t {
+    const bool trainer = peer < trainers;
+    const int rank = trainer ? peer : peer - trainers;
+    for (const auto& m : client.members())
+      if (m.rank == rank && m.role == (trainer ? control::Role::trainer : control::Role::engine))
+        return m.id;
+    return 0;
+  };
   // GPU backends work on the tensors' device (NCCL binds its communicator to it).
   t.device = memory.memory == MemoryKind::cuda ? memory.device : -1;
   t.bootstrap_timeout = bootstrap_timeout;

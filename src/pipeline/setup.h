@@ -162,8 +162,11 @@ struct TransportEnd {
 // backends bind to it), and keeps it progressing while the client waits.
 // Every data path opens its transport here: the sync's (open_data_path) and
 // save_hf's.
+// Ranks below `trainers` are trainer ranks, the others engine ranks from 0:
+// the transport learns each peer's incarnation (member id) from the
+// coordinator's membership (TransportOptions::incarnation_of).
 TransportEnd open_transport(control::Client& client, const std::string& name,
-                            const std::string& prefix, int rank, int world,
+                            const std::string& prefix, int rank, int world, int trainers,
                             const RankMemory& memory, std::chrono::milliseconds bootstrap_timeout);
 
 // Sets up this rank's end of the data path. Every failure is a

@@ -67,6 +67,15 @@ struct TransportOptions {
   std::chrono::milliseconds bootstrap_timeout{30000};
   // Backend- and wrapper-specific settings (see each backend's section below).
   std::map<std::string, std::string> params;
+  // Incarnations: this process's (its coordinator member id; 0: unknown),
+  // and that of the process holding rank `peer` now (0: none registered
+  // yet). A backend that publishes addresses in the store tags its own with
+  // its incarnation and connects to a peer only at the address of the
+  // process that holds the peer's rank now, never at a departed one's,
+  // which may still be in the store while a new process takes the rank over
+  // (ucx). Unset: any published address is taken.
+  uint64_t incarnation = 0;
+  std::function<uint64_t(int peer)> incarnation_of;
 };
 
 struct Capabilities {

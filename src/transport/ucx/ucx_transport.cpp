@@ -28,6 +28,18 @@ std::string address_key(const std::string& prefix, int rank) {
   return cat(prefix, "/ucx/address/", rank);
 }
 
+// What a rank publishes: its incarnation (8 bytes, little-endian; 0 when
+// unknown), then its worker address.
+constexpr size_t kIncarnationBytes = 8;
+
+std::vector<uint8_t> published(uint64_t incarnation, const std::vector<uint8_t>& address) {
+  std::vector<uint8_t> out(kIncarnationBytes);
+  for (size_t i = 0; i < kIncarnationBytes; ++i)
+    out[i] = static_cast<uint8_t>(incarnation >> (8 * i));
+  out.insert(out.end(), address.begin(), address.end());
+  return out;
+}
+
 // The transports UCX may use: params["tls"], else the user's UCX_TLS (UCX
 // reads it itself; it is read here only to know whether tcp is among them).
 std::string selected_tls(const TransportOptions& options) {
@@ -206,7 +218,8 @@ UcxTransport::UcxTransport(const TransportOptions& options)
     peers_[r].transport = this;
     peers_[r].rank = r;
   }
-  options_.store->set(address_key(options_.prefix, rank_), worker_->address());
+  options_.store->set(address_key(options_.prefix, rank_),
+                      published(options_.incarnation, worker_->address()));
 }
 
 UcxTransport::~UcxTransport() {
@@ -336,21 +349,42 @@ ucp_ep_h UcxTransport::endpoint(int peer) {
   return p.ep;
 }
 
-// The peer's published address; after reconnect(), a different one than the
-// old process's (the new process may not have published its own yet).
+// The address published by the process that holds the peer's rank now
+// (TransportOptions::incarnation_of): a departed process's address may
+// still be in the store while a new one takes the rank over, and must never
+// be used. Without incarnations, after reconnect() one other than the old
+// process's (the new process may not have published its own yet).
 std::vector<uint8_t> UcxTransport::fresh_address(const UcxPeer& p) {
   const auto key = address_key(options_.prefix, p.rank);
   const auto deadline = std::chrono::steady_clock::now() + options_.bootstrap_timeout;
+  uint64_t want = 0, got = 0;
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-    auto address = options_.store->get(key, std::max(left, std::chrono::milliseconds(0)));
-    if (p.stale_address.empty() || address != p.stale_address) return address;
-    if (std::chrono::steady_clock::now() >= deadline)
+    auto value = options_.store->get(key, std::max(left, std::chrono::milliseconds(0)));
+    if (value.size() < kIncarnationBytes)
+      fail(Errc::format, "ucx transport: rank ", p.rank, "'s published address (key '", key,
+           "') is ", value.size(), " bytes, shorter than its incarnation");
+    got = 0;
+    for (size_t i = 0; i < kIncarnationBytes; ++i) got |= uint64_t{value[i]} << (8 * i);
+    std::vector<uint8_t> address(value.begin() + kIncarnationBytes, value.end());
+    if (options_.incarnation_of && got != 0) {
+      want = options_.incarnation_of(p.rank);
+      if (want == got) return address;
+    } else if (p.stale_address.empty() || address != p.stale_address) {
+      return address;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      if (want != 0 || (options_.incarnation_of && got != 0))
+        fail(Errc::timeout, "ucx transport: rank ", p.rank, " is held by process ", want,
+             " (member id), which did not publish its address within ",
+             options_.bootstrap_timeout.count(), " ms; the address in the store is process ", got,
+             "'s, which ", want == 0 ? "is not registered" : "departed");
       fail(Errc::timeout, "ucx transport: rank ", p.rank,
            " was taken by a new process, which did not publish its address within ",
            options_.bootstrap_timeout.count(), " ms");
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(want == 0 ? 20 : 5));
   }
 }
 
