@@ -61,6 +61,9 @@ struct Subscriber::Impl : pipeline::Endpoint {
   bool stopped = false;  // this step's receives failed and were cancelled (StepAck::stopped)
   std::atomic<bool> stopping{false};
   std::string abort_reason;
+  // Coordinator connections lost before this step began: a step that sees
+  // the count change lost its coordinator and is aborted here.
+  uint64_t losses_at_begin = 0;
   // The member id of each trainer rank this rank's transport talks to; a
   // trainer that left (MemberLeft) and came back as a new process is
   // reconnected at the next step it begins (follow_trainers).
@@ -336,8 +339,12 @@ void Subscriber::Impl::follow_trainers() {
         mem.rank >= static_cast<int>(trainer_member.size()))
       continue;
     uint64_t& known = trainer_member[static_cast<size_t>(mem.rank)];
-    if (known == mem.id) continue;
-    if (known != 0 && mem.rank == 0) leader_changed = true;
+    // The same process whose connection failed while it lives on (it gave
+    // this rank up when a failed step's sends were cancelled; its
+    // coordinator died; a link flapped): a new connection too.
+    const bool same = known == mem.id;
+    if (same && !transport->peer_failed(mem.rank)) continue;
+    if (!same && known != 0 && mem.rank == 0) leader_changed = true;
     if (known != 0) {
       try {
         transport->reconnect(mem.rank);
@@ -351,6 +358,11 @@ void Subscriber::Impl::follow_trainers() {
 }
 
 void Subscriber::Impl::poll() {
+  if (client->connection_losses() != losses_at_begin) {
+    abort_reason = cat("lost the coordinator ", client->address(), " during the step");
+    fail(Errc::cancelled, "engine rank ", global, ": step ", current_step,
+         " aborted: ", abort_reason);
+  }
   while (auto ev = client->poll_event()) {
     note(*ev);
     if (auto* abort = std::get_if<control::Abort>(&*ev); abort && abort->step == current_step) {
@@ -408,6 +420,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
   StepOutcome out;
   out.step = begin.step;
   current_step = begin.step;
+  losses_at_begin = client->connection_losses();
   weights_handed = 0;
   landing = false;
   stopped = false;
@@ -422,6 +435,7 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
     out.reason = abort_reason;
     out.seconds = seconds_since(start);
     settle_torn(out);
+    client->set_resume({version.load(), -1, torn.load()});
     if (out.torn) report_late_landing(out);
     end_hook(out);
     return out;
@@ -435,13 +449,27 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
     TraceSpan span(opt.tracer, "ack+decision", "control");
     // At most what is left of the step (and a second): a coordinator that
     // cannot be reached must not hold the engine past the step's deadline.
-    client->ack(ack, std::max(Millis(1000), left_until(deadline)));
-    out.committed = wait_decision(begin.step, deadline + control::kDecisionGrace, out.reason);
+    try {
+      if (client->connection_losses() != losses_at_begin)
+        fail(Errc::peer_failure, "the connection was lost during the step");
+      client->ack(ack, std::max(Millis(1000), left_until(deadline)));
+      out.committed = wait_decision(begin.step, deadline + control::kDecisionGrace, out.reason);
+    } catch (const Error& e) {
+      // The coordinator died or the link broke: no decision reaches this
+      // rank, so the step does not commit here (a restarted coordinator
+      // knows nothing of it).
+      if (e.code() != Errc::peer_failure) throw;
+      out.committed = false;
+      out.reason = cat("engine rank ", global, ": step ", begin.step,
+                       ": lost the coordinator before its decision (", e.what(),
+                       "); the step does not commit here");
+    }
   }
   if (out.committed) commit(begin.step, out);
   out.phases.commit = seconds_since(commit_start);
   out.seconds = seconds_since(start);
   settle_torn(out);
+  client->set_resume({version.load(), -1, torn.load()});
   end_hook(out);
   return out;
 }
@@ -548,10 +576,11 @@ void Subscriber::Impl::settle_torn(StepOutcome& out) {
     torn = true;
   out.torn = torn;
   if (out.torn && !out.committed)
-    out.reason = cat(out.reason.empty() ? std::string() : out.reason + "; ", "engine rank ", global,
-                     " is torn: step ", out.step,
-                     " may have written part of its params (no staging) and did not commit; version ",
-                     version.load(), " is no longer whole until the next commit");
+    out.reason =
+        cat(out.reason.empty() ? std::string() : out.reason + "; ", "engine rank ", global,
+            " is torn: step ", out.step,
+            " may have written part of its params (no staging) and did not commit; version ",
+            version.load(), " is no longer whole until the next commit");
 }
 
 void Subscriber::Impl::report_late_landing(const StepOutcome& out) {
@@ -596,6 +625,7 @@ Subscriber::Subscriber(SubscriberOptions options) : impl_(std::make_unique<Impl>
   c.world = m.engine.world();
   c.replica = m.opt.replica;
   c.connect_timeout = m.opt.connect_timeout;
+  c.reconnect_timeout = m.opt.coordinator_reconnect;
   m.client = std::make_unique<control::Client>(c);
   if (m.global == 0) {
     const std::string config = m.opt.engine.to_json().dump();
@@ -672,6 +702,9 @@ std::optional<StepOutcome> Subscriber::run_step(std::chrono::milliseconds wait) 
       ev = m.client->wait_event(left_until(deadline));
     } catch (const Error& e) {
       if (e.code() == Errc::timeout) return std::nullopt;
+      // The coordinator is gone, and the client is reaching it again: no
+      // step now; the engine keeps serving its version meanwhile.
+      if (e.code() == Errc::peer_failure && m.client->reconnecting()) return std::nullopt;
       throw;
     }
     m.note(*ev);
@@ -707,6 +740,14 @@ void Subscriber::stop() {
 }
 bool Subscriber::torn() const {
   return impl_->torn;
+}
+
+void Subscriber::set_coordinator(const std::string& address) {
+  impl_->client->set_address(address);
+}
+
+std::string Subscriber::coordinator() const {
+  return impl_->client->address();
 }
 
 int64_t Subscriber::version() const {

@@ -199,7 +199,11 @@ void Publisher::Impl::admit(const std::vector<control::Member>& step_engines) {
     // Served by this step: unless its connection failed (a rank absent from
     // earlier steps, e.g. an elastic replica that joined, is served now).
     dead[g] = transport->peer_failed(trainer_world() + static_cast<int>(g));
-    if (engine_member[g] != 0 && engine_member[g] != now[g]) {
+    // A new process for the rank, or the same one whose connection failed
+    // while it lives on (a failed step's sends to it were cancelled, which
+    // gives a UCX peer up; its coordinator died; a link flapped): a new
+    // connection.
+    if ((engine_member[g] != 0 && engine_member[g] != now[g]) || dead[g]) {
       try {
         transport->reconnect(trainer_world() + static_cast<int>(g));
         dead[g] = false;
@@ -219,6 +223,10 @@ void Publisher::Impl::admit(const std::vector<control::Member>& step_engines) {
 }
 
 void Publisher::Impl::poll() {
+  if (client->connection_losses() != losses_at_begin)
+    fail(Errc::peer_failure, "trainer rank ", opt.rank, ": step ", current_step,
+         ": lost the coordinator ", client->address(),
+         " while sending; the step is aborted (it reconnects for the next)");
   while (auto ev = client->poll_event()) {
     if (auto* left = std::get_if<control::MemberLeft>(&*ev)) {
       const auto& m = left->member;
@@ -262,7 +270,8 @@ PushResult Publisher::Impl::push(int64_t step) {
   out.step = step;
   early_result.reset();
   current_step = step;  // first: a late result of an earlier step is ignored
-  poll();               // membership news since the last step (engines that left are skipped)
+  losses_at_begin = client->connection_losses();
+  poll();  // membership news since the last step (engines that left are skipped)
   control::StepStart begun;
   {
     TraceSpan span(opt.tracer, "begin", "control");
@@ -283,6 +292,7 @@ PushResult Publisher::Impl::push(int64_t step) {
     result = decide(step, deadline);
     out.phases.commit = seconds_since(t);
   }
+  client->set_resume({-1, step, false});
   settle(step, result, out);
   out.seconds = seconds_since(start);
   return out;
@@ -315,7 +325,9 @@ void Publisher::Impl::send(int64_t step, const control::StepStart& begun,
 void Publisher::Impl::give_up(int64_t step, const Error& e, Clock::time_point deadline) {
   std::fill(held.begin(), held.end(), int64_t{-1});
   if (pipeline) pipeline->cancel_all();
-  if (early_result) return;
+  client->set_resume({-1, step, false});
+  // Decided already, or its coordinator is gone (a new one knows nothing of it).
+  if (early_result || client->connection_losses() != losses_at_begin) return;
   try {
     // Tell the coordinator, briefly: the step has failed already (a
     // coordinator that cannot be reached aborts it on its own).
@@ -386,6 +398,7 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   c.rank = m.opt.rank;
   c.world = world;
   c.connect_timeout = m.opt.connect_timeout;
+  c.reconnect_timeout = m.opt.coordinator_reconnect;
   m.client = std::make_unique<control::Client>(c);
   if (m.opt.rank == 0) {
     // The engines plan from the same inputs: the layout and the plan options.
@@ -455,6 +468,14 @@ const Plan& Publisher::plan() const {
 
 int Publisher::rank() const {
   return impl_->opt.rank;
+}
+
+void Publisher::set_coordinator(const std::string& address) {
+  impl_->client->set_address(address);
+}
+
+std::string Publisher::coordinator() const {
+  return impl_->client->address();
 }
 
 std::size_t Publisher::staging_bytes() const {

@@ -30,6 +30,9 @@ struct Publisher::Impl : pipeline::Endpoint {
   // as the last step's result says (committed: that step; else -1, unknown).
   std::vector<int64_t> held;
   std::optional<control::StepResult> early_result;
+  // Coordinator connections lost before this push began: a push that sees
+  // the count change lost its coordinator and fails at once.
+  uint64_t losses_at_begin = 0;
   int64_t saves = 0;  // save_hf calls so far: every rank counts alike (a collective)
   trainer::SaveArenaCache save_arena;  // kept for the next save_hf
   std::mutex push_mutex;

@@ -11,8 +11,12 @@ What runs where (docs/integrations/ray.md):
   nodes with {"engine_node": 1}; with RAY_ADDRESS it joins that cluster (nodes
   may carry those resources; if not, Ray places the groups where CPUs are free).
 - The weightsync Coordinator runs in a named actor ("weightsync-coordinator")
-  pinned to the trainer node; it binds ray.util.get_node_ip_address():0 and
-  the driver hands its address to every actor.
+  pinned to the trainer node; it binds ray.util.get_node_ip_address() and a
+  port found free there, and the driver hands its address to every actor.
+  Ray restarts it (max_restarts) on the same port: the trainers and engines
+  reach it again and register as the same members (docs/usage.md, "The
+  coordinator dies"). `--kill-coordinator S` ray.kill()s it just before step
+  S; every engine serves on meanwhile and step S commits everywhere.
 - The trainer actors (one per rank, FSDP2 `fully_shard` of a transformers
   Qwen3 model; gloo on CPU, NCCL when the trainer node has a GPU per rank)
   live in one placement group on the trainer node. torch.distributed's
@@ -117,14 +121,23 @@ def _node() -> dict:
 class CoordinatorActor:
     """The weightsync control plane, in its own actor on a chosen node."""
 
-    def __init__(self, token: Optional[str]) -> None:
+    def __init__(self, token: Optional[str], port: int) -> None:
         import ray
         import weightsync as ws
 
-        self.coord = ws.Coordinator(host=ray.util.get_node_ip_address(), port=0, token=token)
+        # A fixed port: Ray runs this again with the same arguments when it
+        # restarts the actor, and the ranks come back to the same address.
+        self.coord = ws.Coordinator(host=ray.util.get_node_ip_address(), port=port, token=token)
 
     def info(self) -> dict:
         return {**_node(), "address": self.coord.address}
+
+    def members(self) -> dict:
+        """How many trainer and engine ranks are registered now."""
+        out: dict = {}
+        for m in self.coord.members():
+            out[m["role"]] = out.get(m["role"], 0) + 1
+        return out
 
     def committed_versions(self, ranks: list) -> dict:
         return {g: self.coord.committed_version(g) for g in ranks}
@@ -336,6 +349,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--kill-how", default="exit", choices=["exit", "ray"],
                    help="exit: os._exit inside its on_begin hook of STEP (mid-step); "
                         "ray: ray.kill(actor, no_restart=False) just before STEP")
+    p.add_argument("--kill-coordinator", type=int, default=None, metavar="STEP",
+                   help="ray.kill the coordinator actor just before STEP; Ray restarts it on "
+                        "its port, the ranks come back, and STEP commits everywhere")
     p.add_argument("--rejoin-timeout", type=float, default=90.0,
                    help="after --steps, step on up to this long until the killed rank rejoins")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -455,14 +471,18 @@ class Job:
         self.pgs = [tpg, epg]
         ray.get([tpg.ready(), epg.ready()], timeout=a.setup_timeout)
 
-        # The coordinator: a named actor on the trainer node.
-        copts: dict[str, Any] = dict(name=COORDINATOR_NAME, num_cpus=0, max_restarts=0)
+        # The coordinator: a named actor on the trainer node, restarted by Ray
+        # on the port a task found free on that node.
+        where: dict[str, Any] = {}
         if tagged:
-            copts["resources"] = {"trainer_node": 0.01}
+            where["resources"] = {"trainer_node": 0.01}
         else:  # the driver's node
-            copts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)
-        self.coord = _actor_class(CoordinatorActor).options(**copts).remote(a.token)
+        port = ray.get(ray.remote(_free_port).options(num_cpus=0, **where).remote(),
+                       timeout=a.setup_timeout)
+        copts: dict[str, Any] = dict(name=COORDINATOR_NAME, num_cpus=0, max_restarts=3, **where)
+        self.coord = _actor_class(CoordinatorActor).options(**copts).remote(a.token, port)
         self.actors.append(self.coord)
         coord_info: dict[str, Any] = ray.get(self.coord.info.remote(), timeout=a.setup_timeout)
         address = coord_info["address"]
@@ -535,6 +555,8 @@ class Job:
                 # Past --steps: wait (bounded) until the restarted actor is up, so that
                 # the next step can take its replica in.
                 rejoin_future = self._wait_up(killed, rejoin_future, rejoin_deadline)
+            if a.kill_coordinator == step:
+                self._restart_coordinator(step)
             if a.kill and step == kill_step:
                 if a.kill_how == "ray":
                     log(f"ray.kill(engine rank {killed}, no_restart=False) before step {step}")
@@ -605,6 +627,47 @@ class Job:
                   f"{rec['committed']}, verified bit-exact {rec['verified']}"
                   + (f", failed {[f[0] for f in rec['failed']]}" if rec["failed"] else ""),
                   file=self.out, flush=True)
+
+    def _restart_coordinator(self, step: int) -> None:
+        """ray.kill()s the coordinator actor (Ray restarts it on its port) and
+        waits until every trainer and engine rank registered with the new one."""
+        import ray
+
+        a = self.args
+        old = self.report["coordinator"]
+        log(f"ray.kill(coordinator, no_restart=False) before step {step}")
+        t0 = time.monotonic()
+        ray.kill(self.coord, no_restart=False)
+        deadline = t0 + a.setup_timeout
+        info: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                info = ray.get(self.coord.info.remote(), timeout=10)
+                if info["pid"] != old["pid"]:
+                    break
+            except Exception:  # noqa: BLE001 - the old process's death; ask the new one
+                pass
+            time.sleep(0.2)
+        if info.get("pid") == old["pid"] or info.get("address") != old["address"]:
+            self.error(f"the coordinator did not come back on {old['address']}: {info}")
+            return
+        up = time.monotonic() - t0
+        want = {"trainer": a.trainers, "engine": a.replicas * a.tp}
+        members: dict = {}
+        while time.monotonic() < deadline:
+            members = ray.get(self.coord.members.remote(), timeout=10)
+            if all(members.get(k, 0) >= n for k, n in want.items()):
+                break
+            time.sleep(0.2)
+        back = time.monotonic() - t0
+        self.report.setdefault("coordinator_restarts", []).append(
+            {"step": step, "old_pid": old["pid"], "new_pid": info.get("pid"),
+             "address": info.get("address"), "up_seconds": round(up, 3),
+             "members_back_seconds": round(back, 3), "members": members})
+        if not all(members.get(k, 0) >= n for k, n in want.items()):
+            self.error(f"after the coordinator's restart only {members} came back, not {want}")
+        log(f"coordinator back on {info.get('address')} (pid {info.get('pid')}) in {up:.2f} s; "
+            f"every rank registered again in {back:.2f} s")
 
     def _wait_up(self, g: int, fut: Any, deadline: float) -> Any:
         """Blocks until engine actor g answers info() (its new process is up and

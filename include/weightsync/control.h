@@ -176,6 +176,27 @@ struct ClientOptions {
   // instead of after TCP's retransmissions (many minutes). 0: TCP's default.
   Millis link_timeout{10000};
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
+  // After the connection to the coordinator is lost (it died, restarted, or
+  // the link broke), keep trying to reach it again (the address, or the one
+  // given to set_address) for this long; 0: never (the connection is over).
+  // A reconnected client registers again as the same member (same member
+  // id), reports its ResumeState, and writes again what it wrote to the
+  // store (set, put_plan), so that a restarted coordinator rebuilds
+  // membership, versions and bootstrap keys from its clients
+  // (docs/usage.md, "The coordinator dies"). While reconnecting, requests
+  // wait for the connection (up to their own timeout), wait_event waits,
+  // and what was pending when the connection broke fails with
+  // Errc::peer_failure.
+  Millis reconnect_timeout{0};
+};
+
+// What a client tells a coordinator when it registers again after a lost
+// connection: an engine rank's committed version and whether it is torn, a
+// trainer's last step. -1: none.
+struct ResumeState {
+  int64_t version = -1;
+  int64_t last_step = -1;
+  bool torn = false;
 };
 
 // A step as begin_step / follow_step returns it.
@@ -327,6 +348,18 @@ class Client final : public Store {
   // coordinator's reply: it notices a closed connection anyway.
   void leave();
   bool connected() const;
+
+  // Reconnection (ClientOptions::reconnect_timeout). set_resume: what this
+  // client reports when it registers again (kept up to date by its owner).
+  // set_address: the coordinator moved; the next reconnection goes there
+  // (the current connection, if any, is dropped and reconnected).
+  // connection_losses: how many times the connection was lost so far (a
+  // step that saw it change lost its coordinator and is aborted).
+  void set_resume(const ResumeState& state);
+  void set_address(const std::string& address);
+  std::string address() const;
+  uint64_t connection_losses() const;
+  bool reconnecting() const;
 
  private:
   struct Impl;

@@ -94,7 +94,13 @@ struct PublisherOptions {
   std::string job = "weightsync";  // store key prefix; one per job on a coordinator
   std::chrono::milliseconds connect_timeout{60000};  // coordinator, members, transport
   std::chrono::milliseconds step_timeout{120000};    // one push, end to end
-  Tracer* tracer = nullptr;                          // phases to a Chrome trace (not owned)
+  // A lost coordinator (it died, restarts, or the link broke) is reached
+  // again for this long: the rank registers again as the same member, and
+  // the store keys and plans it wrote are written again (docs/usage.md,
+  // "The coordinator dies"). A push in flight then fails at once; the next
+  // push waits for the coordinator within its step_timeout. 0: never.
+  std::chrono::milliseconds coordinator_reconnect{300000};
+  Tracer* tracer = nullptr;  // phases to a Chrome trace (not owned)
 
   // ---- GPU data path: CUDA tensors (docs/usage.md) ----
   // Before a push reads CUDA tensors it waits for the work that produced them:
@@ -240,6 +246,10 @@ class Publisher {
   // Elastic replicas: the last push's plan.
   const Plan& plan() const;
   int rank() const;
+  // The coordinator moved (a restarted one on another address): this rank
+  // reconnects there. coordinator(): where it connects now.
+  void set_coordinator(const std::string& address);
+  std::string coordinator() const;
   // Bytes of staging memory this publisher allocated: its bucket slots, at
   // most about 2 x bucket (more slots when they are small; a few bytes each
   // when every fragment goes straight from its tensor).

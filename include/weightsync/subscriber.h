@@ -68,6 +68,10 @@ struct SubscriberOptions {
   std::string job = "weightsync";
   std::chrono::milliseconds connect_timeout{60000};
   std::chrono::milliseconds step_timeout{120000};  // from a step's begin to its decision
+  // A lost coordinator (it died, restarts, or the link broke) is reached
+  // again for this long; the rank registers again as the same member with
+  // its version (docs/usage.md, "The coordinator dies"). 0: never.
+  std::chrono::milliseconds coordinator_reconnect{300000};
   Tracer* tracer = nullptr;
 };
 
@@ -154,6 +158,10 @@ class Subscriber {
   // Cleared by the next commit (every element is written by every step).
   // Never set with staging: a failed step leaves the params untouched.
   bool torn() const;
+  // The coordinator moved (a restarted one on another address): the rank
+  // reconnects there. coordinator(): where it connects now.
+  void set_coordinator(const std::string& address);
+  std::string coordinator() const;
   int global_rank() const;  // among every group's engine ranks (replica * tp + rank with one)
   int live_trainers();      // trainers currently registered with the coordinator
   const EngineRankLayout& layout() const;

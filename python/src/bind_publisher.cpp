@@ -11,10 +11,12 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <optional>
+#include <tuple>
 
 namespace weightsync::python {
 namespace {
@@ -40,6 +42,13 @@ class PyCoordinator : public Handle<control::Coordinator> {
   std::string address() { return get("coordinator").address(); }
   int port() { return get("coordinator").port(); }
   int metrics_port() { return get("coordinator").metrics_port(); }
+  // (role, rank, replica, member id) of every registered member.
+  std::vector<std::tuple<std::string, int, int, uint64_t>> members() {
+    std::vector<std::tuple<std::string, int, int, uint64_t>> out;
+    for (const auto& m : get("coordinator").members())
+      out.emplace_back(std::string(control::role_name(m.role)), m.rank, m.replica, m.id);
+    return out;
+  }
   int64_t committed_version(int engine_rank) {
     return get("coordinator").committed_version(engine_rank);
   }
@@ -142,6 +151,9 @@ void bind_publisher_options(nb::module_& m) {
           "step_timeout", [](const O& o) { return seconds(o.step_timeout); },
           [](O& o, double s) { o.step_timeout = millis(s, "step_timeout"); })
       .def_prop_rw(
+          "coordinator_reconnect", [](const O& o) { return seconds(o.coordinator_reconnect); },
+          [](O& o, double s) { o.coordinator_reconnect = millis(s, "coordinator_reconnect"); })
+      .def_prop_rw(
           "producer_stream",
           [](const O& o) { return reinterpret_cast<uintptr_t>(o.producer_stream); },
           [](O& o, uintptr_t h) { o.producer_stream = reinterpret_cast<void*>(h); })
@@ -161,6 +173,7 @@ void bind_coordinator(nb::module_& m) {
       .def_prop_ro("port", &PyCoordinator::port)
       .def_prop_ro("metrics_port", &PyCoordinator::metrics_port)
       .def("committed_version", &PyCoordinator::committed_version, nb::arg("engine_rank"))
+      .def("members", &PyCoordinator::members)
       .def("close", &PyCoordinator::close, ReleaseGil())
       .def_prop_ro("closed", [](const PyCoordinator& c) { return !c.open(); });
 }
@@ -242,6 +255,13 @@ void bind_publisher(nb::module_& m) {
           [](PyPublisher& p, const std::string& dir) { return p.get("publisher").load_hf(dir); },
           nb::arg("dir"), ReleaseGil())
       .def_prop_ro("rank", [](PyPublisher& p) { return p.get("publisher").rank(); })
+      .def(
+          "set_coordinator",
+          [](PyPublisher& p, const std::string& address) {
+            p.get("publisher").set_coordinator(address);
+          },
+          nb::arg("address"))
+      .def_prop_ro("coordinator", [](PyPublisher& p) { return p.get("publisher").coordinator(); })
       .def_prop_ro("staging_bytes",
                    [](PyPublisher& p) { return p.get("publisher").staging_bytes(); })
       .def("close", &PyPublisher::close, ReleaseGil());

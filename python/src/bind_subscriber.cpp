@@ -192,7 +192,10 @@ void bind_subscriber_options(nb::module_& m) {
           [](O& o, double s) { o.connect_timeout = millis(s, "connect_timeout"); })
       .def_prop_rw(
           "step_timeout", [](const O& o) { return seconds(o.step_timeout); },
-          [](O& o, double s) { o.step_timeout = millis(s, "step_timeout"); });
+          [](O& o, double s) { o.step_timeout = millis(s, "step_timeout"); })
+      .def_prop_rw(
+          "coordinator_reconnect", [](const O& o) { return seconds(o.coordinator_reconnect); },
+          [](O& o, double s) { o.coordinator_reconnect = millis(s, "coordinator_reconnect"); });
 }
 
 void bind_outcome(nb::module_& m) {
@@ -261,6 +264,13 @@ void bind_subscriber(nb::module_& m) {
       .def("stop", [](PySubscriber& s) { s.get("subscriber").stop(); })
       .def_prop_ro("version", [](PySubscriber& s) { return s.get("subscriber").version(); })
       .def_prop_ro("torn", [](PySubscriber& s) { return s.get("subscriber").torn(); })
+      .def(
+          "set_coordinator",
+          [](PySubscriber& s, const std::string& address) {
+            s.get("subscriber").set_coordinator(address);
+          },
+          nb::arg("address"))
+      .def_prop_ro("coordinator", [](PySubscriber& s) { return s.get("subscriber").coordinator(); })
       .def_prop_ro("global_rank", [](PySubscriber& s) { return s.get("subscriber").global_rank(); })
       .def("params", &PySubscriber::params)
       .def("close", &PySubscriber::close, ReleaseGil());

@@ -46,6 +46,12 @@ class Coordinator:
         """The last step engine rank `engine_rank` committed (-1: none)."""
         return self._core.committed_version(engine_rank)
 
+    def members(self) -> list[dict]:
+        """Every registered member: {"role", "rank", "replica", "id"} (a
+        member keeps its id when it comes back to a restarted coordinator)."""
+        return [{"role": role, "rank": rank, "replica": replica, "id": member_id}
+                for role, rank, replica, member_id in self._core.members()]
+
     def close(self) -> None:
         """Stops serving (endpoints still connected see it go)."""
         self._core.close()

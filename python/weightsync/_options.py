@@ -39,6 +39,8 @@ class PublisherOptions:
             (docs/delta.md; host memory; rank 0's holds).
         delta_verify: delta buckets carry the digest of the bytes the engine
             must hold after applying them, checked before they are written.
+        coordinator_reconnect: seconds a lost coordinator is reached again
+            (a restarted one takes the job back; docs/usage.md); 0: never.
     """
 
     transport: str = "ucx"
@@ -56,6 +58,7 @@ class PublisherOptions:
     min_replicas: int = 1
     delta: str = "off"
     delta_verify: bool = True
+    coordinator_reconnect: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class SubscriberOptions:
         step_timeout: seconds a step may take.
         weights_device: load_weights mode: where the tensors handed to
             on_weights live (None or "cpu": host memory; "cuda[:N]" or an int).
+        coordinator_reconnect: seconds a lost coordinator is reached again
+            (a restarted one takes the job back; docs/usage.md); 0: never.
     """
 
     transport: str = "ucx"
@@ -82,6 +87,7 @@ class SubscriberOptions:
     connect_timeout: float = 60.0
     step_timeout: float = 120.0
     weights_device: Any = None
+    coordinator_reconnect: float = 300.0
 
 
 _O = TypeVar("_O", PublisherOptions, SubscriberOptions)
@@ -163,6 +169,7 @@ def core_publisher_options(o: PublisherOptions, coordinator: Any, rank: int, lay
     c.job = o.job
     c.connect_timeout = o.connect_timeout
     c.step_timeout = o.step_timeout
+    c.coordinator_reconnect = o.coordinator_reconnect
     return c
 
 
@@ -183,4 +190,5 @@ def core_subscriber_options(o: SubscriberOptions, coordinator: Any, engine_text:
     c.job = o.job
     c.connect_timeout = o.connect_timeout
     c.step_timeout = o.step_timeout
+    c.coordinator_reconnect = o.coordinator_reconnect
     return c

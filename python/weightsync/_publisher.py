@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Union
 from . import _core
 from ._common import EngineLike, LayoutLike, _Registry, load_json
 from ._coordinator import CoordinatorLike
-from ._options import PublisherOptions, _merge_options, core_publisher_options
+from ._options import PublisherOptions, _address, _merge_options, core_publisher_options
 from ._progress import DirProgress, layout_bytes
 from ._results import LoadReport, PushResult, SaveHfResult, _result
 
@@ -56,7 +56,8 @@ class Publisher:
                  connect_timeout: float = 60.0, step_timeout: float = 120.0,
                  producer_stream: Any = None, producer_event: Any = None,
                  fp8_site: str = "sender", elastic: bool = False, min_replicas: int = 1,
-                 delta: str = "off", delta_verify: bool = True):
+                 delta: str = "off", delta_verify: bool = True,
+                 coordinator_reconnect: float = 300.0):
         """Connects trainer rank `rank` of `layout` (a trainer layout: path,
         dict or JSON text) to the coordinator (`coordinator`: "HOST:PORT" or a
         Coordinator). `engine` (an engine config) may be omitted when only
@@ -86,7 +87,8 @@ class Publisher:
             transport=transport, mode=mode, bucket_bytes=bucket_bytes, checksums=checksums,
             token=token, job=job, connect_timeout=connect_timeout, step_timeout=step_timeout,
             producer_stream=producer_stream, producer_event=producer_event, fp8_site=fp8_site,
-            elastic=elastic, min_replicas=min_replicas, delta=delta, delta_verify=delta_verify))
+            elastic=elastic, min_replicas=min_replicas, delta=delta, delta_verify=delta_verify,
+            coordinator_reconnect=coordinator_reconnect))
         layout_text, _ = load_json(layout, "trainer layout")
         engine_text: Optional[str] = None
         engine_base = os.getcwd()
@@ -113,6 +115,17 @@ class Publisher:
     def rank(self) -> int:
         """This publisher's trainer rank."""
         return self._core.rank
+
+    @property
+    def coordinator(self) -> str:
+        """The coordinator's address ("HOST:PORT") this rank connects to."""
+        return self._core.coordinator
+
+    def set_coordinator(self, address: Any) -> None:
+        """The coordinator moved (restarted on another address, or a
+        Coordinator object): this rank reconnects there, as the same member
+        (docs/usage.md, "The coordinator dies")."""
+        self._core.set_coordinator(_address(address))
 
     def register(self, name: str, tensor: Any) -> None:
         """Registers this rank's local tensor of param `name` (a torch tensor on

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 from . import _core
 from ._common import EngineLike, _Registry, load_json
 from ._coordinator import CoordinatorLike
-from ._options import SubscriberOptions, _merge_options, core_subscriber_options
+from ._options import SubscriberOptions, _address, _merge_options, core_subscriber_options
 from ._results import ParamInfo, StepOutcome, _result
 
 _StepHook = TypeVar("_StepHook", bound=Optional[Callable[[int], object]])
@@ -33,7 +33,8 @@ class Subscriber:
                  rank: int = 0, *, options: Optional[SubscriberOptions] = None,
                  transport: str = "ucx", staging: bool = False, token: Optional[str] = None,
                  job: str = "weightsync", connect_timeout: float = 60.0,
-                 step_timeout: float = 120.0, weights_device: Any = None):
+                 step_timeout: float = 120.0, weights_device: Any = None,
+                 coordinator_reconnect: float = 300.0):
         """Connects rank `rank` of replica `replica` of `engine` (an engine
         config: path, dict, JSON text, or a list of them: engine groups) to the
         coordinator ("HOST:PORT" or a Coordinator). The options
@@ -43,7 +44,7 @@ class Subscriber:
         o = _merge_options(SubscriberOptions, options, dict(
             transport=transport, staging=staging, token=token, job=job,
             connect_timeout=connect_timeout, step_timeout=step_timeout,
-            weights_device=weights_device))
+            weights_device=weights_device, coordinator_reconnect=coordinator_reconnect))
         text, base = load_json(engine, "engine config")
         self._options = o
         self._core = _core.Subscriber()
@@ -236,6 +237,17 @@ class Subscriber:
         commit wrote part of them (no staging), so they are not `version`
         whole. Cleared by the next commit; never set with staging=True."""
         return self._core.torn
+
+    @property
+    def coordinator(self) -> str:
+        """The coordinator's address ("HOST:PORT") this rank connects to."""
+        return self._core.coordinator
+
+    def set_coordinator(self, address: Any) -> None:
+        """The coordinator moved (restarted on another address, or a
+        Coordinator object): this rank reconnects there, as the same member,
+        with its version (docs/usage.md, "The coordinator dies")."""
+        self._core.set_coordinator(_address(address))
 
     @property
     def global_rank(self) -> int:

@@ -26,7 +26,7 @@ std::pair<std::string, std::string> split_address(const std::string& address) {
 }  // namespace
 
 void Client::Impl::connect() {
-  const auto [host, port] = split_address(options.address);
+  const auto [host, port] = split_address(address);
   const auto deadline = Clock::now() + options.connect_timeout;
   std::string last_error = "no attempt";
   while (true) {
@@ -74,8 +74,8 @@ void Client::Impl::start_io() {
 }
 
 void Client::Impl::read() {
-  socket.async_read_some(asio::buffer(buffer), [this](auto ec, size_t n) {
-    if (closed) return;
+  socket.async_read_some(asio::buffer(buffer), [this, gen = generation](auto ec, size_t n) {
+    if (closed || gen != generation) return;
     if (ec) {
       const char* how =
           ec == asio::error::eof ? "the coordinator closed the connection" : "connection error";
@@ -85,7 +85,10 @@ void Client::Impl::read() {
     }
     try {
       decoder.feed(buffer.data(), n);
-      while (auto payload = decoder.next()) on_payload(*payload);
+      while (auto payload = decoder.next()) {
+        on_payload(*payload);
+        if (closed || gen != generation) return;  // a refused reconnection dropped the socket
+      }
     } catch (const Error& e) {
       return lost(Error(Errc::protocol, cat("coordinator ", options.address,
                                             " sent a malformed message: ", e.what())));
@@ -96,7 +99,26 @@ void Client::Impl::read() {
 
 void Client::Impl::on_payload(const std::string& payload) {
   wire::Message m = wire::parse_message(payload);
-  std::lock_guard lock(mu);
+  std::unique_lock lock(mu);
+  if (resume_hello != 0 && (m.kind == Kind::welcome || m.kind == Kind::error) &&
+      m.body.contains("id") && wire::get_u64(m.body, "id") == resume_hello) {
+    resume_hello = 0;
+    if (m.kind == Kind::error) {
+      // Refused (e.g. a wrong token, or the rank is live in another
+      // process): the connection is over.
+      closed_because =
+          Error(wire::errc_from_name(m.body.value("code", "protocol")),
+                cat("the coordinator ", address,
+                    " refused this client's return: ", m.body.at("message").get<std::string>()));
+      lock.unlock();
+      reconnect_deadline = Clock::now();
+      return lost(closed_because);
+    }
+    self = wire::member_from_json(m.body.at("member"));
+    coordinator = m.body.contains("coordinator") ? wire::get_u64(m.body, "coordinator") : 0;
+    lock.unlock();
+    return on_reconnected();
+  }
   if (m.kind == Kind::welcome || m.kind == Kind::reply ||
       (m.kind == Kind::error && m.body.contains("id"))) {
     auto it = pending.find(wire::get_u64(m.body, "id"));
@@ -131,8 +153,8 @@ void Client::Impl::enqueue(std::string frame) {
 
 void Client::Impl::write() {
   writing = true;
-  asio::async_write(socket, asio::buffer(out.front()), [this](auto ec, size_t) {
-    if (closed) return;
+  asio::async_write(socket, asio::buffer(out.front()), [this, gen = generation](auto ec, size_t) {
+    if (closed || gen != generation) return;
     out.pop_front();
     if (ec)
       return lost(Error(Errc::peer_failure, cat("cannot write to the coordinator ", options.address,
@@ -146,26 +168,166 @@ void Client::Impl::write() {
 
 void Client::Impl::schedule_heartbeat() {
   heartbeat.expires_after(options.heartbeat_interval);
-  heartbeat.async_wait([this](auto ec) {
-    if (ec || closed) return;
+  heartbeat.async_wait([this, gen = generation](auto ec) {
+    if (ec || closed || gen != generation) return;
     enqueue(wire::encode_frame(wire::make(Kind::heartbeat)));
     schedule_heartbeat();
   });
 }
 
 void Client::Impl::lost(std::optional<Error> why) {
-  close_on_io();
   std::lock_guard lock(mu);
-  if (!connected) return;
-  connected = false;
   if (closed_because) why = closed_because;
-  lost_reason = why ? why->what() : "connection closed";
-  for (auto& [id, p] : pending) {
-    p->error = why ? *why : Error(Errc::peer_failure, lost_reason);
-    p->done = true;
+  const bool retry = may_reconnect(why);
+  if (retry)
+    drop_socket();
+  else
+    close_on_io();
+  if (!connected && !reconnecting) return;  // never registered (the constructor says why), or over
+  if (connected) {
+    connected = false;
+    ++losses;
+    lost_reason = why ? why->what() : "connection closed";
+    for (auto& [id, p] : pending) {
+      p->error = why ? *why : Error(Errc::peer_failure, lost_reason);
+      p->done = true;
+    }
+    pending.clear();
+    if (retry) {
+      reconnecting = true;
+      reconnect_deadline = Clock::now() + options.reconnect_timeout;
+      schedule_reconnect(Millis(0));
+    }
+  } else if (retry) {
+    return schedule_reconnect(kRetryEvery);  // an attempt failed: the next one
+  } else {
+    reconnecting = false;  // refused, or out of time
+    if (why) lost_reason = why->what();
   }
-  pending.clear();
   cv.notify_all();
+}
+
+// The connection is worth trying again: reconnection is on, this client
+// neither left nor closed, the coordinator did not refuse it, and the time
+// for it has not run out (a failed attempt).
+bool Client::Impl::may_reconnect(const std::optional<Error>& why) const {
+  if (options.reconnect_timeout.count() <= 0 || closed || left) return false;
+  if (why && why->code() == Errc::protocol) return false;
+  return !reconnecting || Clock::now() < reconnect_deadline;
+}
+
+void Client::Impl::drop_socket() {
+  ++generation;
+  boost::system::error_code ignored;
+  socket.close(ignored);
+  heartbeat.cancel();
+  out.clear();
+  writing = false;
+  decoder = wire::FrameDecoder(options.max_frame_bytes);
+}
+
+void Client::Impl::schedule_reconnect(Millis after) {
+  retry.expires_after(after);
+  retry.async_wait([this](auto ec) {
+    if (!ec && !closed) try_reconnect();
+  });
+}
+
+void Client::Impl::try_reconnect() {
+  std::string where;
+  {
+    std::lock_guard lock(mu);
+    if (!reconnecting) return;
+    if (Clock::now() >= reconnect_deadline) {
+      reconnecting = false;
+      lost_reason = cat(lost_reason, "; gave up reaching it again after ",
+                        options.reconnect_timeout.count(), " ms");
+      cv.notify_all();
+      return;
+    }
+    where = address;
+  }
+  std::pair<std::string, std::string> hp;
+  try {
+    hp = split_address(where);
+  } catch (const Error&) {
+    return schedule_reconnect(kRetryEvery);
+  }
+  boost::system::error_code ec;
+  tcp::resolver resolver(io);
+  auto endpoints = resolver.resolve(hp.first, hp.second, ec);
+  if (ec) return schedule_reconnect(kRetryEvery);
+  socket = tcp::socket(io);
+  asio::async_connect(socket, endpoints, [this, gen = generation](auto e, const auto&) {
+    if (closed || gen != generation) return;
+    std::unique_lock lock(mu);
+    if (!reconnecting) return;
+    if (e) {
+      lock.unlock();
+      drop_socket();
+      return schedule_reconnect(kRetryEvery);
+    }
+    boost::system::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    if (options.link_timeout.count() > 0) {
+      const auto ms = static_cast<unsigned int>(options.link_timeout.count());
+      ::setsockopt(socket.native_handle(), IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
+    }
+    Json hello = hello_message();
+    resume_hello = next_id++;
+    hello["id"] = resume_hello;
+    hello["resume"] = Json{{"member", self.id},
+                           {"version", resume.version},
+                           {"last_step", resume.last_step},
+                           {"torn", resume.torn},
+                           {"coordinator", coordinator}};
+    lock.unlock();
+    read();
+    enqueue(wire::encode_frame(hello, options.max_frame_bytes));
+  });
+}
+
+// Registered again: the store writes of this client go again (before any
+// request a caller makes now), then heartbeats and callers resume.
+void Client::Impl::on_reconnected() {
+  std::vector<std::string> frames;
+  {
+    std::lock_guard lock(mu);
+    for (const auto& [key, value] : kv_written) {
+      Json m = wire::make(Kind::kv_set);
+      m["id"] = next_id++;  // replies to these are not waited for
+      m["key"] = key;
+      m["value"] = wire::base64_encode(value);
+      frames.push_back(wire::encode_frame(m, options.max_frame_bytes));
+    }
+    for (const auto& [plan_id, blob] : plans_written) {
+      Json m = wire::make(Kind::plan_put);
+      m["id"] = next_id++;
+      m["plan_id"] = plan_id;
+      m["blob"] = wire::base64_encode(blob);
+      frames.push_back(wire::encode_frame(m, options.max_frame_bytes));
+    }
+  }
+  for (auto& f : frames) enqueue(std::move(f));
+  schedule_heartbeat();
+  std::lock_guard lock(mu);
+  reconnecting = false;
+  connected = true;
+  closed_because.reset();
+  cv.notify_all();
+}
+
+Json Client::Impl::hello_message() const {
+  const ClientOptions& o = options;
+  Json hello = wire::make(Kind::hello);
+  hello["role"] = role_name(o.role);
+  hello["rank"] = o.rank;
+  hello["world"] = o.world;
+  hello["replica"] = o.replica;
+  hello["layout_hash"] = o.layout_hash;
+  hello["address"] = wire::base64_encode(o.transport_address);
+  if (!o.token.empty()) hello["token"] = o.token;
+  return hello;
 }
 
 void Client::Impl::close_on_io() {
@@ -174,20 +336,24 @@ void Client::Impl::close_on_io() {
   boost::system::error_code ignored;
   socket.close(ignored);
   heartbeat.cancel();
+  retry.cancel();
   work.reset();
 }
 
 Error Client::Impl::lost_error() const {
   if (closed_because) return *closed_because;
-  return Error(Errc::peer_failure,
-               cat("not connected to the coordinator ", options.address, ": ", lost_reason));
+  return Error(Errc::peer_failure, cat("not connected to the coordinator ", address, ": ",
+                                       lost_reason, reconnecting ? " (reconnecting)" : ""));
 }
 
 Json Client::Impl::request(Json message, Millis wait, const std::string& what) {
   auto p = std::make_shared<Pending>();
   uint64_t id = 0;
   {
-    std::lock_guard lock(mu);
+    std::unique_lock lock(mu);
+    // Reconnecting: the request waits for the connection, within its time.
+    if (!connected && reconnecting)
+      this->wait(lock, wait, [&] { return connected || !reconnecting; });
     if (!connected) throw lost_error();
     id = next_id++;
     pending[id] = p;
@@ -219,19 +385,15 @@ Client::Client(ClientOptions options) : impl_(std::make_unique<Impl>(std::move(o
          o.world);
   impl_->connect();
   impl_->start_io();
-  Json hello = wire::make(Kind::hello);
-  hello["role"] = role_name(o.role);
-  hello["rank"] = o.rank;
-  hello["world"] = o.world;
-  hello["replica"] = o.replica;
-  hello["layout_hash"] = o.layout_hash;
-  hello["address"] = wire::base64_encode(o.transport_address);
-  if (!o.token.empty()) hello["token"] = o.token;
+  const Json hello = impl_->hello_message();
   try {
     const Json welcome = impl_->request(hello, o.connect_timeout,
                                         cat("hello from ", role_name(o.role), " rank ", o.rank));
     impl_->self = wire::member_from_json(welcome.at("member"));
     impl_->at_join = wire::members_from_json(welcome.at("members"));
+    std::lock_guard lock(impl_->mu);
+    impl_->coordinator =
+        welcome.contains("coordinator") ? wire::get_u64(welcome, "coordinator") : 0;
   } catch (...) {
     asio::post(impl_->io, [impl = impl_.get()] { impl->close_on_io(); });
     impl_->thread.join();
@@ -262,6 +424,40 @@ std::vector<Member> Client::members_at_join() const {
 bool Client::connected() const {
   std::lock_guard lock(impl_->mu);
   return impl_->connected;
+}
+
+void Client::set_resume(const ResumeState& state) {
+  std::lock_guard lock(impl_->mu);
+  impl_->resume = state;
+}
+
+void Client::set_address(const std::string& address) {
+  split_address(address);  // Errc::invalid_argument unless HOST:PORT
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->address == address) return;
+    impl_->address = address;
+  }
+  // A live connection to the old address is dropped: the client goes to the new one.
+  asio::post(impl_->io, [impl = impl_.get(), address] {
+    if (!impl->closed)
+      impl->lost(Error(Errc::peer_failure, cat("the coordinator moved to ", address)));
+  });
+}
+
+std::string Client::address() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->address;
+}
+
+uint64_t Client::connection_losses() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->losses;
+}
+
+bool Client::reconnecting() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->reconnecting;
 }
 
 }  // namespace weightsync::control

@@ -49,6 +49,7 @@ void Client::set(const std::string& key, const std::vector<uint8_t>& value) {
   m["value"] = wire::base64_encode(value);
   with_context(cat("store set '", key, "'"),
                [&] { return impl_->request(m, impl_->options.request_timeout, "kv_set"); });
+  impl_->written(impl_->kv_written, key, value);
 }
 
 std::vector<uint8_t> Client::get(const std::string& key, Millis timeout) {
@@ -93,6 +94,7 @@ void Client::put_plan(const std::string& plan_id, const std::vector<uint8_t>& bl
   m["blob"] = wire::base64_encode(blob);
   with_context(cat("put_plan '", plan_id, "'"),
                [&] { return impl_->request(m, impl_->options.request_timeout, "plan_put"); });
+  impl_->written(impl_->plans_written, plan_id, blob);
 }
 
 std::vector<uint8_t> Client::get_plan(const std::string& plan_id, Millis timeout) {
@@ -273,9 +275,16 @@ std::optional<Event> Client::poll_event() {
 Event Client::wait_event(Millis timeout) {
   {
     std::unique_lock lock(impl_->mu);
-    impl_->wait(lock, timeout, [&] { return !impl_->events.empty() || !impl_->connected; });
+    // A wait the connection broke under fails (what it waited for will not
+    // come); one that begins while the client reconnects waits for events.
+    const uint64_t losses = impl_->losses;
+    impl_->wait(lock, timeout, [&] {
+      return !impl_->events.empty() || impl_->losses != losses ||
+             (!impl_->connected && !impl_->reconnecting);
+    });
     if (impl_->events.empty()) {
-      if (!impl_->connected) throw impl_->lost_error();
+      if (impl_->losses != losses || (!impl_->connected && !impl_->reconnecting))
+        throw impl_->lost_error();
       fail(Errc::timeout, "no control event from the coordinator ", impl_->options.address,
            " within ", timeout.count(), " ms");
     }
@@ -304,8 +313,15 @@ StepResult Client::wait_step_result(int64_t step, Millis timeout) {
 void Client::leave() {
   {
     std::lock_guard lock(impl_->mu);
-    if (impl_->left || !impl_->connected) return;
+    if (impl_->left) return;
     impl_->left = true;
+    if (!impl_->connected) {  // lost (perhaps reconnecting): nothing to tell, stop trying
+      impl_->reconnecting = false;
+      impl_->lost_reason = "this client left";
+      impl_->cv.notify_all();
+      asio::post(impl_->io, [impl = impl_.get()] { impl->close_on_io(); });
+      return;
+    }
   }
   // Best effort: an unreachable coordinator must not hold up a process's
   // exit (it sees the connection close, or the heartbeats stop, either way).

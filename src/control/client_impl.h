@@ -22,6 +22,8 @@ using tcp = asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
 
 inline constexpr size_t kClientReadChunk = 64 * 1024;
+// Between two attempts to reach a lost coordinator again.
+inline constexpr Millis kRetryEvery{200};
 
 struct Client::Impl {
   struct Pending {
@@ -30,10 +32,19 @@ struct Client::Impl {
     std::optional<Error> error;
   };
 
-  explicit Impl(ClientOptions opts) : options(std::move(opts)), decoder(options.max_frame_bytes) {}
+  explicit Impl(ClientOptions opts)
+      : options(std::move(opts)), decoder(options.max_frame_bytes), address(options.address) {}
 
   void connect();
   void start_io();
+  // Reconnection (io thread): drop the broken socket, retry every
+  // kRetryEvery until reconnect_timeout, say hello again as the same member.
+  bool may_reconnect(const std::optional<Error>& why) const;
+  void drop_socket();
+  void schedule_reconnect(Millis after);
+  void try_reconnect();
+  void on_reconnected();
+  wire::Json hello_message() const;  // under mu
   void read();
   void on_payload(const std::string& payload);
   void enqueue(std::string frame);
@@ -52,6 +63,13 @@ struct Client::Impl {
   bool progress_here() const;
   void close_on_io();
   Error lost_error() const;
+  // Records a store write for replay after a reconnection (only then kept).
+  void written(std::map<std::string, std::vector<uint8_t>>& log, const std::string& key,
+               const std::vector<uint8_t>& value) {
+    if (options.reconnect_timeout.count() <= 0) return;
+    std::lock_guard lock(mu);
+    log[key] = value;
+  }
 
   ClientOptions options;
   asio::io_context io;
@@ -60,6 +78,9 @@ struct Client::Impl {
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   std::thread thread;
   // io thread only
+  uint64_t generation = 0;  // of the socket: handlers of an older one do nothing
+  asio::steady_timer retry{io};
+  Clock::time_point reconnect_deadline;
   wire::FrameDecoder decoder;
   std::array<uint8_t, kClientReadChunk> buffer{};
   std::deque<std::string> out;
@@ -78,6 +99,16 @@ struct Client::Impl {
   std::string lost_reason;
   Member self;
   std::vector<Member> at_join;
+  // Reconnection, under mu.
+  std::string address;        // where (re)connections go: options.address or set_address
+  bool reconnecting = false;  // lost, trying to reach the coordinator again
+  uint64_t losses = 0;
+  uint64_t resume_hello = 0;  // the request id of a reconnection's hello
+  uint64_t coordinator = 0;   // the coordinator instance registered with (its welcome)
+  ResumeState resume;
+  // What this client wrote to the store, written again after a reconnection.
+  std::map<std::string, std::vector<uint8_t>> kv_written;
+  std::map<std::string, std::vector<uint8_t>> plans_written;
   // while_waiting hooks: registered and run by the callers' threads
   std::mutex progress_mu;
   std::map<uint64_t, std::function<void()>> progress;

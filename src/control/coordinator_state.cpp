@@ -37,8 +37,16 @@ Clock::time_point deadline_after(Clock::time_point now, uint64_t timeout_ms) {
   return now + std::chrono::milliseconds(std::min(timeout_ms, kMaxWaitMs));
 }
 
+// Member ids start at this coordinator's start time in microseconds, so that
+// a coordinator restarted on the same address never hands out an id its
+// predecessor gave, which the members that come back keep.
 CoordinatorState::CoordinatorState(const CoordinatorOptions& options, Outbox& outbox)
-    : options_(options), outbox_(outbox) {}
+    : options_(options),
+      outbox_(outbox),
+      instance_(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                          std::chrono::system_clock::now().time_since_epoch())
+                                          .count())),
+      next_member_id_(instance_) {}
 
 void CoordinatorState::on_connect(ConnId conn, Clock::time_point now) {
   conns_[conn] = Conn{now, now, false, {}, 0};
@@ -82,6 +90,7 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
   m.replica = static_cast<int>(replica);
   m.layout_hash = body.value("layout_hash", "");
   if (body.contains("address")) m.transport_address = wire::get_bytes(body, "address");
+  const std::optional<Resume> resume = resume_of(body, m);
   if (m.role != Role::observer) {
     for (const auto& [other_conn, other] : conns_) {
       if (other.registered && other.member.role == m.role && other.member.rank == m.rank)
@@ -89,13 +98,23 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
              other.member.id, ")");
     }
   }
-  m.id = next_member_id_++;
+  if (resume) {
+    // The same process, registering again (this coordinator restarted, or
+    // its connection broke): it keeps its member id, and what it reports
+    // rebuilds the versions and the step count.
+    m.id = resume->member;
+    next_member_id_ = std::max(next_member_id_, m.id + 1);
+    adopt(m, *resume);
+  } else {
+    m.id = next_member_id_++;
+  }
   c.member = m;
   c.registered = true;
   Json welcome = wire::make(Kind::welcome);
   welcome["id"] = wire::get_u64(body, "id");
   welcome["member"] = wire::member_to_json(m);
   welcome["members"] = members_json();
+  welcome["coordinator"] = instance_;
   outbox_.send(conn, welcome);
   record_membership();
   // Membership grew: some wait_members requests may now be satisfied.
@@ -108,6 +127,61 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
     answered(w.conn);
     reply(w.conn, w.request, Json{{"members", members_json()}});
   }
+}
+
+std::optional<CoordinatorState::Resume> CoordinatorState::resume_of(const Json& body,
+                                                                    const Member& m) const {
+  auto it = body.find("resume");
+  if (it == body.end()) return std::nullopt;
+  const Json& r = *it;
+  const auto integer = [&](const char* name) -> int64_t {
+    auto f = r.find(name);
+    if (f == r.end() || !f->is_number_integer() || f->get<int64_t>() < -1)
+      fail(Errc::protocol, "hello of ", who(m), ": resume.", name, " must be an integer >= -1");
+    return f->get<int64_t>();
+  };
+  for (const auto& [key, value] : r.items())
+    if (key != "member" && key != "version" && key != "last_step" && key != "torn" &&
+        key != "coordinator")
+      fail(Errc::protocol, "hello of ", who(m), ": unknown field resume.", key,
+           " (expected member, version, last_step, torn, coordinator)");
+  // Only a restarted coordinator takes members back. One that dropped this
+  // member (a heartbeat timeout, a broken link) has told everyone it left,
+  // and the trainers count on a new member id for a new connection: the
+  // process must register anew.
+  if (auto c = r.find("coordinator");
+      c != r.end() && c->is_number_unsigned() && c->get<uint64_t>() == instance_)
+    fail(Errc::protocol, "hello of ", who(m), ": this coordinator dropped member ",
+         r.value("member", uint64_t{0}),
+         " already; it takes members back only after a restart (register anew as a new ",
+         "process)");
+  Resume out;
+  auto member = r.find("member");
+  if (member == r.end() || !member->is_number_unsigned() || member->get<uint64_t>() == 0)
+    fail(Errc::protocol, "hello of ", who(m), ": resume.member must be a member id");
+  out.member = member->get<uint64_t>();
+  out.version = integer("version");
+  out.last_step = integer("last_step");
+  auto torn = r.find("torn");
+  if (torn != r.end() && !torn->is_boolean())
+    fail(Errc::protocol, "hello of ", who(m), ": resume.torn must be a boolean");
+  out.torn = torn != r.end() && torn->get<bool>();
+  return out;
+}
+
+void CoordinatorState::adopt(const Member& m, const Resume& r) {
+  if (m.role == Role::engine && r.version >= 0) {
+    int64_t& v = versions_[m.rank];
+    v = std::max(v, r.version);
+    if (metrics_) {
+      int64_t newest = -1;
+      for (const auto& [rank, x] : versions_) newest = std::max(newest, x);
+      for (const auto& [rank, x] : versions_) metrics_->engine_version(rank, x, newest);
+    }
+  }
+  if (m.role == Role::engine && r.torn) mark_torn(m.rank);
+  const int64_t seen = std::max(r.version, r.last_step);
+  if (seen >= 0 && !open_step_ && (!last_decided_ || *last_decided_ < seen)) last_decided_ = seen;
 }
 
 void CoordinatorState::on_disconnect(ConnId conn, const std::string& reason) {

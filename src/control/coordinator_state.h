@@ -107,7 +107,15 @@ class CoordinatorState {
   };
 
   // Membership.
+  struct Resume {  // a hello's "resume": a member registering again
+    uint64_t member = 0;
+    int64_t version = -1;
+    int64_t last_step = -1;
+    bool torn = false;
+  };
   void handle_hello(ConnId conn, Conn& c, const wire::Json& body);
+  std::optional<Resume> resume_of(const wire::Json& body, const Member& m) const;
+  void adopt(const Member& m, const Resume& r);
   void drop(ConnId conn, const std::string& reason);
   std::vector<ConnId> registered_conns(std::optional<Role> role = std::nullopt) const;
   wire::Json members_json() const;
@@ -158,6 +166,10 @@ class CoordinatorState {
   CoordinatorOptions options_;
   Outbox& outbox_;
   std::map<ConnId, Conn> conns_;
+  // This coordinator's start time (microseconds since the epoch): welcome's
+  // "coordinator", and the first member id (so that a restarted one never
+  // hands out an id its predecessor gave, which the members keep).
+  uint64_t instance_ = 0;
   uint64_t next_member_id_ = 1;
   std::map<std::string, std::vector<uint8_t>> store_;  // "k:" user keys, "p:" plan blobs
   size_t store_bytes_ = 0;

@@ -61,7 +61,10 @@ std::vector<KindSpec> membership_requests() {
         {"replica", Type::i64, false},
         {"layout_hash", Type::str, false},
         {"address", Type::bytes, false},
-        {"token", Type::str, false}}},
+        {"token", Type::str, false},
+        // A client registering again after a lost connection (a restarted
+        // coordinator): {"member", "version", "last_step", "torn"}.
+        {"resume", Type::object, false}}},
       {Kind::heartbeat, "heartbeat", true, {}},
       {Kind::leave, "leave", true, {{"id", Type::u64}}},
       {Kind::kv_set,
@@ -147,7 +150,12 @@ std::vector<KindSpec> coordinator_messages() {
       {Kind::welcome,
        "welcome",
        false,
-       {{"id", Type::u64}, {"member", Type::object}, {"members", Type::array}}},
+       {{"id", Type::u64},
+        {"member", Type::object},
+        {"members", Type::array},
+        // Which coordinator this is (its start time in microseconds): a
+        // client that comes back to the same one was dropped by it.
+        {"coordinator", Type::u64, false}}},
       {Kind::reply, "reply", false, {{"id", Type::u64}}},
       {Kind::error,
        "error",

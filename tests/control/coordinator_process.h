@@ -18,7 +18,10 @@ namespace weightsync::control::testing {
 
 class CoordinatorProcess {
  public:
-  explicit CoordinatorProcess(std::vector<std::string> extra) {
+  // `listen`: HOST:PORT (port 0: any; a restarted coordinator takes its
+  // predecessor's port).
+  explicit CoordinatorProcess(std::vector<std::string> extra,
+                              const std::string& listen = "127.0.0.1:0") {
     int out[2];
     if (::pipe(out) != 0) throw std::runtime_error("pipe failed");
     pid_ = ::fork();
@@ -27,7 +30,7 @@ class CoordinatorProcess {
       ::close(out[0]);
       ::close(out[1]);
       std::vector<std::string> args = {WEIGHTSYNC_CLI, "coordinator",        "--listen",
-                                       "127.0.0.1:0",  "--hello-timeout-ms", "500"};
+                                       listen,         "--hello-timeout-ms", "500"};
       args.insert(args.end(), extra.begin(), extra.end());
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
@@ -55,6 +58,13 @@ class CoordinatorProcess {
                : static_cast<uint16_t>(std::stoi(first_line_.substr(colon + 1)));
   }
   bool alive() const { return pid_ > 0 && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
+  // SIGKILL, as a crash: nothing is flushed or said to the clients.
+  void kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
 
   // The next line it prints ("" when none came within `timeout`).
   std::string next_line(std::chrono::milliseconds timeout) { return read_line(timeout); }

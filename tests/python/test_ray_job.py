@@ -139,3 +139,22 @@ def test_a_killed_engine_is_restarted_by_ray_and_rejoins():
     assert k["restarted"] is True and k["pid_before"] != k["pid_after"], k
     assert k["rejoined_step"] == back[0]
     assert r["versions"] == {"0": steps[-1]["step"], "1": steps[-1]["step"]}
+
+
+def test_a_killed_coordinator_is_restarted_by_ray_and_the_job_goes_on():
+    """The coordinator actor is ray.kill()ed before step 3: Ray restarts it on
+    its port, every trainer and engine rank registers again as the same member
+    with what it holds, and step 3 (and 4) commit on every engine, bit for bit."""
+    r = run_job("--steps", "4", "--kill-coordinator", "3")
+    check_layout(r)
+    assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4]
+    prev = None
+    for s in r["steps"]:
+        check_step(s, prev)
+        assert s["committed"] == [0, 1] and s["verified"] == [0, 1], s
+        prev = s
+    (restart,) = r["coordinator_restarts"]
+    assert restart["step"] == 3 and restart["old_pid"] != restart["new_pid"], restart
+    assert restart["address"] == r["coordinator"]["address"], restart
+    assert restart["members"] == {"trainer": 2, "engine": 2}, restart
+    assert r["versions"] == {"0": 4, "1": 4}

@@ -226,6 +226,7 @@ SubscriberOptions subscriber_options(const JobSpec& job, const EngineSpec& spec,
   opt.staging = job.staging;
   opt.connect_timeout = Millis(job.timeout_ms);
   opt.step_timeout = Millis(job.timeout_ms);
+  opt.coordinator_reconnect = Millis(job.coordinator_reconnect_ms);
   opt.tracer = tracer;
   return opt;
 }

@@ -56,6 +56,7 @@ nlohmann::json JobSpec::to_json() const {
       {"raw_rounds", raw_rounds},
       {"restart_killed", restart_killed},
       {"step_gap_ms", step_gap_ms},
+      {"coordinator_reconnect_ms", coordinator_reconnect_ms},
       {"device", device},
       {"elastic", elastic},
       {"min_replicas", min_replicas},
@@ -94,6 +95,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.raw_rounds = j.at("raw_rounds").get<int>();
     s.restart_killed = j.value("restart_killed", false);
     s.step_gap_ms = j.value("step_gap_ms", int64_t{0});
+    s.coordinator_reconnect_ms = j.value("coordinator_reconnect_ms", int64_t{0});
     s.device = j.value("device", std::string("cpu"));
     s.elastic = j.value("elastic", false);
     s.min_replicas = j.value("min_replicas", 1);

@@ -67,10 +67,14 @@ struct JobSpec {
   KillSpec kill;
   bool restart_killed = false;  // start the killed rank again at once (it rejoins)
   int64_t step_gap_ms = 0;      // trainers pause this long before each step after the first
-  int raw_rounds = 0;           // bench: plain transport transfers of the plan's link bytes
-  int metrics_port = -1;        // the parent's coordinator: Prometheus metrics (-1: off)
-  bool progress = false;        // the parent shows the steps decided on a terminal
-  std::string device = "cpu";   // where every rank's tensors live: "cpu" or "cuda" (demo_device.h)
+  // Publisher/SubscriberOptions::coordinator_reconnect of the workers. 0 by
+  // default: a demo worker's process ends when its coordinator is gone (a
+  // supervisor starts it again as a new member; tests/netns' scenarios).
+  int64_t coordinator_reconnect_ms = 0;
+  int raw_rounds = 0;          // bench: plain transport transfers of the plan's link bytes
+  int metrics_port = -1;       // the parent's coordinator: Prometheus metrics (-1: off)
+  bool progress = false;       // the parent shows the steps decided on a terminal
+  std::string device = "cpu";  // where every rank's tensors live: "cpu" or "cuda" (demo_device.h)
   // Elastic replicas (PublisherOptions::elastic): the engine config's
   // replicas are slots; `join` (replica -> step) starts a replica's processes
   // once the step before that one was decided, `leave` (replica -> step)

@@ -122,6 +122,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.min_replicas = job.min_replicas;
   opt.connect_timeout = timeout;
   opt.step_timeout = timeout;
+  opt.coordinator_reconnect = Millis(job.coordinator_reconnect_ms);
   opt.tracer = tracer.get();
   Publisher pub(opt);
   const std::vector<size_t> held = layout.rank_params(rank);
