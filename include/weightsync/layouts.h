@@ -50,6 +50,18 @@ EngineSpec load_engine_spec(const std::string& path);
 EngineLayout make_engine_layout(const EngineConfig& config);
 EngineLayout make_engine_layout(const EngineSpec& spec);
 
+// FP8 engines: where the engine config's quantization comes from —
+// "the model's quantization_config" (frameworks that read it as their engine
+// does: "vllm", "sglang"), "the engine config's \"quantization\"", or "" when
+// the engine is not quantized.
+std::string fp8_source(const EngineConfig& config);
+
+// One line on what a rank holds in FP8: "N of M linear weights FP8, scales
+// <format>" (M: every weight an FP8 checkpoint may store in FP8 — the
+// quantized ones and the unquantized params whose HF tensors are such
+// weights); "" for a rank with no FP8 param.
+std::string fp8_summary(const EngineRankLayout& rank);
+
 // The global expert ids held by replica rank `rank`, in local order (local
 // slot j holds expert result[j]); every expert when expert_parallel is off.
 std::vector<int64_t> local_experts(const EngineConfig& config, int rank);

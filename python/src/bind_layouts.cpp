@@ -40,6 +40,16 @@ std::vector<ParamInfo> engine_params(const std::string& text, const std::string&
   return out;
 }
 
+// FP8 engines: "N of M linear weights FP8, scales <format>" for an engine
+// rank, and where its quantization comes from ("" for both when none).
+std::tuple<std::string, std::string> engine_fp8_summary(const std::string& text,
+                                                        const std::string& base_dir, int replica,
+                                                        int rank) {
+  const EngineLayout layout = make_engine_layout(engine_spec(text, base_dir));
+  const int global = layout.global_rank(replica, rank);
+  return {fp8_summary(layout.rank_layout(global)), fp8_source(layout.group_of(global).config)};
+}
+
 std::string engine_config_json(const std::string& text, const std::string& base_dir) {
   return engine_spec(text, base_dir).to_json().dump();
 }
@@ -107,6 +117,8 @@ std::string plan_summary(const std::string& trainer, const std::string& engine,
 void bind_layouts(nb::module_& m) {
   m.def("engine_params", &engine_params, nb::arg("engine"), nb::arg("base_dir"), nb::arg("replica"),
         nb::arg("rank"));
+  m.def("engine_fp8_summary", &engine_fp8_summary, nb::arg("engine"), nb::arg("base_dir"),
+        nb::arg("replica"), nb::arg("rank"));
   m.def("engine_config_json", &engine_config_json, nb::arg("engine"), nb::arg("base_dir"));
   m.def("check_trainer_layout", &check_trainer_layout, nb::arg("layout"));
   m.def("local_shape", &layout_local_shape, nb::arg("layout"), nb::arg("name"), nb::arg("rank"));

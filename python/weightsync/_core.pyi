@@ -13,6 +13,10 @@ def engine_params(engine: str, base_dir: str, replica: int,
                   rank: int) -> list[tuple[str, str, list[int]]]:
     """(name, safetensors dtype, shape) of every param of an engine rank."""
 
+def engine_fp8_summary(engine: str, base_dir: str, replica: int, rank: int) -> tuple[str, str]:
+    """("N of M linear weights FP8, scales <format>", where the quantization
+    comes from) of an engine rank; ("", "") when it holds no FP8."""
+
 def engine_config_json(engine: str, base_dir: str) -> str:
     """The engine config, checked and normalized, as JSON text."""
 

@@ -7,6 +7,7 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
+from . import _parity
 from ._api import Subscriber
 from ._errors import Error
 
@@ -120,15 +121,31 @@ class EngineSync:
     checkpoint); if that is impossible the engine is poisoned (refuses to
     generate) until the next committed step. `version` is the last version
     the engine holds whole.
+
+    Direct mode checks parity first, before the Subscriber connects
+    (_parity.check): the rank's layout against `held` ({name: (dtype,
+    shape)}, the params as the engine loads them; default: the model's
+    parameters and buffers, where no protocol stages them), names through
+    `aliases`; any difference raises MismatchError with a table of the params
+    that differ. `parity` is then the summary line ("N of M linear weights
+    FP8, scales fp32; matches the engine", "" without FP8), also in each step
+    result ("fp8") of update().
     """
 
     def __init__(self, model: Any, coordinator: Any, engine: Any, replica: int, rank: int,
                  mode: str = "direct", post_load: Optional[Callable[[int], Any]] = None,
                  strict: bool = True, protocol: Optional[UpdateProtocol] = None,
                  keep_previous: bool = True, aliases: Optional[dict] = None,
-                 **subscriber_options: Any):
+                 held: Optional[dict] = None, **subscriber_options: Any):
         if mode not in MODES:
             raise Error("invalid_argument", f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        #: The parity check's summary line (direct mode), "" when not checked
+        #: or without FP8.
+        self.parity = ""
+        if mode == "direct" and held is None and protocol is None:
+            held = _parity.engine_holds(model)
+        if mode == "direct" and held is not None:
+            self.parity = _parity.check(engine, replica, rank, held, aliases)
         self.model = model
         self.mode = mode
         self.protocol = protocol
@@ -386,6 +403,8 @@ class EngineSync:
                 self._recover(-1)
             raise
         result = outcome_dict(out)
+        if result is not None and self.parity:
+            result["fp8"] = self.parity
         if result is not None and self.protocol is not None:
             result["version"] = self._version
             if self._poisoned is not None:

@@ -354,6 +354,13 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
         from ._api import engine_params
 
         aliases = table_aliases(model, [p.name for p in engine_params(engine, replica, rank)])
+    # The parity check (EngineSync) compares the layout with the params as
+    # vLLM's loader creates them (before any repacking).
+    from ._parity import dtype_name
+
+    held = {f"{m}.{p}" if m else p: (dtype_name(t), list(t.shape))
+            for m, _, templates in _loading_tensors(model) for p, t in templates.items()}
+    options["held"] = held
     blockers = inplace_blockers(model)
     if not blockers:
         # In place; staging keeps a failed step from showing (the copy is

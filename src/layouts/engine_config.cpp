@@ -8,6 +8,7 @@
 #include <weightsync/layouts.h>
 
 #include "engine_framework.h"
+#include "fp8_checkpoint.h"
 
 #include <nlohmann/json.hpp>
 
@@ -64,7 +65,7 @@ HfModelConfig load_hf_config(const std::string& path, const std::string& base_di
 
 // "quantization": {"method": "fp8", "weight_block_size": [128, 128],
 // "scale": "fp32" | "ue8m0"}; null or absent: none.
-std::optional<BlockQuant> get_quantization(const json& j) {
+std::optional<engine::EngineQuantField> get_quantization(const json& j) {
   const json* q = field(j, "quantization");
   if (!q) return std::nullopt;
   if (!q->is_object())
@@ -77,7 +78,8 @@ std::optional<BlockQuant> get_quantization(const json& j) {
   if (method != "fp8")
     fail(Errc::invalid_layout, "engine config: quantization method '", method,
          "' is not supported (expected \"fp8\")");
-  BlockQuant out;
+  engine::EngineQuantField field_out;
+  BlockQuant& out = field_out.quant;
   if (const json* b = field(*q, "weight_block_size")) {
     if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number_integer() ||
         !(*b)[1].is_number_integer())
@@ -91,13 +93,26 @@ std::optional<BlockQuant> get_quantization(const json& j) {
       fail(Errc::invalid_layout, "engine config: quantization.weight_block_size ", b->dump(),
            " is not supported (only [128, 128])");
   }
+  field_out.scale_given = field(*q, "scale") != nullptr;
   const std::string scale = get_string(*q, "scale", "fp32");
   if (scale == "ue8m0")
     out.scale = ScaleFormat::ue8m0;
   else if (scale != "fp32")
     fail(Errc::invalid_layout, "engine config: quantization.scale '", scale,
          "' is not supported (expected \"fp32\" or \"ue8m0\")");
-  return out;
+  return field_out;
+}
+
+// The quantization the engine holds: the model's quantization_config where
+// the framework reads it as its engine does (the field must then agree),
+// else the field alone.
+std::optional<BlockQuant> quantization_of(const engine::Framework& framework, const json& j,
+                                          const HfModelConfig& hf) {
+  const auto given = get_quantization(j);
+  if (given && !framework.quantizable)
+    fail(Errc::unsupported, "engine config: framework \"", framework.name, "\" with quantization");
+  if (!framework.fp8) return given ? std::optional<BlockQuant>(given->quant) : std::nullopt;
+  return engine::reconcile_fp8(given, engine::read_checkpoint_fp8(hf.raw()));
 }
 
 }  // namespace
@@ -143,9 +158,7 @@ EngineConfig engine_config_from_json(const json& j, const std::string& base_dir)
   c.dtype = dtype.empty() ? c.hf.dtype : dtype_from_name(dtype, "engine config field 'dtype'");
   c.moe_order = get_string(j, "moe_order", "w13");
   engine::check_framework_options(framework, c);
-  c.quantization = get_quantization(j);
-  if (c.quantization && !framework.quantizable)
-    fail(Errc::unsupported, "engine config: framework \"", framework.name, "\" with quantization");
+  c.quantization = quantization_of(framework, j, c.hf);
   if (framework.read) framework.read(j, c);
   return c;
 }

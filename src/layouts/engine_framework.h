@@ -5,6 +5,8 @@
 // (layout_build.cpp) find them by name and know no framework themselves.
 #pragma once
 
+#include "fp8_checkpoint.h"
+
 #include <weightsync/engine_layout.h>
 
 #include <nlohmann/json_fwd.hpp>
@@ -26,6 +28,10 @@ struct Framework {
   bool takes_w31 = false;
   // Takes "quantization" (block FP8).
   bool quantizable = true;
+  // Reads the model's quantization_config as this engine does
+  // (fp8_checkpoint.h): the engine config's "quantization" is then optional
+  // and must agree with it. nullptr: "quantization" alone says (as written).
+  const Fp8Selection* fp8 = nullptr;
   // Its layouts come from outside (not from the name tables): make_engine_layout
   // checks their coverage (every segment in bounds, no overlap).
   bool checked_for_coverage = false;

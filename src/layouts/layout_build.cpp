@@ -242,12 +242,13 @@ void add_param(EngineRankLayout& rank, const Rule& rule, const EngineConfig& c,
 
 }  // namespace
 
-std::vector<EngineRankLayout> rule_ranks(const EngineConfig& config, const Renames& renames) {
+std::vector<EngineRankLayout> rule_ranks(const EngineConfig& config, const Renames& renames,
+                                         const Fp8Selection* fp8) {
   validate(config);
   const auto tensors = hf_tensors(config.hf);
   HfShapes shapes;
   for (const auto& t : tensors) shapes.emplace(t.key, t.shape);
-  const auto rules = rules_for(config, shapes, tensors, renames);
+  const auto rules = rules_for(config, shapes, tensors, renames, fp8);
   std::vector<EngineRankLayout> ranks(static_cast<size_t>(config.tp));
   for (int r = 0; r < config.tp; ++r) {
     auto& rank = ranks[static_cast<size_t>(r)];

@@ -170,8 +170,31 @@ std::map<std::string, std::vector<Rule>> expert_rules(const HfModelConfig& hf) {
 
 }  // namespace
 
+namespace {
+
+// Which rules are FP8 (rules_for).
+void mark_quantized(std::vector<Rule>& rules, const EngineConfig& config, const Fp8Selection* fp8) {
+  const auto ckpt = fp8 ? read_checkpoint_fp8(config.hf.raw()) : std::nullopt;
+  const FusedModules fused = ckpt ? fp8->fused(config.hf) : FusedModules{};
+  for (Rule& r : rules) {
+    const bool linear = r.split != Split::vocab &&
+                        std::all_of(r.keys.begin(), r.keys.end(),
+                                    [](const std::string& k) { return fp8_linear_key(k); });
+    if (!ckpt) {
+      r.quantized = linear;
+      continue;
+    }
+    const std::string module = module_of_param(r.param);
+    const bool takes_quant = linear || (fp8->extra && fp8->extra(config.hf, module));
+    r.quantized = takes_quant && !fp8->skipped(module, *ckpt, fused);
+  }
+}
+
+}  // namespace
+
 std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
-                            const std::vector<HfTensorSpec>& tensors, const Renames& renames) {
+                            const std::vector<HfTensorSpec>& tensors, const Renames& renames,
+                            const Fp8Selection* fp8) {
   std::vector<Rule> rules;
   std::set<std::string> consumed;
   auto experts = expert_rules(config.hf);
@@ -222,11 +245,7 @@ std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
       fail(Errc::invalid_layout, "engine layout (", config.framework, ", ", config.hf.family,
            "): no rule places HF tensor '", t.key, "'");
   }
-  if (config.quantization)
-    for (Rule& r : rules)
-      r.quantized = r.split != Split::vocab &&
-                    std::all_of(r.keys.begin(), r.keys.end(),
-                                [](const std::string& k) { return fp8_linear_key(k); });
+  if (config.quantization) mark_quantized(rules, config, fp8);
   return rules;
 }
 

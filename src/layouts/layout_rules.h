@@ -4,6 +4,8 @@
 // rank's parameter (layout_build.cpp).
 #pragma once
 
+#include "fp8_checkpoint.h"
+
 #include <weightsync/engine_layout.h>
 
 #include <map>
@@ -51,14 +53,20 @@ using Renames = std::map<std::string, std::string, std::less<>>;
 
 // Every rule of the model, in HF order, its params named as the tables name
 // them with `renames` applied. Errc::invalid_layout when an HF tensor has no
-// rule (a family this table does not know yet).
+// rule (a family this table does not know yet). With config.quantization,
+// the quantized rules: where the model's config carries quantization_config
+// and `fp8` is given, the engine's own choice (fp8_checkpoint.h: its modules
+// that take the quant config, less those its is_layer_skipped leaves
+// unquantized); otherwise every fp8_linear_key weight.
 std::vector<Rule> rules_for(const EngineConfig& config, const HfShapes& shapes,
-                            const std::vector<HfTensorSpec>& tensors, const Renames& renames);
+                            const std::vector<HfTensorSpec>& tensors, const Renames& renames,
+                            const Fp8Selection* fp8 = nullptr);
 
 // The rank layouts of one replica from the tables (frameworks "vllm" and
 // "sglang"): the checks of what tp must divide, then every rule's param on
 // each rank, with FP8 scale params where the config says.
-std::vector<EngineRankLayout> rule_ranks(const EngineConfig& config, const Renames& renames);
+std::vector<EngineRankLayout> rule_ranks(const EngineConfig& config, const Renames& renames,
+                                         const Fp8Selection* fp8 = nullptr);
 
 // One rank's parameter for `rule`; Errc::invalid_layout when tp does not
 // divide what the rule splits.

@@ -22,7 +22,10 @@ const char* kUsage =
     "                   array of them: groups of replicas, ranks numbered group by group\n"
     "  --rank R         only global engine rank R\n"
     "  --json           the full layout with every segment, as JSON\n"
-    "Default output: per rank, each parameter's dtype, shape, segment count and bytes.\n";
+    "Default output: per rank, each parameter's dtype, shape, segment count and bytes.\n"
+    "FP8 engines: the quantization comes from the model's quantization_config (vllm,\n"
+    "sglang: which modules are FP8 as that engine decides) or the engine config's\n"
+    "\"quantization\"; each rank ends with \"N of M linear weights FP8, scales <format>\".\n";
 
 void print_rank(const EngineRankLayout& rank) {
   uint64_t total = 0;
@@ -37,6 +40,7 @@ void print_rank(const EngineRankLayout& rank) {
   }
   std::printf("  total: %llu bytes (%.3f GiB)\n", static_cast<unsigned long long>(total),
               static_cast<double>(total) / (1ull << 30));
+  if (const std::string fp8 = fp8_summary(rank); !fp8.empty()) std::printf("  %s\n", fp8.c_str());
 }
 
 int run(const std::vector<std::string>& argv) {
@@ -56,7 +60,11 @@ int run(const std::vector<std::string>& argv) {
   }
   if (args.flag("json")) {
     nlohmann::json out = {{"config", spec.to_json()}, {"ranks", nlohmann::json::array()}};
-    for (const auto* r : ranks) out["ranks"].push_back(rank_layout_to_json(*r));
+    for (const auto* r : ranks) {
+      nlohmann::json j = rank_layout_to_json(*r);
+      if (const std::string fp8 = fp8_summary(*r); !fp8.empty()) j["fp8_summary"] = fp8;
+      out["ranks"].push_back(std::move(j));
+    }
     std::cout << out.dump() << "\n";
     return 0;
   }
@@ -67,10 +75,11 @@ int run(const std::vector<std::string>& argv) {
                 c.expert_parallel ? "on" : "off");
     if (c.expert_parallel) std::printf(" placement=%s", c.expert_placement.c_str());
     if (c.quantization)
-      std::printf(" quantization=fp8 blocks %lldx%lld scale=%s",
+      std::printf(" quantization=fp8 blocks %lldx%lld scale=%s (from %s)",
                   static_cast<long long>(c.quantization->block_rows),
                   static_cast<long long>(c.quantization->block_cols),
-                  std::string(scale_format_name(c.quantization->scale)).c_str());
+                  std::string(scale_format_name(c.quantization->scale)).c_str(),
+                  fp8_source(c).c_str());
     std::printf(" moe_order=%s; engine ranks %d..%d; coverage ok\n", c.moe_order.c_str(),
                 g.first_rank, g.first_rank + c.tp * c.replicas - 1);
   }
