@@ -60,7 +60,8 @@ from vllm.distributed.weight_transfer.base import (ModuleSource, TrainerInitInfo
                                                    TrainerWeightTransferEngine, WeightSource)
 
 from ._errors import Error
-from .vllm import ENGINE_NAME, register_weight_transfer_engine, worker_error
+from ._vllm_common import ENGINE_NAME, worker_error
+from .vllm import register_weight_transfer_engine
 
 __all__ = ["WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
 

@@ -24,7 +24,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from ._errors import Error
-from .vllm import marked
+from ._vllm_common import _lora_close, _lora_connect, _lora_sync, marked
 
 
 @dataclass
@@ -86,7 +86,6 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
         from ._vllm_reload import connect
         from .lora import adapter_of
-        from .vllm import _lora_connect
 
         adapters = [dict(a) for a in init_info.adapters]
         if init_info.engine is not None and adapter_of(init_info.engine) is not None:
@@ -149,8 +148,6 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def _receive(self, update_info: WeightsyncUpdateInfo) -> None:
         if update_info.adapter is not None:
-            from .vllm import _lora_sync
-
             sync = _lora_sync(self._loras, update_info.adapter)
             who = f"adapter {update_info.adapter!r} on {self._who(sync)}"
         else:
@@ -185,8 +182,6 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if self._sync is not None:
             self._sync.close()
             self._sync = None
-        from .vllm import _lora_close
-
         _lora_close(self._loras, None)
 
     @staticmethod

@@ -58,6 +58,7 @@ from typing import Any, Optional
 
 from ._engine import EngineSync, outcome_dict
 from ._errors import Error
+from ._sglang_control import _pause
 
 __all__ = ["LOADER", "WorkerSync", "close", "connect", "connect_lora", "engine_args", "tp_rank",
            "update", "weight_loader"]
@@ -524,28 +525,3 @@ def _set_weight_version(engine: Any, version: str) -> None:
     request = getattr(engine, "_make_request", None)  # sglang's HttpServerEngineAdapter
     if callable(request):
         request("update_weight_version", {"new_version": version, "abort_all_requests": False})
-
-
-def _pause(engine: Any, pause: bool) -> None:
-    """Pauses SGLang's generation (requests wait, "retract" mode), or resumes
-    it if weightsync paused it."""
-    if bool(getattr(engine, "_weightsync_paused", False)) == pause:
-        return
-    manager, loop = getattr(engine, "tokenizer_manager", None), getattr(engine, "loop", None)
-    if manager is not None and loop is not None:
-        from sglang.srt.managers.io_struct import (ContinueGenerationReqInput,
-                                                   PauseGenerationReqInput)
-
-        if pause:
-            loop.run_until_complete(manager.pause_generation(PauseGenerationReqInput(
-                mode="retract")))
-        else:
-            loop.run_until_complete(manager.continue_generation(ContinueGenerationReqInput()))
-    else:
-        request = getattr(engine, "_make_request", None)  # sglang's HttpServerEngineAdapter
-        if not callable(request):
-            raise Error("unsupported", f"cannot {'pause' if pause else 'resume'} generation of "
-                        f"{type(engine).__name__}")
-        request("pause_generation" if pause else "continue_generation",
-                {"mode": "retract"} if pause else {})
-    engine._weightsync_paused = pause
