@@ -221,16 +221,16 @@ class WorkerSync(EngineSync):
             if callable(post):  # derived weights (SGLang's loaders call it the same way)
                 post()
 
-    def update(self, timeout: float = 60.0) -> Optional[dict]:
+    def update(self, timeout: float = 60.0, step: Optional[int] = None) -> Optional[dict]:
         """Waits up to `timeout` s for the next step and runs it (None: none
-        began); in load_weights mode the outcome also says how many
+        began; `step` is for staged engines, which SGLang's are not yet); in load_weights mode the outcome also says how many
         load_weights calls the step made ("batches"), whether a failed step
         was undone ("restored") and, if it could not be, why the model is
         mixed ("mixed"). A step that times out here after it began (waiting
         for data or for the coordinator's decision) is a failed step."""
         self._began = None
         try:
-            out = super().update(timeout)
+            out = super().update(timeout, step)
         except Error as e:
             if self.mode != "load_weights" or self._began is None:
                 raise

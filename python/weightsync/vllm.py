@@ -88,7 +88,9 @@ class WorkerExtension:
         engines' config (path, dict or JSON); `mode`: "load_weights" or
         "direct" (None: from the replica's framework, "hf" -> load_weights);
         `keep_previous`: keep the last committed version in host memory to
-        undo a failed step; `options`: Subscriber options (transport, token,
+        undo a failed step; `staged=True` (in options): receive each step on
+        a background thread while vLLM serves, weightsync_update applies it;
+        `options`: Subscriber options (transport, token,
         job, timeouts, weights_device). Returns {"global_rank", "mode",
         "protocol" (vLLM's layerwise reload is used), "fallback" (why direct
         mode does, or None)}."""
@@ -110,12 +112,16 @@ class WorkerExtension:
             raise Error("invalid_argument", "weightsync_connect was not called on this worker")
         return sync
 
-    def weightsync_update(self, timeout: float = 120.0) -> Optional[dict]:
+    def weightsync_update(self, timeout: float = 120.0,
+                          step: Optional[int] = None) -> Optional[dict]:
         """Runs the next weight update (waits up to `timeout` s for it to
         begin): {"step", "committed", "reason", "bytes", "delta_buckets", "weights_handed",
-        "seconds", "version" (and "restored" / "poisoned" after a failed step)}, or None."""
+        "seconds", "version" (and "restored" / "poisoned" after a failed step)}, or None.
+        Connected with staged=True: waits for the next step (with `step`: that
+        one) to be received on the background thread and applies it
+        ("staged": True, "apply_seconds")."""
         try:
-            return self._weightsync_sync().update(timeout)
+            return self._weightsync_sync().update(timeout, step=step)
         except Error as e:
             raise marked(e) from e  # vLLM passes on only the text: update() reads it back
 
