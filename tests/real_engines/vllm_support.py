@@ -542,6 +542,83 @@ class Server:
         self.proc.wait(timeout=30)
 
 
+class StreamingLoad:
+    """`streams` threads that each stream greedy completions from `server`
+    one after another (max_tokens long, ignore_eos) until stop(): the load
+    an RL server is always under. Records every request's finish reason and
+    every token's arrival time, so that a test can say what the swap did
+    to requests in flight and print the serving pause (the longest gap
+    between two tokens of any request)."""
+
+    PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+    def __init__(self, server: Server, streams: int = 3, max_tokens: int = 200):
+        import threading
+
+        self.server, self.max_tokens = server, max_tokens
+        self.requests: list = []   # (finish_reason or error text, [token arrival times])
+        self.errors: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._started = threading.Barrier(streams + 1)
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(streams)]
+        for t in self._threads:
+            t.start()
+        self._started.wait(timeout=120)
+
+    def _one(self, first: list) -> None:
+        import requests
+
+        times: list = []
+        reason = None
+        body = {"model": self.server.path, "prompt": self.PROMPT, "max_tokens": self.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        with requests.post(self.server.url + "/v1/completions", json=body, stream=True,
+                           timeout=300) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[len(b"data: "):])
+                for choice in chunk.get("choices", []):
+                    if choice.get("token_ids") or choice.get("text"):  # a chunk of tokens
+                        times.append(time.monotonic())
+                        if first:
+                            first.pop().wait(timeout=120)  # this stream is running
+                    reason = choice.get("finish_reason") or reason
+        with self._lock:
+            self.requests.append((reason, times))
+
+    def _run(self, i: int) -> None:
+        first = [self._started]
+        try:
+            while not self._stop.is_set():
+                self._one(first)
+        except Exception as e:  # noqa: BLE001 - reported by stop()
+            self.errors.append(f"stream {i}: {e!r}")
+            if first:
+                first.pop().abort()
+
+    def stop(self) -> list:
+        """Stops after the requests in flight; returns [(finish reason, token times)]."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+        assert not self.errors, self.errors
+        return self.requests
+
+    def gaps(self, since: float, until: float) -> tuple:
+        """(the longest gap between two tokens of one request inside
+        [since, until], the median gap of every request outside it)."""
+        inside, outside = [0.0], []
+        for _, times in self.requests:
+            for a, b in zip(times, times[1:]):
+                (inside if b >= since and a <= until else outside).append(b - a)
+        outside.sort()
+        return max(inside), outside[len(outside) // 2] if outside else 0.0
+
+
 def load_version(model: Any, path: str) -> None:
     """Loads checkpoint `path` into `model` in place: each parameter (an
     FSDP2 DTensor: this rank's shard of it) from the checkpoint's tensor of
