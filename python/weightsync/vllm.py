@@ -43,6 +43,11 @@ Two ways in:
            client=HTTPVLLMWeightSyncClient("http://host:8000"))
        engine.send_weights()   # each step, on every trainer rank
 
+   The trainer side stages by default: the workers receive each step on a
+   background thread while the server serves (init_info "staged"), and the
+   server stops only to apply it, with its prefix cache reset at the swap
+   even under load (weightsync._vllm_server, docs/integrations/vllm.md).
+
 2. A worker extension (vLLM's `worker_extension_cls`), driven with
    `collective_rpc`:
 
