@@ -556,7 +556,7 @@ class StreamingLoad:
         import threading
 
         self.server, self.max_tokens = server, max_tokens
-        self.requests: list = []   # (finish_reason or error text, [token arrival times])
+        self.requests: list = []   # [finish_reason, [token arrival times]] per request
         self.errors: list = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -570,8 +570,10 @@ class StreamingLoad:
     def _one(self, first: list) -> None:
         import requests
 
-        times: list = []
-        reason = None
+        entry: list = [None, []]  # [finish reason, token times], filled as it streams
+        with self._lock:
+            self.requests.append(entry)
+        times = entry[1]
         body = {"model": self.server.path, "prompt": self.PROMPT, "max_tokens": self.max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True}
         with requests.post(self.server.url + "/v1/completions", json=body, stream=True,
@@ -586,9 +588,7 @@ class StreamingLoad:
                         times.append(time.monotonic())
                         if first:
                             first.pop().wait(timeout=120)  # this stream is running
-                    reason = choice.get("finish_reason") or reason
-        with self._lock:
-            self.requests.append((reason, times))
+                    entry[0] = choice.get("finish_reason") or entry[0]
 
     def _run(self, i: int) -> None:
         first = [self._started]
@@ -606,17 +606,34 @@ class StreamingLoad:
         for t in self._threads:
             t.join(timeout=300)
         assert not self.errors, self.errors
-        return self.requests
+        return [(reason, times) for reason, times in self.requests]
 
     def gaps(self, since: float, until: float) -> tuple:
-        """(the longest gap between two tokens of one request inside
+        """(the longest gap between two tokens of one request that overlaps
         [since, until], the median gap of every request outside it)."""
-        inside, outside = [0.0], []
-        for _, times in self.requests:
+        return self.longest_gap(since, until)[0], self.steady_gap(since, until)
+
+    def longest_gap(self, since: float, until: float) -> tuple:
+        """(seconds, start, end) of the longest gap between two tokens of
+        one request that overlaps [since, until] ((0, since, since): none)."""
+        best = (0.0, since, since)
+        with self._lock:
+            requests = [list(times) for _, times in self.requests]
+        for times in requests:
             for a, b in zip(times, times[1:]):
-                (inside if b >= since and a <= until else outside).append(b - a)
+                if b >= since and a <= until and b - a > best[0]:
+                    best = (b - a, a, b)
+        return best
+
+    def steady_gap(self, since: float, until: float) -> float:
+        """The median gap between two tokens outside [since, until]."""
+        outside = []
+        with self._lock:
+            requests = [list(times) for _, times in self.requests]
+        for times in requests:
+            outside += [b - a for a, b in zip(times, times[1:]) if b < since or a > until]
         outside.sort()
-        return max(inside), outside[len(outside) // 2] if outside else 0.0
+        return outside[len(outside) // 2] if outside else 0.0
 
 
 def load_version(model: Any, path: str) -> None:
