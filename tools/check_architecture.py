@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """The dependency rules of docs/architecture.md, checked.
 
-Three graphs are checked against one table of layers (LAYERS below):
+Four graphs are checked against one table of layers (LAYERS below):
 
 - the include graph of the C++ sources and headers (every #include of a
   weightsync header, public or private, resolved to the file it names);
 - the CMake targets' dependencies (weightsync_add_library DEPS and
   target_link_libraries between weightsync_* targets), which must form a DAG;
+- the imports between the Python package's modules (python/weightsync/,
+  lazy imports inside functions included), which must form a DAG too;
 - with --build DIR, the libraries' symbols: an undefined symbol of one
   library that another library defines is a link arrow, and it must be one
   the layers allow (this is what a hidden link cycle looks like).
@@ -409,6 +411,90 @@ def check_cmake(root: str):
     return found, edges
 
 
+PYTHON_PACKAGE = "python/weightsync"
+
+
+def python_modules(root: str) -> dict[str, str]:
+    """{dotted module name: file} of the Python package's modules."""
+    base = os.path.join(root, PYTHON_PACKAGE)
+    top = os.path.basename(PYTHON_PACKAGE)
+    out = {}
+    for dirpath, _, files in os.walk(base):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), base)[:-3].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join([top] + rel)] = os.path.join(dirpath, f)
+    return out
+
+
+def python_import_arrows(root: str):
+    """(importer, imported, line) for every import of one of the package's
+    modules by another, wherever the statement is (a function's lazy import
+    is an arrow too: it only moves the circle to run time). Importing a
+    submodule does not count as an arrow to its parent package."""
+    import ast
+
+    modules = python_modules(root)
+    # Every name a file or folder of a package gives a submodule (extensions
+    # and stubs included).
+    submodules = set(modules)
+    for name, path in modules.items():
+        if os.path.basename(path) == "__init__.py":
+            submodules |= {f"{name}.{f.split('.')[0]}" for f in os.listdir(os.path.dirname(path))}
+    for name, path in sorted(modules.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        is_package = os.path.basename(path) == "__init__.py"
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".")
+                    keep = len(parts) - node.level + (1 if is_package else 0)
+                    base = ".".join(parts[:keep] + ([base] if base else []))
+                # `from pkg import mod` names a submodule (a .py file, or an
+                # extension such as _core: no arrow); `from mod import x` the module.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in submodules else base
+                           for a in node.names]
+            for t in targets:
+                if t in modules and t != name:
+                    yield name, t, node.lineno
+
+
+def check_python_imports(root: str):
+    """The package's modules import each other without a circle."""
+    succ = collections.defaultdict(dict)
+    for a, b, line in python_import_arrows(root):
+        succ[a].setdefault(b, line)
+    found = []
+    state: dict[str, int] = {}
+
+    def visit(n, path):
+        state[n] = 1
+        for m in sorted(succ[n]):
+            if state.get(m) == 1:
+                cyc = path[path.index(m):] + [m]
+                where = ", ".join(f"{x} line {succ[x][y]}" for x, y in zip(cyc, cyc[1:]))
+                found.append((f"python-cycle {' -> '.join(cyc)}",
+                              f"the Python modules import each other in a circle: "
+                              f"{' -> '.join(cyc)} ({where}); move what both need into a "
+                              "module that imports neither"))
+            elif m not in state:
+                visit(m, path + [m])
+        state[n] = 2
+
+    for n in sorted(succ):
+        if n not in state:
+            visit(n, [n])
+    return found
+
+
 def nm(args: list[str]) -> list[str]:
     return subprocess.run(["nm", "-C"] + args, capture_output=True, text=True,
                           check=True).stdout.splitlines()
@@ -480,7 +566,8 @@ def main() -> int:
     found += check_owners(root)
     cm_found, edges = check_cmake(root)
     found += cm_found
-    checked = ["includes", "cmake targets"]
+    found += check_python_imports(root)
+    checked = ["includes", "cmake targets", "python imports"]
     if args.build:
         sym_found, links, libs = check_symbols(root, args.build)
         if not libs:

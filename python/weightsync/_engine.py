@@ -4,12 +4,14 @@ and SGLang integrations share. The engine is never imported here."""
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
 from . import _parity
 from ._api import Subscriber
 from ._errors import Error
+from ._staged import StagedSteps, require_staged_protocol
 
 MODES = ("direct", "load_weights")
 
@@ -130,13 +132,25 @@ class EngineSync:
     that differ. `parity` is then the summary line ("N of M linear weights
     FP8, scales fp32; matches the engine", "" without FP8), also in each step
     result ("fp8") of update().
+
+    `staged` (with a protocol): each step is received on a background
+    thread into copies this object owns while the engine serves (weightsync.
+    _staged), and update() applies the newest committed one through the
+    protocol: the engine stops only for the apply. A step that fails before
+    the apply changes nothing the engine serves; an apply that fails
+    restores the previous version, as a blocking step does. The commit came
+    before the apply, so the ranks of a replica agree on it afterwards:
+    `agree(ok)` is called on every rank after its apply and returns whether
+    every rank's succeeded (vLLM: a gather over the tensor-parallel group);
+    where one failed, the others go back to the previous version too.
     """
 
     def __init__(self, model: Any, coordinator: Any, engine: Any, replica: int, rank: int,
                  mode: str = "direct", post_load: Optional[Callable[[int], Any]] = None,
                  strict: bool = True, protocol: Optional[UpdateProtocol] = None,
                  keep_previous: bool = True, aliases: Optional[dict] = None,
-                 held: Optional[dict] = None, **subscriber_options: Any):
+                 held: Optional[dict] = None, staged: bool = False,
+                 agree: Optional[Callable[[bool], bool]] = None, **subscriber_options: Any):
         if mode not in MODES:
             raise Error("invalid_argument", f"mode {mode!r}: expected one of {', '.join(MODES)}")
         #: The parity check's summary line (direct mode), "" when not checked
@@ -150,6 +164,8 @@ class EngineSync:
         self.mode = mode
         self.protocol = protocol
         self.keep_previous = keep_previous
+        if staged:
+            require_staged_protocol(protocol, mode)
         self.sub = Subscriber(coordinator=coordinator, engine=engine, replica=replica, rank=rank,
                               **subscriber_options)
         self._version = -1          # protocol modes: the version the engine holds whole
@@ -168,6 +184,8 @@ class EngineSync:
         self._touched = False       # the engine took tensors of this step
         self._failed = False        # this step already failed on this rank
         self._restored: Optional[tuple] = None  # (failed step, what was restored), last one
+        self._stager: Optional[StagedSteps] = None
+        self._agree = agree
         if mode == "direct":
             if protocol is None and aliases:
                 # Layout names the engine holds under other names (aliases:
@@ -178,7 +196,10 @@ class EngineSync:
                 self.sub.register_module(model, strict=strict)
             else:
                 self._stage_engine_params()
-                self.sub.on_end(self._direct_end)
+                if not staged:
+                    self.sub.on_end(self._direct_end)
+        elif staged:
+            pass  # hooks below, once the stager exists
         elif protocol is not None:
             self.sub.on_begin(self._begin)
             self.sub.on_weights(self._weights)
@@ -195,6 +216,26 @@ class EngineSync:
         self._stopping = False
         self._outcomes: list = []
         self._error: Optional[BaseException] = None
+        if staged:
+            snapshot = None
+            if mode == "direct":
+                snapshot = lambda: [(n, t.clone()) for n, t in self._staged]  # noqa: E731
+            self._stager = StagedSteps(self.sub, outcome_dict, snapshot)
+            if mode == "load_weights":
+                self.sub.on_begin(self._stager.begin)
+                self.sub.on_weights(self._stager.weights)
+            self._stager.start()
+
+    @property
+    def staged(self) -> bool:
+        """True when steps are received on a background thread and applied by update()."""
+        return self._stager is not None
+
+    @property
+    def staged_version(self) -> Optional[int]:
+        """Staged mode: the newest committed step received and not yet
+        applied (what the next update() applies), or None."""
+        return None if self._stager is None else self._stager.ready_step
 
     @property
     def version(self) -> int:
@@ -392,8 +433,14 @@ class EngineSync:
 
     # serving ------------------------------------------------------------------
 
-    def update(self, timeout: float = 60.0) -> Optional[dict]:
-        """Waits up to `timeout` s for the next step and runs it (None: none began)."""
+    def update(self, timeout: float = 60.0, step: Optional[int] = None) -> Optional[dict]:
+        """Waits up to `timeout` s for the next step and runs it (None: none began).
+
+        Staged: waits up to `timeout` s for a step (with `step`: that step or
+        a later one) to be decided on the background thread, and applies the
+        newest committed version staged (None: none was decided)."""
+        if self._stager is not None:
+            return self._apply_staged(timeout, step)
         try:
             out = self.sub.run_step(timeout=timeout)
         except BaseException:
@@ -416,8 +463,64 @@ class EngineSync:
                 result["reason"] = result["reason"] or "the engine did not take the step"
         return result
 
+    def _apply_staged(self, timeout: float, step: Optional[int]) -> Optional[dict]:
+        assert self._stager is not None
+        result, tensors = self._stager.take(timeout, step)
+        if result is None:
+            return None
+        result["staged"] = True
+        if tensors is not None:
+            start = time.monotonic()
+            self._apply_version(result, tensors)
+            result["apply_seconds"] = time.monotonic() - start
+        result["version"] = self._version
+        if self._poisoned is not None:
+            result["poisoned"] = self._poisoned
+        if self._restored is not None and self._restored[0] == result["step"]:
+            result["restored"] = self._restored[1]
+        return result
+
+    def _apply_version(self, result: dict, tensors: list) -> None:
+        """Applies a staged version, agreed by every rank of the replica;
+        else back to the version before (`result` says which and why)."""
+        k = result["step"]
+        error: Optional[BaseException] = None
+        try:
+            self._load_whole(tensors)
+        except BaseException as e:  # noqa: BLE001 - reported in the outcome
+            error = e
+        why = None if error is None else f"applying step {k} failed: {error}"
+        if self._agree is not None:
+            try:
+                if not self._agree(error is None) and why is None:
+                    why = f"another rank of the replica failed to apply step {k}"
+            except BaseException as e:  # noqa: BLE001 - reported in the outcome
+                why = why or f"the ranks of the replica could not agree on step {k}: {e}"
+        if why is None:
+            self._commit(k, tensors)
+            return
+        # The engine took (part of) it: back to the version it held.
+        self._touched = True
+        try:
+            self._recover(k)
+        except BaseException as e2:  # noqa: BLE001 - poisoned by _recover
+            why = f"{why}; restoring failed: {e2}"
+        result["committed"] = False
+        result["reason"] = why
+
+    def _load_whole(self, tensors: list) -> None:
+        """Hands one whole version to the protocol (begin, load, finish)."""
+        self.protocol.begin()
+        self._active = True
+        for i in range(0, len(tensors), 64):
+            self.protocol.load(tensors[i:i + 64])
+        self.protocol.finish()
+        self._active = False
+
     def start(self) -> None:
         """Serves steps on a background thread until stop()."""
+        if self._stager is not None:
+            return  # staged: the background thread runs from the start
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._serve, name="weightsync-engine", daemon=True)
@@ -448,4 +551,6 @@ class EngineSync:
     def close(self) -> None:
         if self._thread is not None:
             self.stop()
+        if self._stager is not None:
+            self._stager.close()
         self.sub.close()

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from ._engine import outcome_dict
 from ._errors import Error
+from ._sglang_control import _pause
 from .lora import adapter_of, check_base
 
 
@@ -110,8 +111,6 @@ class LoraSync:
         self.engine.__dict__.setdefault("_weightsync_loras", set()).add(self.name)
 
     def _apply(self, tensors: dict) -> None:
-        from .sglang import _pause
-
         engine = self.engine
         paused = bool(getattr(engine, "_weightsync_paused", False))
         _pause(engine, True)

@@ -322,6 +322,11 @@ def _gather_tp(obj: Any) -> list:
     return out
 
 
+def _agree_tp(ok: bool) -> bool:
+    """Whether every rank of this worker's tensor-parallel group is ok."""
+    return all(_gather_tp(bool(ok)))
+
+
 def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, engine: Any,
             replica: int, rank: int, mode: Optional[str] = None, keep_previous: bool = True,
             **options: Any) -> EngineSync:
@@ -336,6 +341,9 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
     otherwise (vLLM's CPU backend, quantized or repacked MoE kernels) the
     data of the engine's layout lands in private tensors and goes through
     the layerwise reload once committed, with a warning (once per process).
+    `staged=True` (options; not for in-place direct mode): each step is
+    received on a background thread while vLLM serves, and the update call
+    only applies it (EngineSync, weightsync._staged).
     """
     global _warned_fallback
     framework = engine_framework(engine, replica)
@@ -343,6 +351,10 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
         engine = derive_engine_config(model, vllm_config, _single_group(engine), rank, _gather_tp)
     if mode is None:
         mode = "load_weights" if framework == "hf" else "direct"
+    if options.get("staged"):
+        # The step is committed before it is applied: the ranks of the
+        # replica agree on the apply (each update_weights gathers them).
+        options.setdefault("agree", _agree_tp)
     if mode == "load_weights":
         protocol = VllmReload(model, model_config, vllm_config, load_kind="hf")
         return EngineSync(model, coordinator, engine, replica, rank, mode=mode, protocol=protocol,
@@ -364,7 +376,12 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
     blockers = inplace_blockers(model)
     if not blockers:
         # In place; staging keeps a failed step from showing (the copy is
-        # published at commit).
+        # published at commit). Receiving while vLLM serves would publish
+        # the copy under a forward pass: no staged mode here.
+        options.pop("agree", None)
+        if options.pop("staged", False):
+            logger.info("weightsync: staged=True: vLLM's parameters are written in place "
+                        "(staging published at commit); steps are received in the update call")
         options.setdefault("staging", True)
         return EngineSync(model, coordinator, engine, replica, rank, mode=mode, aliases=aliases,
                           **options)

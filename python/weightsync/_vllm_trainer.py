@@ -30,13 +30,36 @@ torch.distributed); then, on rank 0 only, the client's
 (`weightsync._vllm_transfer.WeightsyncInitInfo`: the coordinator, the engine
 config, the replica, ...). `send_weights()`, on every rank: each rank pushes
 step k (`Publisher.push(k)`); rank 0 drives the server meanwhile:
-`start_weight_update`, `update_weights({"step": k, "timeout": ...})` (it
-blocks in vLLM's workers until step k is committed or aborted) concurrently
-with the push, `finish_weight_update(weight_version=str(k))`, and the
-prefix-cache reset where the client can. A step that does not commit raises
-weightsync's error on every rank (rank 0: the error the vLLM worker raised,
-read back from vLLM's text by weightsync.vllm.worker_error); the server keeps
-its previous version (the worker undoes a partial step).
+the swap below. A step that does not commit raises weightsync's error on
+every rank (rank 0: the error the vLLM worker raised, read back from vLLM's
+text by weightsync.vllm.worker_error, where the server took part); the
+server keeps its previous version.
+
+Staged (`staged=True`, the default): the server's workers receive step k on
+a background thread while the server serves k-1 (the worker engine's
+`staged`); once every rank's push returned committed, rank 0 swaps it in:
+POST /pause (mode "keep": nothing steps, requests stay), the session
+`start_weight_update`, `update_weights({"step": k})` (the workers apply the
+staged copy through vLLM's layerwise reload), `finish_weight_update(
+weight_version=str(k))`, the prefix-cache reset, POST /resume. Serving stops
+for the swap only; a step that fails before it changes nothing the server
+serves. Blocking (`staged=False`): the same pause, then `update_weights`
+runs concurrently with the push (vLLM's loop is held for the whole
+transfer), then the reset and the resume.
+
+In-flight requests at the swap (`in_flight`): "recompute" (default): the
+reset is `reset_prefix_cache(reset_running_requests=True)`: vLLM preempts
+the running requests, drops every cached block, and recomputes their KV
+with the new weights at resume (their tokens before the swap stay: version
+k-1 made them); "abort": POST /pause?mode=abort: they end at once
+(finish_reason "abort"), the cache is dropped; "keep": they continue on the
+new weights over the KV the old weights computed, and vLLM 0.32 refuses to
+reset a prefix cache whose blocks running requests hold
+(`prefix_cache_reset: False`): new requests may then hit cached KV of the
+old weights unless the client salts them per version (`cache_salt`). In
+every mode requests that arrive during the swap wait for the resume, and
+with a reset no KV computed by the old weights serves a request that starts
+after it.
 
 Sources that are not modules (`WeightSource` without `module`, e.g. an
 export that materialises full tensors): rank 0 is then a one-rank trainer:
@@ -60,7 +83,9 @@ from vllm.distributed.weight_transfer.base import (ModuleSource, TrainerInitInfo
                                                    TrainerWeightTransferEngine, WeightSource)
 
 from ._errors import Error
-from .vllm import ENGINE_NAME, register_weight_transfer_engine, worker_error
+from ._vllm_common import ENGINE_NAME, worker_error
+from ._vllm_server import ServerSwap, check_in_flight
+from .vllm import register_weight_transfer_engine
 
 __all__ = ["WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
 
@@ -93,9 +118,15 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
       adapters, transport, ...; weightsync._vllm_transfer.WeightsyncInitInfo).
     - `update_timeout`: how long the workers wait for a step to begin.
     - `first_step`: the step of the first send_weights() (then +1 each).
-    - `reset_prefix_cache`: reset the server's prefix cache after each step
+    - `reset_prefix_cache`: reset the server's prefix cache at each swap
       (where the client can: a `reset_prefix_cache()` method, or an HTTP
       client's server, POST /reset_prefix_cache).
+    - `staged`: the workers receive each step while the server serves and
+      the swap only applies it (module docstring); False: the workers
+      receive inside update_weights (the server stops for the transfer).
+      Sets the workers' `staged` (not to be overridden in `worker`).
+    - `in_flight`: what the swap does to running requests: "recompute",
+      "abort" or "keep" (module docstring).
     - `staging_device`: non-module sources: where rank 0 keeps the copy it
       pushes.
     """
@@ -117,6 +148,8 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     update_timeout: float = 120.0
     first_step: int = 1
     reset_prefix_cache: bool = True
+    staged: bool = True
+    in_flight: str = "recompute"
     staging_device: str = "cpu"
     publisher: dict = field(default_factory=dict)
     worker: dict = field(default_factory=dict)
@@ -209,7 +242,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     docstring says what each call does). `send_weights()` returns a dict:
     {"step", "seconds" (the whole round trip), "push_seconds", "bytes_sent"
     (this rank's), "committed", "prefix_cache_reset" (rank 0: True, False
-    when the server refused, None when not done)}."""
+    when the server refused, None when not done); rank 0 also "staged",
+    "in_flight" and "pause_seconds" (from the pause request to the resume's
+    answer: the server stopped serving within it)}."""
 
     init_info_cls = WeightsyncTrainerInitInfo
 
@@ -226,6 +261,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         self._module: Any = None
         self._staged: Optional[dict] = None  # non-module sources: rank 0's copy
         self._server_engine = False
+        self._swap = ServerSwap(client, check_in_flight(init_info.in_flight),
+                                init_info.reset_prefix_cache)
 
     @classmethod
     def trainer_init(cls, init_info: WeightsyncTrainerInitInfo, *, client: Any,
@@ -347,6 +384,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                "token": info.token, "job": info.job, "connect_timeout": info.connect_timeout,
                "step_timeout": info.step_timeout}
         out.update(info.worker)
+        out["staged"] = bool(info.staged)  # the order of send_weights depends on it
         return out
 
     def _init_server(self) -> None:
@@ -376,37 +414,59 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             self._check(k, res)
             return self._result(k, start, res, None)
 
+        if self.init_info.staged:
+            # The workers stage the step while the server serves; the swap
+            # only applies it, once committed everywhere.
+            res, push_error = self._push(k)
+            if push_error is not None:
+                raise push_error
+            self._check(k, res)
+            swapped = self._swap.swap(lambda: self._session(k, None))
+            return self._result(k, start, res, swapped)
+        box: dict = {}
+        swapped = self._swap.swap(lambda: self._session(k, box))
+        res, push_error = box["push"]
+        if push_error is not None:
+            raise push_error
+        self._check(k, res)
+        return self._result(k, start, res, swapped)
+
+    def _session(self, k: int, box: Optional[dict]) -> None:
+        """vLLM's update session for step k: start, update_weights (with
+        `box`: concurrently with this rank's push, whose (result, error) it
+        receives; the workers then receive inside the call), finish."""
         try:
             self.client.start_weight_update()
         except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
             raise worker_error(_server_error(e), "start_weight_update") from e
         update = {"step": k, "timeout": float(self.init_info.update_timeout)}
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-update")
-        try:
-            server = pool.submit(self.client.update_weights, update)
-            res, push_error = self._push(k)
-            server_error = None
+        server_error = None
+        if box is None:
             try:
-                server.result()
+                self.client.update_weights(update)
             except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
                 server_error = e
-        finally:
-            pool.shutdown(wait=False)
+        else:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-update")
+            try:
+                server = pool.submit(self.client.update_weights, update)
+                box["push"] = self._push(k)
+                try:
+                    server.result()
+                except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
+                    server_error = e
+            finally:
+                pool.shutdown(wait=False)
         if server_error is not None:
             # vLLM ended the session of every worker whose update_weights
             # raised (weightsync fails a step on all ranks of a replica).
-            self._reset_prefix_cache()
+            push_error = box["push"][1] if box is not None else None
             error = worker_error(_server_error(server_error), "update_weights")
             raise error from (push_error or server_error)
         try:
             self.client.finish_weight_update(weight_version=str(k))
         except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
             raise worker_error(_server_error(e), "finish_weight_update") from e
-        reset = self._reset_prefix_cache()
-        if push_error is not None:
-            raise push_error
-        self._check(k, res)
-        return self._result(k, start, res, reset)
 
     def _fill_staged(self) -> None:
         """Iterates the source (a collective on every rank); rank 0 copies it
@@ -446,42 +506,14 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                         f"{rank}: {reason} ({len(res.failed)} engine ranks failed, committed: "
                         f"{list(res.committed)})")
 
-    def _result(self, k: int, start: float, res: Any, reset: Optional[bool]) -> dict:
+    def _result(self, k: int, start: float, res: Any, swapped: Optional[dict]) -> dict:
         self.last = {"step": k, "seconds": time.monotonic() - start,
                      "push_seconds": res.seconds, "bytes_sent": res.bytes_sent,
-                     "committed": list(res.committed), "prefix_cache_reset": reset}
+                     "committed": list(res.committed), "prefix_cache_reset": None}
+        if swapped is not None:
+            self.last.update(swapped, staged=bool(self.init_info.staged),
+                             in_flight=self.init_info.in_flight)
         return self.last
-
-    def _reset_prefix_cache(self) -> Optional[bool]:
-        """The server's prefix cache reset (its KV came from the old
-        weights): True, False when the server refused (blocks still held by
-        running requests, after retries), None when the client cannot."""
-        if not self.init_info.reset_prefix_cache:
-            return None
-        reset = getattr(self.client, "reset_prefix_cache", None)
-        if callable(reset):
-            out = reset()
-            return True if out is None else bool(out)
-        base = getattr(self.client, "base_url", None)
-        if not isinstance(base, str):
-            return None
-        import requests
-
-        for attempt in range(20):
-            response = requests.post(f"{base}/reset_prefix_cache",
-                                     timeout=getattr(self.client, "timeout", 300))
-            if response.status_code == 404:
-                logger.warning("weightsync: %s has no /reset_prefix_cache (the server needs "
-                               "VLLM_SERVER_DEV_MODE=1): its prefix cache keeps KV computed "
-                               "with the old weights", base)
-                return False
-            response.raise_for_status()
-            if response.json().get("success", False):
-                return True
-            time.sleep(0.05 * (attempt + 1))
-        logger.warning("weightsync: %s refused to reset its prefix cache (blocks still in use); "
-                       "cached prefixes keep KV computed with the old weights", base)
-        return False
 
     # -- shutdown -------------------------------------------------------------
 

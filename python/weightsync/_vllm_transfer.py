@@ -24,15 +24,19 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from ._errors import Error
-from .vllm import marked
+from ._vllm_common import _lora_close, _lora_connect, _lora_sync, marked
 
 
 @dataclass
 class WeightsyncInitInfo(WeightTransferInitInfo):
     """init_info of `llm.init_weight_transfer_engine`: where the weightsync job
     is and which replica this engine is. `mode`: None picks from the engine
-    config (framework "hf": "load_weights", else "direct"); the other fields
-    are Subscriber options."""
+    config (framework "hf": "load_weights", else "direct"); `staged`: each
+    step is received on a background thread while vLLM serves, and
+    update_weights only applies the newest committed one (the pause is the
+    apply; costs one more copy of the rank's weights, docs/integrations/
+    vllm.md); False: update_weights receives and applies (vLLM stops for the
+    whole transfer). The other fields are Subscriber options."""
 
     coordinator: str = ""
     engine: Any = None
@@ -42,6 +46,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     token: Optional[str] = None
     job: str = "weightsync"
     keep_previous: bool = True
+    staged: bool = False
     connect_timeout: float = 60.0
     step_timeout: float = 120.0
     #: LoRA adapter jobs (docs/lora.md), each {"engine": its engine config
@@ -55,7 +60,8 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
 @dataclass
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     """update_info of `llm.update_weights`: waits up to `timeout` s for the
-    trainers' next push; with `step`, that push must be step `step`. With
+    trainers' next push; with `step`, that push must be step `step` (staged:
+    waits for step `step` to be staged, and applies it). With
     `adapter`, the step is that LoRA adapter's (not the base model's)."""
 
     timeout: float = 120.0
@@ -86,7 +92,6 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
         from ._vllm_reload import connect
         from .lora import adapter_of
-        from .vllm import _lora_connect
 
         adapters = [dict(a) for a in init_info.adapters]
         if init_info.engine is not None and adapter_of(init_info.engine) is not None:
@@ -112,7 +117,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
                                  init_info.coordinator, init_info.engine, init_info.replica,
                                  self._tp_rank, init_info.mode,
                                  keep_previous=init_info.keep_previous,
-                                 transport=init_info.transport, token=init_info.token,
+                                 staged=init_info.staged, transport=init_info.transport, token=init_info.token,
                                  job=init_info.job, connect_timeout=init_info.connect_timeout,
                                  step_timeout=init_info.step_timeout)
         for a in adapters:
@@ -155,14 +160,12 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def _receive(self, update_info: WeightsyncUpdateInfo) -> None:
         if update_info.adapter is not None:
-            from .vllm import _lora_sync
-
             sync = _lora_sync(self._loras, update_info.adapter)
             who = f"adapter {update_info.adapter!r} on {self._who(sync)}"
         else:
             sync = self._connected()
             who = self._who(sync)
-        out = sync.update(update_info.timeout)
+        out = sync.update(update_info.timeout, step=update_info.step)
         if out is None:
             raise Error("timeout", f"weightsync: {who}: no weight update began within "
                         f"{update_info.timeout} s (the engine keeps version {sync.version})")
@@ -191,8 +194,6 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if self._sync is not None:
             self._sync.close()
             self._sync = None
-        from .vllm import _lora_close
-
         _lora_close(self._loras, None)
 
     @staticmethod

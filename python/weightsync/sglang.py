@@ -58,6 +58,7 @@ from typing import Any, Optional
 
 from ._engine import EngineSync, outcome_dict
 from ._errors import Error
+from ._sglang_control import _pause
 
 __all__ = ["LOADER", "WorkerSync", "close", "connect", "connect_lora", "engine_args", "tp_rank",
            "update", "weight_loader"]
@@ -220,16 +221,16 @@ class WorkerSync(EngineSync):
             if callable(post):  # derived weights (SGLang's loaders call it the same way)
                 post()
 
-    def update(self, timeout: float = 60.0) -> Optional[dict]:
+    def update(self, timeout: float = 60.0, step: Optional[int] = None) -> Optional[dict]:
         """Waits up to `timeout` s for the next step and runs it (None: none
-        began); in load_weights mode the outcome also says how many
+        began; `step` is for staged engines, which SGLang's are not yet); in load_weights mode the outcome also says how many
         load_weights calls the step made ("batches"), whether a failed step
         was undone ("restored") and, if it could not be, why the model is
         mixed ("mixed"). A step that times out here after it began (waiting
         for data or for the coordinator's decision) is a failed step."""
         self._began = None
         try:
-            out = super().update(timeout)
+            out = super().update(timeout, step)
         except Error as e:
             if self.mode != "load_weights" or self._began is None:
                 raise
@@ -524,28 +525,3 @@ def _set_weight_version(engine: Any, version: str) -> None:
     request = getattr(engine, "_make_request", None)  # sglang's HttpServerEngineAdapter
     if callable(request):
         request("update_weight_version", {"new_version": version, "abort_all_requests": False})
-
-
-def _pause(engine: Any, pause: bool) -> None:
-    """Pauses SGLang's generation (requests wait, "retract" mode), or resumes
-    it if weightsync paused it."""
-    if bool(getattr(engine, "_weightsync_paused", False)) == pause:
-        return
-    manager, loop = getattr(engine, "tokenizer_manager", None), getattr(engine, "loop", None)
-    if manager is not None and loop is not None:
-        from sglang.srt.managers.io_struct import (ContinueGenerationReqInput,
-                                                   PauseGenerationReqInput)
-
-        if pause:
-            loop.run_until_complete(manager.pause_generation(PauseGenerationReqInput(
-                mode="retract")))
-        else:
-            loop.run_until_complete(manager.continue_generation(ContinueGenerationReqInput()))
-    else:
-        request = getattr(engine, "_make_request", None)  # sglang's HttpServerEngineAdapter
-        if not callable(request):
-            raise Error("unsupported", f"cannot {'pause' if pause else 'resume'} generation of "
-                        f"{type(engine).__name__}")
-        request("pause_generation" if pause else "continue_generation",
-                {"mode": "retract"} if pause else {})
-    engine._weightsync_paused = pause

@@ -43,6 +43,11 @@ Two ways in:
            client=HTTPVLLMWeightSyncClient("http://host:8000"))
        engine.send_weights()   # each step, on every trainer rank
 
+   The trainer side stages by default: the workers receive each step on a
+   background thread while the server serves (init_info "staged"), and the
+   server stops only to apply it, with its prefix cache reset at the swap
+   even under load (weightsync._vllm_server, docs/integrations/vllm.md).
+
 2. A worker extension (vLLM's `worker_extension_cls`), driven with
    `collective_rpc`:
 
@@ -62,24 +67,15 @@ with a warning). `mode` may force either.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 from ._errors import Error
+from ._vllm_common import (ENGINE_NAME, _lora_close, _lora_connect, _lora_sync,
+                           _tp_rank, marked, worker_error)
 
 __all__ = ["WorkerExtension", "connect_lora", "lora_request", "receive", "receive_lora",
            "register_plugin", "register_weight_transfer_engine", "update",
            "weight_transfer_engine_class", "worker_error"]
-
-#: The name weightsync's weight-transfer engine is registered under.
-ENGINE_NAME = "weightsync"
-
-
-def _tp_rank() -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()
-
 
 class WorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): the worker's
@@ -97,7 +93,9 @@ class WorkerExtension:
         engines' config (path, dict or JSON); `mode`: "load_weights" or
         "direct" (None: from the replica's framework, "hf" -> load_weights);
         `keep_previous`: keep the last committed version in host memory to
-        undo a failed step; `options`: Subscriber options (transport, token,
+        undo a failed step; `staged=True` (in options): receive each step on
+        a background thread while vLLM serves, weightsync_update applies it;
+        `options`: Subscriber options (transport, token,
         job, timeouts, weights_device). Returns {"global_rank", "mode",
         "protocol" (vLLM's layerwise reload is used), "fallback" (why direct
         mode does, or None)}."""
@@ -119,12 +117,16 @@ class WorkerExtension:
             raise Error("invalid_argument", "weightsync_connect was not called on this worker")
         return sync
 
-    def weightsync_update(self, timeout: float = 120.0) -> Optional[dict]:
+    def weightsync_update(self, timeout: float = 120.0,
+                          step: Optional[int] = None) -> Optional[dict]:
         """Runs the next weight update (waits up to `timeout` s for it to
         begin): {"step", "committed", "reason", "bytes", "delta_buckets", "weights_handed",
-        "seconds", "version" (and "restored" / "poisoned" after a failed step)}, or None."""
+        "seconds", "version" (and "restored" / "poisoned" after a failed step)}, or None.
+        Connected with staged=True: waits for the next step (with `step`: that
+        one) to be received on the background thread and applies it
+        ("staged": True, "apply_seconds")."""
         try:
-            return self._weightsync_sync().update(timeout)
+            return self._weightsync_sync().update(timeout, step=step)
         except Error as e:
             raise marked(e) from e  # vLLM passes on only the text: update() reads it back
 
@@ -194,44 +196,6 @@ class WorkerExtension:
         """Leaves adapter `name`'s job (None: every adapter's). The worker
         keeps serving the adapter's last version."""
         _lora_close(self.__dict__.get("_weightsync_loras", {}), name)
-
-
-def _lora_connect(adapters: dict, model: Any, vllm_config: Any, coordinator: Any, engine: Any,
-                  replica: int, rank: int, options: dict) -> tuple:
-    """Connects one worker to an adapter job; `adapters`: {name: EngineSync}
-    of the worker's adapters (the new one replaces one of its name)."""
-    from ._vllm_lora import connect_lora
-    from .lora import adapter_of
-
-    wanted = adapter_of(engine)
-    if wanted is not None:
-        for name, sync in adapters.items():
-            if name != wanted["name"] and sync.protocol.id == wanted["id"]:
-                raise Error("invalid_argument", f"adapter {wanted['name']!r}: id {wanted['id']} "
-                            f"is adapter {name!r}'s on this engine (each adapter its own id)")
-        old = adapters.pop(wanted["name"], None)
-        if old is not None:
-            old.close()
-    adapter, sync = connect_lora(model, vllm_config, coordinator, engine, replica, rank,
-                                 **options)
-    adapters[adapter["name"]] = sync
-    return adapter, sync
-
-
-def _lora_sync(adapters: dict, name: str) -> Any:
-    sync = adapters.get(name)
-    if sync is None:
-        have = ", ".join(repr(n) for n in sorted(adapters)) or "none"
-        raise Error("not_found", f"adapter {name!r} is not connected on this worker (connected: "
-                    f"{have}); connect it first (weightsync.vllm.connect_lora)")
-    return sync
-
-
-def _lora_close(adapters: dict, name: Optional[str]) -> None:
-    for n in [name] if name is not None else list(adapters):
-        sync = adapters.pop(n, None)
-        if sync is not None:
-            sync.close()
 
 
 def connect_lora(llm: Any, coordinator: str, engine: Any, replica: int = 0,
@@ -345,31 +309,6 @@ def receive(llm: Any, step: Optional[int] = None, timeout: float = 120.0,
                              else str(step))
     if reset_prefix_cache:
         llm.reset_prefix_cache()
-
-
-# A weightsync.Error raised in a vLLM worker reaches the process that owns
-# the LLM only as text inside vLLM's message ("Worker failed with error
-# '...', please check ..."): workers mark it with its code, and worker_error
-# reads both back.
-_MARKED = re.compile(r"\[weightsync:(\w+)\] (.*?)(?:', please check the stack trace|'?\s*$)",
-                     re.S)
-
-
-def marked(error: Error) -> Error:
-    """`error` as a worker raises it into vLLM: its message marked with its
-    code, for worker_error."""
-    return Error(error.code, f"[weightsync:{error.code}] {error.message}")
-
-
-def worker_error(error: BaseException, call: str) -> Error:
-    """The weightsync.Error a worker raised, from the exception vLLM's
-    collective `call` raised with its text; vLLM's own error otherwise."""
-    if isinstance(error, Error):
-        return error
-    found = _MARKED.search(str(error))
-    if found is None:
-        return Error("internal", f"weightsync: vLLM's {call} failed: {error}")
-    return Error(found.group(1), found.group(2))
 
 
 def _set_version(llm: Any, step: int) -> None:

@@ -6,7 +6,8 @@ is passes; then one forbidden change at a time (an include up the layers, a
 private header of another component, json.hpp in a public header, a public
 header without an owner, a CMake dependency up the layers, a link up the
 layers, a function declared in one library's public header and defined in
-another's, a stale entry of the list of known arrows) must make it fail,
+another's, a stale entry of the list of known arrows, two Python modules that import
+each other) must make it fail,
 naming the file and the rule.
 
     python3 check_rules_test.py SOURCE_DIR [BUILD_DIR]
@@ -26,7 +27,7 @@ ROOT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.abspath(
 COPIED = ["CMakeLists.txt", "include", "src", "engine_adapter", "trainer_adapter",
           "tools/weightsync", "tools/check_architecture.py", "tools/architecture_debts.txt",
           "python/src", "tests/core", "tests/layouts", "tests/pipeline", "tests/e2e",
-          "tests/engine"]
+          "tests/engine", "python/weightsync"]
 
 
 def ignore(_dir, names):
@@ -163,6 +164,21 @@ class CheckRules(unittest.TestCase):
         self.append("tools/architecture_debts.txt",
                     "include src/core/box.cpp -> include/weightsync/control.h  # gone\n")
         self.assert_fails("no longer found (remove the line): include src/core/box.cpp")
+
+    def test_python_import_circle_fails(self):
+        # A lazy import inside a function closes the circle too (vllm.py
+        # imports _vllm_transfer inside weight_transfer_engine_class).
+        self.append("python/weightsync/_vllm_transfer.py",
+                    "\n\ndef _later():\n    from .vllm import receive\n\n    return receive\n")
+        self.assert_fails("the Python modules import each other in a circle: "
+                          "weightsync.vllm -> weightsync._vllm_transfer -> "
+                          "weightsync.vllm")
+
+    def test_python_import_of_an_extension_is_no_arrow(self):
+        # `from . import _core` names the compiled extension, not the package.
+        self.append("python/weightsync/_errors.py", "\n\nfrom . import _core  # noqa\n")
+        rc, out = self.check()
+        self.assertEqual(rc, 0, out)
 
     def test_link_up_the_layers_fails(self):
         build = self.fake_build({

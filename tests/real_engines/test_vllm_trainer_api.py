@@ -28,6 +28,11 @@ and `send_weights()` per step.
   off: the long prompt's tokens are stale (a negative control for the
   reset), and after a reset the server's tokens are its first tokens again
   (the server was itself a fresh engine of v0).
+- Under streaming load (3 requests streaming at all times, so that vLLM
+  refuses a plain prefix-cache reset): staged with in-flight requests
+  recomputed (the default), staged with them aborted, and blocking; each
+  time requests that start after send_weights() returned answer as a fresh
+  engine of the new version (steps 1-4 run staged, the default, too).
 
 Run with the vLLM venv's python (tools/engines/setup_vllm.sh):
     cd tests/real_engines && ~/.cache/weightsync/venvs/vllm-0.32/bin/python -m pytest -q \
@@ -171,6 +176,51 @@ def _source_step(server, versions, want, timings) -> None:
         engine.shutdown()
 
 
+def _steps_under_load(server, trainers, versions, want, timings) -> None:
+    """Steps 5-7 while 3 streaming requests run at all times (the load an
+    RL server is under: vLLM refuses a plain prefix-cache reset then, as
+    blocks are held). Before each step the long prompt's first KV block is
+    cached with the old weights; after send_weights() returns, requests that
+    start (the load still running) answer as a fresh engine of the new
+    version, and the reset succeeded. Step 5: staged, in_flight "recompute"
+    (the streams in flight go on, recomputed); step 6: staged, "abort" (the
+    streams in flight at the swap end with finish_reason "abort"); step 7:
+    blocking (the workers receive inside update_weights)."""
+    plan = [(5, 1, {}), (6, 2, {"in_flight": "abort"}), (7, 0, {"staged": False})]
+    for step, v, options in plan:
+        trainers.call("init", dict(options, first_step=step))
+        assert server.tokens() == want[(v + 2) % 3]  # the long prompt's block cached, old KV
+        load = vs.StreamingLoad(server)
+        try:
+            began = time.monotonic()
+            outs = trainers.call("send", versions[v])
+            ended = time.monotonic()
+            assert [k for k, _ in outs] == ["ok", "ok"], outs
+            rank0 = outs[0][1]
+            assert rank0["step"] == step and rank0["committed"] == [0], rank0
+            assert rank0["prefix_cache_reset"] is True, rank0
+            assert rank0["staged"] is options.get("staged", True), rank0
+            assert rank0["in_flight"] == options.get("in_flight", "recompute"), rank0
+            got = server.tokens()  # requests that start after the swap, under load
+        finally:
+            finished = load.stop()
+        assert got == want[v], f"step {step} under load: the tokens are not v{v}'s: {got} {want[v]}"
+        reasons = {r for r, _ in finished}
+        if options.get("in_flight") == "abort":
+            assert "abort" in reasons, reasons  # a stream ran at the swap: it was aborted
+            assert reasons <= {"abort", "length"}, reasons
+        else:
+            assert reasons == {"length"}, reasons  # every stream ran to its end
+        assert server.weight_version() == str(step)
+        longest, steady = load.gaps(began, ended)
+        timings.append((f"under load, step {step} {options or 'staged, recompute'}",
+                        rank0["seconds"], rank0["push_seconds"], outs[1][1]["push_seconds"]))
+        print(f"\nstep {step} {options or 'staged, recompute'}: serving pause (longest gap "
+              f"between tokens during send_weights) {longest:.3f} s, steady gap {steady:.3f} s, "
+              f"swap {rank0['pause_seconds']:.3f} s, send_weights {rank0['seconds']:.3f} s")
+        assert trainers.call("shutdown") == [("ok", None)] * 2
+
+
 def test_trainer_api_drives_vllm_serve(tmp_path):
     t0 = time.monotonic()
     versions = [vs.make_checkpoint("qwen3", str(tmp_path / f"v{i}"), seed=200 + i)
@@ -194,6 +244,7 @@ def test_trainer_api_drives_vllm_serve(tmp_path):
         _fsdp_steps(server, trainers, versions, want, states, tmp_path, timings)
         _failed_step(server, trainers, versions, want, states, tmp_path)
         _source_step(server, versions, want, timings)
+        _steps_under_load(server, trainers, versions, want, timings)
         print(f"\nvllm serve up in {start:.1f} s; whole test {time.monotonic() - t0:.1f} s")
         for what, total, push0, push1 in timings:
             ranks = f"rank 0 {push0:.3f} s" + (f", rank 1 {push1:.3f} s" if push1 else "")

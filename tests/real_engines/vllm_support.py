@@ -557,6 +557,100 @@ class Server:
         self.proc.wait(timeout=30)
 
 
+class StreamingLoad:
+    """`streams` threads that each stream greedy completions from `server`
+    one after another (max_tokens long, ignore_eos) until stop(): the load
+    an RL server is always under. Records every request's finish reason and
+    every token's arrival time, so that a test can say what the swap did
+    to requests in flight and print the serving pause (the longest gap
+    between two tokens of any request)."""
+
+    PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+    def __init__(self, server: Server, streams: int = 3, max_tokens: int = 200):
+        import threading
+
+        self.server, self.max_tokens = server, max_tokens
+        self.requests: list = []   # [finish_reason, [token arrival times]] per request
+        self.errors: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._started = threading.Barrier(streams + 1)
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(streams)]
+        for t in self._threads:
+            t.start()
+        self._started.wait(timeout=120)
+
+    def _one(self, first: list) -> None:
+        import requests
+
+        entry: list = [None, []]  # [finish reason, token times], filled as it streams
+        with self._lock:
+            self.requests.append(entry)
+        times = entry[1]
+        body = {"model": self.server.path, "prompt": self.PROMPT, "max_tokens": self.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        with requests.post(self.server.url + "/v1/completions", json=body, stream=True,
+                           timeout=300) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[len(b"data: "):])
+                for choice in chunk.get("choices", []):
+                    if choice.get("token_ids") or choice.get("text"):  # a chunk of tokens
+                        times.append(time.monotonic())
+                        if first:
+                            first.pop().wait(timeout=120)  # this stream is running
+                    entry[0] = choice.get("finish_reason") or entry[0]
+
+    def _run(self, i: int) -> None:
+        first = [self._started]
+        try:
+            while not self._stop.is_set():
+                self._one(first)
+        except Exception as e:  # noqa: BLE001 - reported by stop()
+            self.errors.append(f"stream {i}: {e!r}")
+            if first:
+                first.pop().abort()
+
+    def stop(self) -> list:
+        """Stops after the requests in flight; returns [(finish reason, token times)]."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+        assert not self.errors, self.errors
+        return [(reason, times) for reason, times in self.requests]
+
+    def gaps(self, since: float, until: float) -> tuple:
+        """(the longest gap between two tokens of one request that overlaps
+        [since, until], the median gap of every request outside it)."""
+        return self.longest_gap(since, until)[0], self.steady_gap(since, until)
+
+    def longest_gap(self, since: float, until: float) -> tuple:
+        """(seconds, start, end) of the longest gap between two tokens of
+        one request that overlaps [since, until] ((0, since, since): none)."""
+        best = (0.0, since, since)
+        with self._lock:
+            requests = [list(times) for _, times in self.requests]
+        for times in requests:
+            for a, b in zip(times, times[1:]):
+                if b >= since and a <= until and b - a > best[0]:
+                    best = (b - a, a, b)
+        return best
+
+    def steady_gap(self, since: float, until: float) -> float:
+        """The median gap between two tokens outside [since, until]."""
+        outside = []
+        with self._lock:
+            requests = [list(times) for _, times in self.requests]
+        for times in requests:
+            outside += [b - a for a, b in zip(times, times[1:]) if b < since or a > until]
+        outside.sort()
+        return outside[len(outside) // 2] if outside else 0.0
+
+
 def load_version(model: Any, path: str) -> None:
     """Loads checkpoint `path` into `model` in place: each parameter (an
     FSDP2 DTensor: this rank's shard of it) from the checkpoint's tensor of

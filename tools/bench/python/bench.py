@@ -21,6 +21,11 @@ the versions real torch.optim.AdamW steps make of the C++ job's bf16 shards,
 against a full sync of the same versions in the same run: what fraction of
 the elements changed, the bytes on the wire and the step time of each.
 
+`python tools/bench/python/bench.py serve-pause [--size-gb G]`: how long a
+real `vllm serve` under streaming load stops serving while a version is
+synced, staged against blocking against vLLM's own reload
+(bench_serve_pause.py, beside this script).
+
 `python tools/bench/python/bench.py lora [--steps K] [--rank R] [--layers N]`:
 adapter-only sync of a PEFT LoRA (weightsync.lora) against a merged full
 sync of the same Qwen3-0.6B-shaped model in the same run: bytes and seconds
@@ -261,6 +266,10 @@ def main(argv: Any = None) -> int:
         import bench_engine  # beside this script, on sys.path[0]
 
         return bench_engine.main(argv[1:])
+    if argv[:1] == ["serve-pause"]:  # the serving pause of a `vllm serve` (bench_serve_pause.py)
+        import bench_serve_pause  # beside this script, on sys.path[0]
+
+        return bench_serve_pause.main(argv[1:])
     if argv[:1] == ["lora"]:  # adapter-only against merged sync (bench_lora.py, beside this script)
         import bench_lora  # beside this script, on sys.path[0]
 

@@ -1,0 +1,205 @@
+"""Staged steps (EngineSync(staged=True), weightsync._staged): an engine rank
+receives each version on a background thread while the engine serves, and
+update() only applies it through the engine's protocol. Over real syncs
+(a tiny-llama trainer of one rank, an engine of framework "hf", UCX on
+localhost), with the engine stood in for by a protocol that records what it
+was handed and what it serves. The real engine (vLLM behind `vllm serve`,
+under streaming load) is tests/real_engines/test_vllm_trainer_api.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync._engine import EngineSync, UpdateProtocol
+from helpers import cli, model_config, module_of
+
+
+class Served:
+    """The engine's model: what its kernels read (a weakref-able object)."""
+
+    def __init__(self):
+        self.tensors: dict = {}
+
+
+class RecordingProtocol(UpdateProtocol):
+    """begin/load/finish into `model.tensors` at finish (whole or not at
+    all); `fail_finish`: the next finish raises (an engine that refuses the
+    version while applying it)."""
+
+    load_kind = "hf"
+
+    def __init__(self, model: Served):
+        self.model = model
+        self.calls: list = []
+        self.fail_finish = False
+        self._loading: dict = {}
+
+    def begin(self):
+        self.calls.append("begin")
+        self._loading = {}
+
+    def load(self, batch):
+        self.calls.append("load")
+        self._loading.update((n, t.clone()) for n, t in batch)
+
+    def finish(self):
+        self.calls.append("finish")
+        if self.fail_finish:
+            self.fail_finish = False
+            raise RuntimeError("the engine refused the weights")
+        self.model.tensors = self._loading
+
+    def abort(self):
+        self.calls.append("abort")
+
+
+@pytest.fixture()
+def job():
+    layout = json.loads(cli("trainer-layout", "--hf-config",
+                            model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
+    engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 1}
+    with ws.Coordinator() as coord:
+        model = Served()
+        protocol = RecordingProtocol(model)
+        sync = EngineSync(model, coord.address, engine, 0, 0, mode="load_weights",
+                          protocol=protocol, staged=True)
+        try:
+            yield coord, layout, engine, sync, protocol, model
+        finally:
+            sync.close()
+
+
+def version(layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {p["name"]: torch.randn(p["global_shape"], generator=g).to(torch.bfloat16)
+            for p in layout["params"]}
+
+
+def push(coord, layout, engine, tensors, step, **options):
+    with ws.Publisher(coordinator=coord.address, rank=0, layout=layout, engine=engine,
+                      **options) as pub:
+        pub.register_module(module_of(tensors))
+        return pub.push(step)
+
+
+def assert_serves(model, tensors):
+    assert sorted(model.tensors) == sorted(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(model.tensors[name], t), name
+
+
+def test_staged_steps_apply_only_in_update(job):
+    coord, layout, engine, sync, protocol, model = job
+    v1, v2, v3 = (version(layout, s) for s in (1, 2, 3))
+
+    # The push commits with nobody calling update(): the background thread
+    # received the step; the engine was not touched.
+    res = push(coord, layout, engine, v1, 1)
+    assert res.committed == [0] and not res.failed, res
+    assert protocol.calls == [] and model.tensors == {}
+    assert sync.version == -1
+    out = sync.update(timeout=30, step=1)
+    assert out["committed"] and out["step"] == 1 and out["staged"], out
+    assert out["version"] == 1 and sync.version == 1 and sync.staged_version is None
+    assert protocol.calls[0] == "begin" and protocol.calls[-1] == "finish"
+    assert_serves(model, v1)
+
+    # A step that fails before the apply (a bucket corrupted on the wire,
+    # caught by its checksum) changes nothing the engine serves.
+    protocol.calls.clear()
+    try:
+        res = push(coord, layout, engine, v2, 2,
+                   transport="fault:ucx?corrupt_send=1&after=1&count=1",
+                   bucket_bytes=64 << 10, checksums=True)
+        assert res.failed and not res.committed, res
+    except ws.Error:
+        pass  # the trainer may see the failure as its own
+    out = sync.update(timeout=30, step=2)
+    assert out["step"] == 2 and not out["committed"], out
+    assert out["version"] == 1 and protocol.calls == [], (out, protocol.calls)
+    assert_serves(model, v1)
+
+    # An apply the engine refuses goes back to the version before (kept in
+    # host memory), and says so.
+    res = push(coord, layout, engine, v3, 3)
+    assert res.committed == [0], res
+    protocol.fail_finish = True
+    out = sync.update(timeout=30, step=3)
+    assert not out["committed"] and "applying step 3 failed" in out["reason"], out
+    assert out["version"] == 1 and "kept in host memory" in out["restored"], out
+    assert_serves(model, v1)
+
+
+def test_staged_update_applies_the_newest_committed_version(job):
+    coord, layout, engine, sync, protocol, model = job
+    v = {s: version(layout, 10 + s) for s in (1, 2)}
+    for s in (1, 2):
+        assert push(coord, layout, engine, v[s], s).committed == [0]
+    assert sync.update(timeout=1, step=3) is None  # none decided yet
+    out = sync.update(timeout=30)
+    assert out["committed"] and out["step"] == 2 and sync.version == 2, out
+    assert protocol.calls.count("begin") == 1  # one apply: version 1 was superseded
+    assert_serves(model, v[2])
+    assert sync.update(timeout=0.5) is None
+
+
+def test_staged_needs_a_protocol():
+    engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 1}
+    with ws.Coordinator() as coord:
+        with pytest.raises(ws.Error, match="staged=True in load_weights mode needs"):
+            EngineSync(Served(), coord.address, engine, 0, 0, mode="load_weights", staged=True)
+
+
+def test_staged_ranks_of_a_replica_agree_on_the_apply():
+    """The commit comes before the apply: when one rank of a replica (tp=2)
+    fails to apply, the other goes back to the version before too, so the
+    replica never serves two versions."""
+    import threading
+
+    layout = json.loads(cli("trainer-layout", "--hf-config",
+                            model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
+    engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 2}
+    votes: list = []
+    barrier = threading.Barrier(2)
+
+    def agree(ok):
+        votes.append(ok)
+        barrier.wait(timeout=60)
+        return all(votes[-2:])
+
+    with ws.Coordinator() as coord:
+        models = [Served(), Served()]
+        protocols = [RecordingProtocol(m) for m in models]
+        syncs = [EngineSync(m, coord.address, engine, 0, r, mode="load_weights", protocol=p,
+                            staged=True, agree=agree)
+                 for r, (m, p) in enumerate(zip(models, protocols))]
+        try:
+            v = {s: version(layout, 20 + s) for s in (1, 2)}
+            outs: list = [None, None]
+
+            def update(r, step):
+                outs[r] = syncs[r].update(timeout=30, step=step)
+
+            for step in (1, 2):
+                assert push(coord, layout, engine, v[step], step).committed == [0, 1]
+                protocols[1].fail_finish = step == 2
+                threads = [threading.Thread(target=update, args=(r, step)) for r in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=60)
+                if step == 1:
+                    assert [o["committed"] for o in outs] == [True, True], outs
+            assert [o["committed"] for o in outs] == [False, False], outs
+            assert "another rank of the replica failed to apply step 2" in outs[0]["reason"]
+            assert "applying step 2 failed" in outs[1]["reason"]
+            for r in range(2):
+                assert outs[r]["version"] == 1 and syncs[r].version == 1, outs[r]
+                assert_serves(models[r], v[1])
+        finally:
+            for s in syncs:
+                s.close()
