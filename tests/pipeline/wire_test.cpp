@@ -509,6 +509,7 @@ TEST(Wire, FragmentsCoverEachBucketBackToBack) {
         EXPECT_EQ(frags.size(), 1u);
       }
       WireOptions w;
+      w.checksums = false;  // on by default
       w.direct_min_bytes = min;
       EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()));
       w.checksums = true;
