@@ -125,18 +125,25 @@ void ReceivePipeline::compile_fragments(RecvAction& a, const Plan& plan,
   auto target = [&](const Copy& c) -> const TensorView& {
     return targets.at(static_cast<size_t>(c.dst_param));
   };
+  std::vector<uint32_t> first_run;  // by op (packed item): its first run of a.apply
+  std::vector<bool> whole;          // by op: its apply reads its packed box whole
   a.fragments = route_fragments(
       plan, a.bucket, wire_.direct_min_bytes,
       [&](const Copy& c) { return direct_target(c, target(c)); },
       [&](const Copy& c, int64_t shift) {
+        first_run.push_back(static_cast<uint32_t>(a.apply.size()));
+        whole.push_back(c.view_box == c.hf_box);
         if (c.fp8) return add_apply_fp8(a.apply, c, target(c), targets.at(c.scale_param), shift);
         add_apply(a.apply, c, target(c), shift);
       },
       a.slot_bytes);
+  first_run.push_back(static_cast<uint32_t>(a.apply.size()));
+  fuse_fragments(a, first_run, whole);
 }
 
 void ReceivePipeline::prepare(Transport& transport, SlotMemory slots, int slot_device) {
   if (slots_[0].buffer.data) return;
+  slot_memory_ = slots;
   if (wire_.delta) delta_.check(broadcast_, transport.capabilities().native_broadcast, slots);
   const bool device_delta = wire_.delta && delta_.on_device();
   std::vector<const CopyProgram*> programs;
@@ -202,21 +209,6 @@ void ReceivePipeline::post_fragments(const RecvAction& a, Slot& slot, int64_t st
                slot.buffer.buffer(static_cast<size_t>(a.slot_bytes), kBucketTrailerBytes)));
 }
 
-std::pair<uint64_t, uint64_t> ReceivePipeline::checksums(const RecvAction& a, const char* data,
-                                                         int64_t step) const {
-  if (!wire_.checksums) return {0, 0};
-  if (broadcast_)
-    return {checksum64(data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step)),
-            read_trailer(data + a.bytes)};
-  uint64_t sum = 0;
-  for (uint32_t i = 0; i < a.fragments.size(); ++i) {
-    const FragmentRoute& f = a.fragments[i];
-    const char* p = f.direct ? f.direct : data + f.slot_offset;
-    sum = checksum_fold(sum, checksum64(p, static_cast<size_t>(f.bytes), fragment_seed(step, i)));
-  }
-  return {sum, read_trailer(data + a.slot_bytes)};
-}
-
 // Waits for bucket k's messages in slot `s`; a message that came short is
 // recorded in the slot's error.
 void ReceivePipeline::receive(size_t k, int s, int64_t step, pipeline::Loop& loop,
@@ -256,36 +248,32 @@ void ReceivePipeline::receive(size_t k, int s, int64_t step, pipeline::Loop& loo
                      {{"bucket", a.bucket}, {"bytes", a.bytes}, {"from", a.src}});
 }
 
-// Verifies bucket k as it landed in slot `s` and applies it. A bad bucket is
-// reported, not applied; the step goes on so that the senders do not stall.
+// Applies bucket k as it landed in slot `s` and verifies it (apply_bucket).
+// A bad bucket is reported; the step goes on so that the senders do not
+// stall.
 void ReceivePipeline::settle(size_t k, int s, int64_t step, pipeline::Loop& loop,
                              ReceiveReport& report, StepPhases& phases, Tracer* tracer) {
   Slot& slot = slots_[s];
   if (wire_.delta && !slot.fragments) return settle_frame(k, s, step, loop, report, phases);
   const RecvAction& a = actions_[k];
   if (lender_.lent(a)) return settle_lent(k, slot, report);
-  auto t = Clock::now();
-  const auto [sum, sent] = checksums(a, slot.buffer.data, step);
-  phases.verify += seconds_since(t);
+  // A message that came short is never applied.
   if (reject(slot, report)) return;
   report.bytes +=
       static_cast<uint64_t>(a.bytes + (slot.fragments ? pipeline::kFrameHeaderBytes : 0));
   for (const FragmentRoute& f : a.fragments)
     if (f.direct) report.bytes_direct += static_cast<uint64_t>(f.bytes);
+  const int64_t apply_us = tracer ? trace_now_us() : 0;
+  // The slot is posted again only once the apply that reads it is done.
+  const auto [sum, sent] = apply_bucket(k, s, step, loop, phases);
   if (sum != sent) {
     if (report.error.empty())
       report.error = cat("engine rank ", global_rank_, ": bucket ", a.bucket, " of step ", step,
-                         " from trainer rank ", a.src, " failed its checksum (computed ", std::hex,
-                         sum, ", sent ", sent, std::dec, "); the step is rejected");
+                         " from trainer rank ", a.src, " failed its checksum: expected ", std::hex,
+                         sent, " (the trainer's), got ", sum, std::dec, "; the step is rejected");
     return;
   }
   report.checksum = checksum_fold(report.checksum, sum);
-  t = Clock::now();
-  const int64_t apply_us = tracer ? trace_now_us() : 0;
-  if (!a.apply.empty()) copier_.run(k, a.apply, addr(slot.buffer.data), 0, slot_event(s));
-  // The slot is posted again only once the apply that reads it is done.
-  copier_.wait(slot_event(s), loop, "applying bucket");
-  phases.apply += seconds_since(t);
   mark_changed(a);
   if (tracer) tracer->complete(cat("apply ", a.bucket), "apply", apply_us, trace_now_us());
   if (on_bucket_ && report.error.empty()) on_bucket_(k);

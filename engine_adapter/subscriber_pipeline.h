@@ -118,9 +118,24 @@ class ReceivePipeline {
   // The slot's error, if any, into the report (the step is rejected);
   // true when there was one.
   bool reject(Slot& slot, ReceiveReport& report);
-  // The bucket's checksum as it landed and as sent; equal when not checked.
-  std::pair<uint64_t, uint64_t> checksums(const RecvAction& a, const char* data,
-                                          int64_t step) const;
+  // ---- the bucket checksum (recv_sums.cpp) ----
+  // Fragment routes' ops -> runs of a.apply, and which fragments' runs read
+  // each packed byte once (FragmentRoute::fused): `whole` says, by op, that
+  // the op's item reads its packed box whole.
+  static void fuse_fragments(RecvAction& a, const std::vector<uint32_t>& first_run,
+                             const std::vector<bool>& whole);
+  // Applies bucket k from slot `s` and returns its checksum as it landed and
+  // as sent (equal when not checked: the sender's or this rank's bytes in
+  // device memory). On the host the sums are taken inside the apply's
+  // copies, so a bad bucket is applied before it is rejected (the step
+  // fails; without staging the rank is torn, as for a zero-copy fragment).
+  std::pair<uint64_t, uint64_t> apply_bucket(size_t k, int s, int64_t step, pipeline::Loop& loop,
+                                             StepPhases& phases);
+  // Whether every byte of `a` is where the host reads it.
+  bool host_readable(const RecvAction& a) const;
+  // The checksum of bucket `a` as it lies in `data` (its slot) and its
+  // zero-copy fragments, by a read of its own.
+  uint64_t read_checksum(const RecvAction& a, const char* data, int64_t step) const;
   // Delta sync: checks bucket k's frame in `slot` and applies it
   // (DeltaReceiver::open).
   void settle_frame(size_t k, int slot, int64_t step, pipeline::Loop& loop, ReceiveReport& report,
@@ -138,6 +153,7 @@ class ReceivePipeline {
   pipeline::RankMemory memory_;
   std::vector<RecvAction> actions_;
   std::size_t slot_bytes_ = 0;
+  SlotMemory slot_memory_ = SlotMemory::host;
   // Before the slots: requests still posted (cancelled at destruction) may
   // land in the staging copies, so these outlive them.
   std::vector<StagingCopy> staging_;

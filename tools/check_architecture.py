@@ -106,6 +106,7 @@ SHARED_INTERNALS = {
     "src/core/first_fit.h",
     "src/core/fp8.h",
     "src/core/random_checkpoint.h",
+    "src/core/wire_sum.h",
     "src/core/writer_layout.h",
     "src/pipeline/copier.h",
     "src/pipeline/delta_frame.h",

@@ -1,6 +1,5 @@
 #include "publisher_pipeline.h"
 
-#include <weightsync/checksum.h>
 #include <weightsync/error.h>
 #include <weightsync/trace.h>
 
@@ -80,6 +79,7 @@ void SendPipeline::prepare(Transport& transport, SlotMemory slots, int slot_devi
                            const pipeline::RankMemory& memory, Producer producer) {
   native_broadcast_ = transport.capabilities().native_broadcast;
   producer_ = producer;
+  slot_memory_ = slots;
   if (slot_bytes_ == 0 || slots_[0].buffer.data) return;
   std::vector<const CopyProgram*> programs;
   for (const SendAction& a : actions_) programs.push_back(&a.pack);
@@ -217,7 +217,11 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
     fp8::execute_quant_host(quant, 0, addr(slot.buffer.data));
   }
   double pack_s = copier_.on_gpu() || !quant.empty() ? seconds_since(pack_start) : 0;
-  uint64_t sum = 0;
+  // The bucket's checksum, summed as it is packed (wire.h); 0 on the wire
+  // where its bytes are in device memory.
+  const bool summed = wire_.checksums && host_readable(a);
+  WireSum sums;
+  int64_t total = 0;
   slot.bucket = a.bucket;
   slot.bytes = a.bytes;
   slot.posted_us = pack_us;
@@ -225,19 +229,17 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
     const FragmentRoute& f = a.fragments[i];
     Buffer buffer{const_cast<char*>(f.direct), static_cast<size_t>(f.bytes), f.memory, f.device,
                   nullptr};
+    // On the host each fragment goes out as soon as it is packed.
+    const auto start = Clock::now();
     if (f.direct) {
       bytes_direct_ += static_cast<uint64_t>(f.bytes);
+      if (summed) sums += wire_sum(f.direct, static_cast<size_t>(f.bytes), f.offset);
     } else {
-      if (!copier_.on_gpu()) {
-        // On the host each fragment goes out as soon as it is packed.
-        const auto start = Clock::now();
-        execute_host(pack_program, 0, addr(slot.buffer.data), f.first_op, f.num_ops);
-        pack_s += seconds_since(start);
-      }
+      sums += pack_fragment(pack_program, slot.buffer.data, f, summed);
       buffer = slot.buffer.buffer(static_cast<size_t>(f.slot_offset), buffer.bytes);
     }
-    if (wire_.checksums)
-      sum = checksum_fold(sum, checksum64(buffer.data, buffer.bytes, fragment_seed(step, i)));
+    pack_s += seconds_since(start);
+    total += f.bytes;
     // Posted in fragment order: the receiver matches them in that order.
     slot.posted.add(t.send(peer, tag, buffer), a.dst_engine);
   }
@@ -247,7 +249,7 @@ void SendPipeline::post_p2p(size_t index, int k, int64_t step, PushPhases& phase
         cat("post ", a.bucket), "pack", pack_us, trace_now_us(),
         {{"bucket", a.bucket}, {"bytes", a.bytes}, {"fragments", a.fragments.size()}});
   if (!wire_.checksums) return;
-  store_trailer(slot.buffer.data + a.packed_bytes, sum);
+  store_trailer(slot.buffer.data + a.packed_bytes, summed ? bucket_checksum(sums, total, step) : 0);
   slot.posted.add(
       t.send(peer, bucket_tag(step, a.bucket, 1),
              slot.buffer.buffer(static_cast<size_t>(a.packed_bytes), kBucketTrailerBytes)),
@@ -288,9 +290,7 @@ int64_t SendPipeline::post(size_t index, int k, int64_t step, std::vector<bool>&
   }
   if (root && wire_.delta) return post_root_frame(index, k, step, dead, phases);
   if (wire_.checksums)
-    store_trailer(
-        slot.buffer.data + a.bytes,
-        checksum64(slot.buffer.data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step)));
+    store_trailer(slot.buffer.data + a.bytes, slot_checksum(slot, a.bytes, step));
   slot.bucket = a.bucket;
   slot.bytes = a.bytes;
   slot.posted_us = tracer_ ? trace_now_us() : 0;
@@ -351,9 +351,7 @@ int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::ve
   const int64_t header = delta_.with_trailer(slot.frame.data, pipeline::kFrameHeaderBytes, step);
   send_to_engines(slot, tag, slot.frame.buffer(0, static_cast<size_t>(header)), dead);
   if (wire_.checksums)
-    store_trailer(
-        slot.buffer.data + a.bytes,
-        checksum64(slot.buffer.data, static_cast<size_t>(a.bytes), static_cast<uint64_t>(step)));
+    store_trailer(slot.buffer.data + a.bytes, slot_checksum(slot, a.bytes, step));
   slot.bytes = a.bytes;
   send_to_engines(slot, tag,
                   slot.buffer.buffer(0, static_cast<size_t>(a.bytes) + kBucketTrailerBytes), dead);

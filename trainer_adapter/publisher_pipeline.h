@@ -121,6 +121,18 @@ class SendPipeline {
   void uncount(Slot& slot);
   // The programs of action `a` (its bucket's sizes are ordered_actions').
   void compile_action(SendAction& a, const Plan& plan, const std::vector<TensorView>& tensors);
+  // ---- the bucket checksum (send_sums.cpp) ----
+  // Whether every byte of p2p action `a` is where the host reads it (else
+  // its trailer says "not computed").
+  bool host_readable(const SendAction& a) const;
+  // Packs fragment `f` (host) into the slot at `slot`, with its sums when
+  // `summed`: inside the copies where they write every byte (f.fused), else
+  // by a read of what they packed. The CUDA pack ran before: only the read.
+  WireSum pack_fragment(const CopyProgram& program, char* slot, const FragmentRoute& f,
+                        bool summed);
+  // The checksum of the `bytes` bytes at the start of `slot` (a broadcast
+  // bucket, whole), or 0 where they are in device memory.
+  uint64_t slot_checksum(const Slot& slot, int64_t bytes, int64_t step) const;
   void pack(size_t index, int slot, size_t first = 0, size_t count = static_cast<size_t>(-1));
   // CUDA tensors: one launch for the bucket, its pack and (FP8 engines) the
   // quantization of its quantized items, into `slot`; returns once done.
@@ -166,6 +178,7 @@ class SendPipeline {
 
   int rank_ = 0, trainer_world_ = 1, engine_world_ = 1;
   bool native_broadcast_ = false;
+  SlotMemory slot_memory_ = SlotMemory::host;
   WireOptions wire_;
   Capabilities caps_;
   std::vector<SendAction> actions_;

@@ -100,11 +100,14 @@ void compile_fragments(SendAction& a, const Plan& plan, const std::vector<Tensor
       a.packed_bytes);
   first_run.push_back(static_cast<uint32_t>(pack.size()));
   // Items -> runs: a packed fragment runs its items' runs of the program.
+  // Its checksum is summed inside them unless an item is quantized (its
+  // bytes are written by `quant`, not by runs).
   for (FragmentRoute& f : a.fragments) {
     if (f.direct) continue;
     const uint32_t begin = first_run[f.first_op], end = first_run[f.first_op + f.num_ops];
     f.first_op = begin;
     f.num_ops = end - begin;
+    f.fused = runs_bytes(pack, begin, end - begin) == f.bytes;
   }
 }
 

@@ -73,8 +73,9 @@ struct PublisherOptions {
   // it serves. Not with NCCL (a communicator is fixed).
   bool elastic = false;
   int min_replicas = 1;
-  // How buckets travel (wire_options.h): per-bucket checksums (off by default) and
-  // the smallest item sent zero-copy. Rank 0's settings hold for everyone.
+  // How buckets travel (wire_options.h): per-bucket checksums (on by default,
+  // host paths; checksums_gpu for device paths too) and the smallest item sent
+  // zero-copy. Rank 0's settings hold for everyone.
   WireOptions wire;
   // Delta sync (docs/delta.md): off, or auto: a bucket whose engine rank
   // committed the version this rank last sent it travels as the elements

@@ -15,8 +15,9 @@
 // Each step: the coordinator announces (step, plan id); on_begin runs; buckets
 // land straight in the registered params (dense runs, zero copy) or in a
 // receive slot and are applied from there; in staging mode both go to a
-// private copy instead. With checksums on (the trainers' WireOptions), every
-// bucket is verified. The subscriber acks (step, bytes, checksum); on Commit
+// private copy instead. With checksums on (the trainers' WireOptions; the
+// default), every bucket whose bytes pass through host memory is verified,
+// summed as it is applied. The subscriber acks (step, bytes, checksum); on Commit
 // the staging copy is copied into the params and version() moves to the step;
 // on Abort nothing becomes visible in staging mode (without staging, the
 // params may hold part of the failed step: the rank is then torn, see

@@ -19,9 +19,21 @@ DeltaMode parse_delta_mode(std::string_view name);          // Errc::invalid_arg
 // Settings both sides must share; trainer rank 0 publishes them with the plan
 // options and the subscribers follow.
 struct WireOptions {
-  // Verify every bucket end to end. Costs one read of every byte on each side;
-  // the transports below (TCP, shared memory, RDMA) guard their own links.
-  bool checksums = false;
+  // Verify every bucket end to end (on by default): a bucket that does not
+  // arrive as sent fails the step for its engine rank, naming the bucket,
+  // the trainer rank and both checksums. The checksum (core/wire_sum.h) is
+  // summed inside the copies that pack and apply the bucket on the host;
+  // bytes that move zero-copy (straight from a tensor, straight into a
+  // param) are read once more. Buckets whose bytes are in device memory on
+  // either side (device slots, zero-copy CUDA routes, lent params) travel
+  // unchecked unless `checksums_gpu`.
+  bool checksums = true;
+  // With checksums: verify the buckets of CUDA tensors too. Their bytes
+  // then pass through pinned host memory (no device slots, no zero-copy
+  // CUDA routes, no lending), which costs the GPU path most of its speed.
+  bool checksums_gpu = false;
+  // Whether checksums reach into device memory's paths (both fields on).
+  bool checksums_on_device() const noexcept { return checksums && checksums_gpu; }
   int64_t direct_min_bytes = int64_t{64} << 10;  // smaller items travel packed
   // Buckets travel as frames that carry either their bytes or a delta
   // (pipeline/delta_frame.h). Set by the Publisher from
@@ -29,7 +41,7 @@ struct WireOptions {
   bool delta = false;
   // Where the transport maps a peer's memory (cuda_ipc), the engine ranks
   // lend their params to the trainer ranks every step, and a p2p bucket
-  // without checksums, delta or sender-quantized items is written by its
+  // without checksums_on_device(), delta or sender-quantized items is written by its
   // trainer straight into them: one copy program (one kernel) per bucket
   // and a zero-byte message saying it is done. Off: buckets travel as
   // fragments (pipeline/wire.h) over every transport.

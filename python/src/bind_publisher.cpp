@@ -107,6 +107,7 @@ void bind_plan_options(nb::module_& m) {
   nb::class_<WireOptions>(m, "WireOptions")
       .def(nb::init<>())
       .def_rw("checksums", &WireOptions::checksums)
+      .def_rw("checksums_gpu", &WireOptions::checksums_gpu)
       .def_rw("direct_min_bytes", &WireOptions::direct_min_bytes)
       .def_rw("delta", &WireOptions::delta)
       .def_rw("lend", &WireOptions::lend)

@@ -21,7 +21,10 @@ class PublisherOptions:
         transport: how data moves: "ucx", "cuda_ipc", "nccl" (docs/transports.md).
         mode: "p2p" (each engine rank fetched from its sources) or "broadcast".
         bucket_bytes: the size of one bucket (a staging slot).
-        checksums: a checksum per bucket, verified by the engine ranks.
+        checksums: a checksum per bucket, verified by the engine ranks (on
+            by default; summed inside the pack and apply copies, docs/usage.md).
+            Buckets whose bytes stay in device memory (CUDA tensors over
+            cuda_ipc or nccl, device slots, lent params) go unchecked.
         token: the coordinator's shared secret (None: none).
         job: the job name the coordinator groups endpoints by.
         connect_timeout: seconds to connect and register.
@@ -46,7 +49,7 @@ class PublisherOptions:
     transport: str = "ucx"
     mode: str = "p2p"
     bucket_bytes: int = 256 << 20
-    checksums: bool = False
+    checksums: bool = True
     token: Optional[str] = None
     job: str = "weightsync"
     connect_timeout: float = 60.0

@@ -52,7 +52,7 @@ class Publisher:
                  engine: Optional[EngineLike] = None, *,
                  options: Optional[PublisherOptions] = None,
                  transport: str = "ucx", mode: str = "p2p", bucket_bytes: int = 256 << 20,
-                 checksums: bool = False, token: Optional[str] = None, job: str = "weightsync",
+                 checksums: bool = True, token: Optional[str] = None, job: str = "weightsync",
                  connect_timeout: float = 60.0, step_timeout: float = 120.0,
                  producer_stream: Any = None, producer_event: Any = None,
                  fp8_site: str = "sender", elastic: bool = False, min_replicas: int = 1,

@@ -13,6 +13,8 @@
 
 #include <weightsync/tensor.h>
 
+#include "core/wire_sum.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -66,6 +68,23 @@ class CopyProgram {
 void execute_host(const CopyProgram& program, std::uintptr_t src_base, std::uintptr_t dst_base,
                   std::size_t first = 0,
                   std::size_t count = std::numeric_limits<std::size_t>::max());
+
+// Which side of a program holds the packed bytes a bucket's checksum is
+// over (core/wire_sum.h): the destination of a pack, the source of an apply.
+enum class PackedSide : uint8_t { dst, src };
+
+// execute_host, summing the bytes it moves in the same pass: each byte at
+// its packed position, its offset on `side` (run.dst or run.src) minus
+// `origin`. The sums are those of the packed bytes where the runs cover
+// each of them once (runs_bytes tells).
+WireSum execute_host_sum(const CopyProgram& program, std::uintptr_t src_base,
+                         std::uintptr_t dst_base, PackedSide side, int64_t origin,
+                         std::size_t first = 0,
+                         std::size_t count = std::numeric_limits<std::size_t>::max());
+
+// The bytes runs [first, first + count) of `program` move.
+int64_t runs_bytes(const CopyProgram& program, std::size_t first = 0,
+                   std::size_t count = std::numeric_limits<std::size_t>::max());
 
 // ---- the GPU's cut of a program (computed and tested on the CPU) ----------
 //

@@ -18,6 +18,7 @@ DeltaMode parse_delta_mode(std::string_view name) {
 
 nlohmann::json WireOptions::to_json() const {
   return {{"checksums", checksums},
+          {"checksums_gpu", checksums_gpu},
           {"direct_min_bytes", direct_min_bytes},
           {"delta", delta},
           {"lend", lend}};
@@ -32,6 +33,12 @@ WireOptions WireOptions::from_json(const nlohmann::json& j) {
       fail(Errc::invalid_argument, "wire options: \"checksums\" must be true or false, got ",
            j["checksums"].dump());
     w.checksums = j["checksums"].get<bool>();
+  }
+  if (j.contains("checksums_gpu")) {
+    if (!j["checksums_gpu"].is_boolean())
+      fail(Errc::invalid_argument, "wire options: \"checksums_gpu\" must be true or false, got ",
+           j["checksums_gpu"].dump());
+    w.checksums_gpu = j["checksums_gpu"].get<bool>();
   }
   if (j.contains("delta")) {
     if (!j["delta"].is_boolean())

@@ -43,7 +43,7 @@ int64_t bucket_messages(const Plan& plan, int32_t bucket, const WireOptions& wir
 }
 
 bool lending_possible(const Plan& plan, const WireOptions& wire, const Capabilities& caps) {
-  return plan.mode() == PlanMode::p2p && wire.lend && !wire.checksums && !wire.delta &&
+  return plan.mode() == PlanMode::p2p && wire.lend && !wire.checksums_on_device() && !wire.delta &&
          caps.maps_peer_memory;
 }
 
@@ -88,8 +88,9 @@ std::vector<DType> received_dtypes(const Plan& plan, int engine_template,
 FragmentRoute direct_route(const TensorView& tensor, const Box& box, const Capabilities& caps,
                            const WireOptions& wire) {
   FragmentRoute r;
-  const bool reachable =
-      tensor.memory == MemoryKind::host ? caps.host_memory : caps.cuda_memory && !wire.checksums;
+  const bool reachable = tensor.memory == MemoryKind::host
+                             ? caps.host_memory
+                             : caps.cuda_memory && !wire.checksums_on_device();
   if (!reachable) return r;
   const auto first = dense_run_offset(tensor.effective_strides(), box);
   if (!first) return r;
@@ -114,12 +115,14 @@ std::vector<FragmentRoute> route_fragments(
       const Copy c = plan.resolve(items[f.first]);
       FragmentRoute r = c.fp8 ? FragmentRoute{} : direct(c);
       if (r.direct) {
+        r.offset = f.offset;
         r.bytes = f.bytes;
         out.push_back(r);
         continue;
       }
     }
     FragmentRoute r;
+    r.offset = f.offset;
     r.bytes = f.bytes;
     r.slot_offset = slot_bytes;
     slot_bytes += f.bytes;
@@ -149,11 +152,11 @@ SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, cons
          "' reaches CUDA device memory only (register CUDA tensors, or use a host transport such "
          "as ucx)");
   }
-  if (caps.cuda_memory && !wire.checksums) return SlotMemory::device;
+  if (caps.cuda_memory && !wire.checksums_on_device()) return SlotMemory::device;
   if (caps.host_memory) return SlotMemory::pinned;
   fail(Errc::unsupported, who, ": its tensors are in CUDA memory and transport '", transport, "' ",
        caps.cuda_memory ? "reaches device memory only, but checksums are computed on the host "
-                          "(turn checksums off, or use a transport that reaches host memory)"
+                          "(turn checksums_gpu off, or use a transport that reaches host memory)"
                         : "reaches neither host nor device memory");
 }
 

@@ -11,9 +11,14 @@
 //
 // Fragments of one bucket share the bucket's tag (bucket_tag(step, b, 0)) and
 // are matched in posting order. With checksums on, the sender follows them
-// with one 8-byte message (part 1) holding the fold of the fragments'
-// checksum64 values; the receiver recomputes it before it accepts the bucket.
-// Broadcast buckets travel whole, with the trailer inline (kBucketTrailerBytes).
+// with one 8-byte message (part 1) holding the bucket's checksum
+// (bucket_checksum: core/wire_sum.h over the bucket's packed bytes, each
+// fragment at its bucket offset), summed while it packs; the receiver sums
+// the same while it applies and rejects the bucket when they differ. A
+// sender whose bytes are in device memory sends 0 ("not computed"), and a
+// receiver whose bytes are there does not check (WireOptions::checksums_gpu
+// says otherwise). Broadcast buckets travel whole, with the trailer inline
+// (kBucketTrailerBytes).
 #pragma once
 
 #include <weightsync/backend/transport.h>
@@ -23,6 +28,7 @@
 #include <weightsync/plan.h>
 #include <weightsync/wire_options.h>
 
+#include "core/wire_sum.h"
 #include "transport/staging.h"
 
 #include <cstdint>
@@ -33,9 +39,9 @@
 
 namespace weightsync {
 
-// How a bucket travels (publisher <-> subscriber): its payload followed by an
-// 8-byte little-endian trailer holding checksum64(payload, bytes, step), so
-// one message carries both and a flipped byte anywhere is caught.
+// How a broadcast bucket travels (publisher <-> subscriber): its payload
+// followed by an 8-byte little-endian trailer holding its bucket_checksum,
+// so one message carries both and a flipped byte anywhere is caught.
 inline constexpr std::size_t kBucketTrailerBytes = 8;
 
 // A u64 as 8 little-endian bytes at `at`, and back (trailers, frame headers).
@@ -91,9 +97,14 @@ std::optional<int64_t> dense_run_offset(const Shape& strides, const Box& box);
 // One fragment as one side moves it: straight from or into a registered
 // tensor (`direct`), or through the side's bucket slot at `slot_offset`, with
 // the copies of its items (pack or apply ops) at [first_op, first_op + num_ops)
-// of that side's op list.
+// of that side's op list (each side turns them into runs of its program).
+// `offset`: where it lies in the bucket (the same on both sides). `fused`:
+// its runs move each of its packed bytes once, so the bucket checksum is
+// summed inside them (else by a read of the slot).
 struct FragmentRoute {
+  int64_t offset = 0;
   int64_t bytes = 0;
+  bool fused = false;
   char* direct = nullptr;  // nullptr: through the slot
   MemoryKind memory = MemoryKind::host;
   int device = -1;
@@ -103,8 +114,8 @@ struct FragmentRoute {
 
 // The route straight from or into `box` of `tensor` when its elements are one
 // dense run in memory the transport can reach (`caps`); a route with a null
-// `direct` otherwise. CUDA memory only without checksums (they are computed
-// on the host).
+// `direct` otherwise. CUDA memory only without checksums on device paths
+// (WireOptions::checksums_gpu: they are computed on the host).
 FragmentRoute direct_route(const TensorView& tensor, const Box& box, const Capabilities& caps,
                            const WireOptions& wire);
 
@@ -122,7 +133,7 @@ std::vector<FragmentRoute> route_fragments(
 // transport reaches (DESIGN.md "GPU data path"): host tensors use host slots;
 // CUDA tensors use device slots when the transport reaches device memory,
 // else pinned host slots when it reaches host memory. Checksums are computed
-// on the host, so with them on CUDA tensors take pinned slots. `who` ("trainer
+// on the host, so with checksums_gpu on CUDA tensors take pinned slots. `who` ("trainer
 // rank 2") and `transport` name the parties of the Errc::unsupported thrown
 // when no slot fits (e.g. host tensors over NCCL).
 SlotMemory choose_slot_memory(MemoryKind tensors, const Capabilities& caps, const WireOptions& wire,
@@ -162,8 +173,9 @@ inline uint64_t lend_tag(int64_t step) noexcept {
   return bucket_tag(step, 0x7FFFFFFF, 0);
 }
 
-// Whether buckets may be lent at all: a p2p plan without checksums or delta
-// sync, with WireOptions::lend, over a transport that maps peer memory.
+// Whether buckets may be lent at all: a p2p plan without delta sync or
+// checksums on device paths (WireOptions::checksums_on_device), with
+// WireOptions::lend, over a transport that maps peer memory.
 bool lending_possible(const Plan& plan, const WireOptions& wire, const Capabilities& caps);
 
 // Whether p2p bucket `bucket` may be lent: none of its items is quantized by
@@ -184,9 +196,15 @@ std::vector<int> lent_params(const Plan& plan, const std::vector<int32_t>& bucke
 std::vector<DType> received_dtypes(const Plan& plan, int engine_template,
                                    const EngineRankLayout& layout);
 
-// The seed of fragment `index` of a bucket of `step` for checksum64.
+// The seed of fragment `index` of a bucket of `step` (delta frames' digests).
 inline uint64_t fragment_seed(int64_t step, uint32_t index) noexcept {
   return static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL + index;
+}
+
+// The checksum of a bucket of `bytes` bytes of `step` whose packed bytes
+// sum to `sums` (core/wire_sum.h); never 0, the trailer's "not computed".
+inline uint64_t bucket_checksum(const WireSum& sums, int64_t bytes, int64_t step) noexcept {
+  return wire_digest(sums, static_cast<uint64_t>(bytes), static_cast<uint64_t>(step));
 }
 
 }  // namespace weightsync

@@ -56,15 +56,19 @@ TEST(Wire, DirectRouteNeedsADenseRunTheTransportReaches) {
   caps.host_memory = false;
   EXPECT_EQ(direct_route(host, box({1, 0}, {2, 6}), caps, wire).direct, nullptr)
       << "host not reachable";
-  // A CUDA view (never dereferenced): reachable only without checksums.
+  // A CUDA view (never dereferenced): reachable unless checksums reach
+  // device paths (checksums_gpu); the default checksums leave it.
   TensorView cuda = host;
   cuda.memory = MemoryKind::cuda;
   caps.cuda_memory = true;
   const FragmentRoute route = direct_route(cuda, box({1, 0}, {2, 6}), caps, wire);
   EXPECT_NE(route.direct, nullptr);
   EXPECT_EQ(route.memory, MemoryKind::cuda);
-  wire.checksums = true;
+  ASSERT_TRUE(wire.checksums) << "on by default";
+  wire.checksums_gpu = true;
   EXPECT_EQ(direct_route(cuda, box({1, 0}, {2, 6}), caps, wire).direct, nullptr);
+  wire.checksums = false;  // checksums_gpu alone does nothing
+  EXPECT_NE(direct_route(cuda, box({1, 0}, {2, 6}), caps, wire).direct, nullptr);
 }
 
 TEST(Wire, SlotsLiveWhereTheDataGoes) {
@@ -73,7 +77,9 @@ TEST(Wire, SlotsLiveWhereTheDataGoes) {
   nccl.cuda_memory = true;
   both.host_memory = both.cuda_memory = true;
   WireOptions plain, checked;
-  checked.checksums = true;
+  plain.checksums = false;
+  checked.checksums_gpu = true;
+  const WireOptions defaults;  // checksums on, for host paths only
   auto slots = [](MemoryKind m, const Capabilities& c, const WireOptions& w) {
     return choose_slot_memory(m, c, w, "trainer rank 1", "x");
   };
@@ -83,6 +89,8 @@ TEST(Wire, SlotsLiveWhereTheDataGoes) {
   EXPECT_EQ(slots(MemoryKind::cuda, nccl, plain), SlotMemory::device);
   EXPECT_EQ(slots(MemoryKind::cuda, both, plain), SlotMemory::device);
   EXPECT_EQ(slots(MemoryKind::cuda, both, checked), SlotMemory::pinned) << "host checksums";
+  EXPECT_EQ(slots(MemoryKind::cuda, both, defaults), SlotMemory::device);
+  EXPECT_EQ(slots(MemoryKind::cuda, nccl, defaults), SlotMemory::device);
   auto refused = [&](MemoryKind m, const Capabilities& c, const WireOptions& w,
                      const std::string& part) {
     try {
@@ -97,7 +105,7 @@ TEST(Wire, SlotsLiveWhereTheDataGoes) {
     }
   };
   refused(MemoryKind::host, nccl, plain, "host memory");
-  refused(MemoryKind::cuda, nccl, checked, "checksums");
+  refused(MemoryKind::cuda, nccl, checked, "checksums_gpu");
   EXPECT_STREQ(slot_memory_name(SlotMemory::pinned), "pinned");
 }
 
@@ -241,17 +249,20 @@ TEST(Wire, PackApplyInOneCopyWritesWhatPackThenApplyWrite) {
 
 TEST(Wire, OptionsJson) {
   WireOptions w;
-  w.checksums = true;
+  w.checksums = false;
+  w.checksums_gpu = true;
   w.direct_min_bytes = 12345;
   w.lend = false;
   const WireOptions back = WireOptions::from_json(w.to_json());
-  EXPECT_TRUE(back.checksums);
+  EXPECT_FALSE(back.checksums);
+  EXPECT_TRUE(back.checksums_gpu);
   EXPECT_EQ(back.direct_min_bytes, 12345);
   EXPECT_FALSE(back.lend);
-  EXPECT_FALSE(WireOptions::from_json(nlohmann::json::object()).checksums) << "off by default";
+  EXPECT_TRUE(WireOptions::from_json(nlohmann::json::object()).checksums) << "on by default";
+  EXPECT_FALSE(WireOptions::from_json(nlohmann::json::object()).checksums_gpu);
   EXPECT_TRUE(WireOptions::from_json(nlohmann::json::object()).lend) << "on by default";
-  for (const char* bad : {R"({"checksums": "yes"})", R"({"lend": 1})", R"({"direct_min_bytes": 0})",
-                          R"({"direct_min_bytes": 1.5})", R"([1])"}) {
+  for (const char* bad : {R"({"checksums": "yes"})", R"({"checksums_gpu": 1})", R"({"lend": 1})",
+                          R"({"direct_min_bytes": 0})", R"({"direct_min_bytes": 1.5})", R"([1])"}) {
     try {
       WireOptions::from_json(nlohmann::json::parse(bad));
       ADD_FAILURE() << bad << " was accepted";
@@ -498,6 +509,7 @@ TEST(Wire, FragmentsCoverEachBucketBackToBack) {
         EXPECT_EQ(frags.size(), 1u);
       }
       WireOptions w;
+      w.checksums = false;  // on by default
       w.direct_min_bytes = min;
       EXPECT_EQ(bucket_messages(plan, b.id, w), static_cast<int64_t>(frags.size()));
       w.checksums = true;
@@ -622,6 +634,7 @@ TEST_P(WireSync, ParamsBitExactAndZeroCopyWhereDense) {
 INSTANTIATE_TEST_SUITE_P(Wire, WireSync,
                          ::testing::Values(WireCase{false, 256, false}, WireCase{true, 256, false},
                                            WireCase{false, int64_t{1} << 40, false},
+                                           WireCase{true, int64_t{1} << 40, true},
                                            WireCase{true, 256, true}, WireCase{false, 1, true}),
                          [](const auto& info) {
                            const WireCase& c = info.param;

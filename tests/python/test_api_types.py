@@ -141,8 +141,9 @@ def test_options_are_keyword_only_or_bound(setup):
                       transport="ucx", mode="p2p", bucket_bytes=32 << 10, checksums=False,
                       token=None) as pub:
         assert pub.options.bucket_bytes == 32 << 10 and pub.options.mode == "p2p"
-    pub = ws.Publisher(coord, 0, layout, engine, options=opts, checksums=True)
-    assert pub.options == dataclasses.replace(opts, checksums=True)
+    assert opts.checksums, "checksums are on by default"
+    pub = ws.Publisher(coord, 0, layout, engine, options=opts, checksums=False)
+    assert pub.options == dataclasses.replace(opts, checksums=False)
     sopts = ws.SubscriberOptions(staging=True, connect_timeout=20.0)
     sub = subscriber(coord, engine, options=sopts)
     assert sub.options.staging and sub.options.transport == "ucx"

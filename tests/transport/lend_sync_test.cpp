@@ -5,7 +5,8 @@
 // engine ranks can lend, every bucket is written by the trainer straight
 // into their params and travels as one zero-byte message; where one cannot
 // (a param seen through a padded view), or lending is off or impossible
-// (checksums), its buckets travel as fragments. Every step moves other
+// (checksums on device paths: checksums_gpu), its buckets travel as
+// fragments. The default checksums (host paths) leave lending on. Every step moves other
 // bytes, and every version is bit-exact. LendSyncAcrossProcesses runs the
 // engine rank in a process of its own, its params in memory the trainer's
 // process maps; IpcScenarios.LentMemoryIsWrittenThroughTheMappedAddresses
@@ -53,7 +54,7 @@ std::vector<char> read_view(const TensorView& v) {
 struct LendCase {
   std::string label;
   bool lend = true;
-  bool checksums = false;
+  bool checksums_gpu = false;   // WireOptions::checksums_gpu (checksums stay on by default)
   bool padded_trainer = false;  // every other trainer shard strided
   int padded_engine = -1;       // this engine rank's params seen through padded views
   std::string model = "tiny-llama";
@@ -115,7 +116,7 @@ TEST_P(LendSync, BucketsWrittenIntoLentParamsAreBitExactEveryStep) {
     po.engine = config;
     po.transport = transport;
     po.plan.bucket_bytes = 16384;
-    po.wire.checksums = lc.checksums;
+    po.wire.checksums_gpu = lc.checksums_gpu;
     po.wire.lend = lc.lend;
     po.wire.direct_min_bytes = 256;
     Publisher pub(po);
@@ -165,7 +166,7 @@ TEST_P(LendSync, BucketsWrittenIntoLentParamsAreBitExactEveryStep) {
   // Which buckets were lent: every one of an engine rank that can lend.
   std::vector<uint64_t> lent_expected(2, 0);
   for (int r = 0; r < 2; ++r)
-    if (lc.lend && !lc.checksums && lc.padded_engine != r) lent_expected[r] = sent_buckets[r];
+    if (lc.lend && !lc.checksums_gpu && lc.padded_engine != r) lent_expected[r] = sent_buckets[r];
   for (const PushResult& result : results) {
     EXPECT_EQ(result.buckets_lent, lent_expected[0] + lent_expected[1]) << "step " << result.step;
     if (lent_expected[0] + lent_expected[1] == sent_buckets[0] + sent_buckets[1]) {
@@ -177,7 +178,7 @@ TEST_P(LendSync, BucketsWrittenIntoLentParamsAreBitExactEveryStep) {
       EXPECT_TRUE(o.committed) << o.reason;
       EXPECT_EQ(o.buckets_lent, lent_expected[r]) << "engine rank " << r << ", step " << o.step;
     }
-  if (lc.lend && !lc.checksums) {
+  if (lc.lend && !lc.checksums_gpu) {
     EXPECT_GT(lent_expected[0] + lent_expected[1], 0u);
   }
 }
@@ -186,7 +187,7 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, LendSync,
     ::testing::Values(LendCase{"Lent"}, LendCase{"LentFromStridedShards", true, false, true},
                       LendCase{"OneRankCannotLend", true, false, false, 1},
-                      LendCase{"LendingOff", false}, LendCase{"WithChecksums", true, true},
+                      LendCase{"LendingOff", false}, LendCase{"WithDeviceChecksums", true, true},
                       // Fused experts (leading expert dims), fused QKV.
                       LendCase{"MoeExperts", true, false, false, -1, "tiny-qwen3-moe"}),
     [](const auto& info) { return info.param.label; });

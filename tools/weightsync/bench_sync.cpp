@@ -10,6 +10,7 @@
 // (tools/bench/peer_ipc_baseline.py) and, 1 -> 1, checkpoint-engine's
 // colocated update (tools/bench/peer_checkpoint_engine.py); the stronger is
 // the one to beat.
+#include "bench_overhead.h"
 #include "cli.h"
 #include "demo_device.h"
 #include "demo_procs.h"
@@ -44,7 +45,8 @@ constexpr const char* kUsage =
     "                        [--checkpoint C --trainer T.json --engine E.json]\n"
     "                        [--mode p2p|broadcast] [--bucket-bytes N] [--no-peer]\n"
     "                        [--transport NAME] [--timeout S] [--work-dir D]\n"
-    "                        [--checksums] [--no-lend] [--device cpu|cuda] [--fp8]\n"
+    "                        [--no-checksums|--checksums] [--checksum-overhead]\n"
+    "                        [--no-lend] [--device cpu|cuda] [--fp8]\n"
     "                        [--fp8-site sender|engine] [--metrics-overhead]\n"
     "                        [--delta [--no-delta-verify]]\n"
     "                        [--update random:F|adamw[:lr=X]]\n"
@@ -68,7 +70,10 @@ constexpr const char* kUsage =
     "colocated hybrid engine, one trainer rank and one engine rank per GPU:\n"
     "--mesh fsdp=1 --tp 1 --replicas 1 (1 -> 1); --mesh fsdp=2 --tp 1 --replicas 1\n"
     "(2 -> 1).\n"
-    "--checksums turns on per-bucket checksums (off by default, as in the library).\n"
+    "Per-bucket checksums are on, as in the library; --no-checksums turns them off,\n"
+    "--checksums extends them to CUDA tensors' device paths (checksums_gpu).\n"
+    "--checksum-overhead: then the same job with checksums off and on, alternating,\n"
+    "three times each; adds checksum_overhead (step p50 on / off).\n"
     "--no-lend: buckets travel as fragments even where the transport maps the engine's\n"
     "params (cuda_ipc: each bucket is otherwise one copy into them); buckets_lent says\n"
     "how many of a step's buckets were.\n"
@@ -386,6 +391,7 @@ nlohmann::json bench_result(const demo::JobSpec& job, const demo::JobRun& run,
           {"peak_rss_mb", {{"trainer", rss_t}, {"engine", rss_e}}},
           {"bucket_bytes", job.bucket_bytes},
           {"checksums", job.checksums},
+          {"checksums_gpu", job.checksums_gpu},
           {"lend", job.lend},
           {"buckets_lent", lent},
           {"delta", job.delta},
@@ -534,8 +540,8 @@ int run_adamw_bench(const Args& args, const std::string& update, int steps, doub
 
 int run_sync_bench(const std::vector<std::string>& argv) {
   Args args(argv,
-            {"json", "no-peer", "checksums", "no-lend", "fp8", "metrics-overhead", "delta",
-             "no-delta-verify"},
+            {"json", "no-peer", "checksums", "no-checksums", "checksum-overhead", "no-lend", "fp8",
+             "metrics-overhead", "delta", "no-delta-verify"},
             {"trace", "steps", "size-gb", "mode", "bucket-bytes", "timeout", "work-dir",
              "transport", "device", "checkpoint", "trainer", "engine", "fp8-site", "update", "mesh",
              "tp", "replicas"});
@@ -552,7 +558,10 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   job.bucket_bytes = args.get_int("bucket-bytes", int64_t{64} << 20);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 600) * 1000);
   job.verify = false;
-  job.checksums = args.flag("checksums");
+  job.checksums = !args.flag("no-checksums");
+  job.checksums_gpu = args.flag("checksums");
+  if (args.flag("checksums") && args.flag("no-checksums"))
+    fail(Errc::invalid_argument, "--checksums and --no-checksums: pick one");
   job.lend = !args.flag("no-lend");
   const bool delta = args.flag("delta");
   job.delta_verify = !args.flag("no-delta-verify");
@@ -624,7 +633,10 @@ int run_sync_bench(const std::vector<std::string>& argv) {
         model.family.c_str(), static_cast<double>(model.bytes) / 1e9,
         static_cast<long long>(tl.mesh.world()), engines.c_str(), job.mode.c_str(),
         job.transport.c_str(), demo::on_gpu(job) ? "GPU" : "host",
-        static_cast<long long>(job.bucket_bytes), job.checksums ? "on" : "off");
+        static_cast<long long>(job.bucket_bytes),
+        !job.checksums      ? "off"
+        : job.checksums_gpu ? "on (device paths too)"
+                            : "on");
   }
   std::fflush(stdout);
   // --delta: the full sync of the same versions first, its own reference.
@@ -664,6 +676,8 @@ int run_sync_bench(const std::vector<std::string>& argv) {
   result["engine_ranks"] = make_engine_layout(load_engine_spec(job.engine)).world();
   if (args.flag("metrics-overhead") && summary["ok"].get<bool>())
     result["metrics_overhead"] = metrics_overhead(job, 2);
+  if (args.flag("checksum-overhead") && summary["ok"].get<bool>())
+    result["checksum_overhead"] = checksum_overhead(job, 3);
   // Not ok: which step, which rank, and why (demo::summarize).
   for (const char* key : {"error", "failures"})
     if (summary.contains(key)) result[key] = summary[key];
@@ -692,6 +706,7 @@ int run_sync_bench(const std::vector<std::string>& argv) {
             m["sync_s_p50_off"].get<double>(), m["sync_s_p50_on"].get<double>(),
             m["ratio"].get<double>(), m["rounds"].get<int>());
     }
+    if (result.contains("checksum_overhead")) print_checksum_overhead(result["checksum_overhead"]);
     if (!summary["ok"].get<bool>()) demo::print_summary(std::cout, summary);
   }
   if (summary["ok"].get<bool>() && !args.has("work-dir")) fs::remove_all(job.work_dir);

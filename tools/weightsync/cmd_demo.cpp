@@ -58,7 +58,11 @@ constexpr const char* kUsage =
     "  --timeout S          seconds per step, and for setup (default 120)\n"
     "  --trace F            write a Chrome trace (Perfetto) of every process's phases\n"
     "  --staging            engines apply into a copy swapped in at commit\n"
-    "  --checksums          verify every bucket end to end (per-bucket checksums)\n"
+    "  --no-checksums       skip the per-bucket checksums (on by default: a bucket\n"
+    "                       that does not arrive as sent fails its engine's step)\n"
+    "  --checksums          verify the buckets of CUDA tensors too (by default their\n"
+    "                       device paths go unchecked; this stages them through\n"
+    "                       pinned host memory, WireOptions::checksums_gpu)\n"
     "  --no-lend            buckets travel as fragments even where the transport maps\n"
     "                       the engines' memory (cuda_ipc, ipc_host)\n"
     "  --delta              delta sync (PublisherOptions::delta auto, docs/delta.md);\n"
@@ -186,7 +190,10 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   parse_fp8_site(job.fp8_site);
   job.timeout_ms = static_cast<int64_t>(args.get_double("timeout", 120) * 1000);
   job.staging = args.flag("staging");
-  job.checksums = args.flag("checksums");
+  job.checksums = !args.flag("no-checksums");
+  job.checksums_gpu = args.flag("checksums");
+  if (args.flag("checksums") && args.flag("no-checksums"))
+    fail(Errc::invalid_argument, "--checksums and --no-checksums: pick one");
   job.lend = !args.flag("no-lend");
   job.delta = args.flag("delta");
   if (auto u = args.get("update"))
@@ -259,7 +266,8 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
 
 int run_demo(const std::vector<std::string>& argv) {
   Args args(argv,
-            {"staging", "checksums", "no-lend", "restart", "no-verify", "json", "elastic", "delta"},
+            {"staging", "checksums", "no-checksums", "no-lend", "restart", "no-verify", "json",
+             "elastic", "delta"},
             {"checkpoint", "trainer",
              "engine",     "steps",
              "mode",       "dump",

@@ -42,6 +42,7 @@ nlohmann::json JobSpec::to_json() const {
       {"timeout_ms", timeout_ms},
       {"staging", staging},
       {"checksums", checksums},
+      {"checksums_gpu", checksums_gpu},
       {"lend", lend},
       {"delta", delta},
       {"delta_verify", delta_verify},
@@ -79,6 +80,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.timeout_ms = j.at("timeout_ms").get<int64_t>();
     s.staging = j.at("staging").get<bool>();
     s.checksums = j.at("checksums").get<bool>();
+    s.checksums_gpu = j.value("checksums_gpu", false);
     s.lend = j.value("lend", true);
     s.delta = j.value("delta", false);
     s.delta_verify = j.value("delta_verify", true);

@@ -53,7 +53,8 @@ struct JobSpec {
   std::string fp8_site = "sender";  // FP8 engines: where weights are quantized
   int64_t timeout_ms = 120000;      // per step; connection setup gets the same
   bool staging = false;
-  bool checksums = false;       // per-bucket checksums on the wire (WireOptions)
+  bool checksums = true;        // per-bucket checksums on the wire (WireOptions)
+  bool checksums_gpu = false;   // WireOptions::checksums_gpu
   bool lend = true;             // WireOptions::lend
   bool delta = false;           // PublisherOptions::delta auto
   bool delta_verify = true;     // PublisherOptions::delta_verify

@@ -115,6 +115,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   opt.plan.bucket_bytes = job.bucket_bytes;
   opt.plan.fp8_site = parse_fp8_site(job.fp8_site);
   opt.wire.checksums = job.checksums;
+  opt.wire.checksums_gpu = job.checksums_gpu;
   opt.wire.lend = job.lend;
   opt.delta = job.delta ? DeltaMode::automatic : DeltaMode::off;
   opt.delta_verify = job.delta_verify;
