@@ -20,7 +20,11 @@ PlanOptions PlanOptions::from_json(const nlohmann::json& j) {
   if (!j.is_object() || !j.contains("mode") || !j["mode"].is_string() ||
       !j.contains("bucket_bytes") || !j["bucket_bytes"].is_number_integer())
     fail(Errc::format, "lacks a string \"mode\" and an integer \"bucket_bytes\": ", j.dump());
-  check_fields(j, {"mode", "bucket_bytes", "fp8_site", "same_buckets_per_replica", "replicas"},
+  // The published form adds the wire options and elastic settings
+  // (pipeline/setup.cpp), read there.
+  check_fields(j,
+               {"mode", "bucket_bytes", "fp8_site", "same_buckets_per_replica", "replicas", "wire",
+                "elastic"},
                "plan options");
   PlanOptions o;
   o.mode = parse_plan_mode(j["mode"].get<std::string>());

@@ -167,6 +167,7 @@ TEST(Reconnect, ARefusedReturnEndsTheConnectionWithTheReason) {
   const uint16_t port = coord->port();
   Client engine(reconnecting(*coord, Role::engine, 0, 1));
   coord.reset();
+  ASSERT_TRUE(eventually([&] { return engine.connection_losses() == 1; }));
   // Restarted with a token this client does not have: it is refused, for good.
   coord = std::make_unique<Coordinator>(on_port(port, "secret"));
   ASSERT_TRUE(eventually([&] { return !engine.reconnecting(); })) << "a refused client kept trying";
@@ -187,6 +188,7 @@ TEST(Reconnect, TheSameCoordinatorDoesNotTakeAMemberBack) {
   Coordinator coord(fast_coordinator());
   Client engine(reconnecting(coord, Role::engine, 0, 1));
   engine.set_address("localhost:" + std::to_string(coord.port()));  // the same one, by name
+  ASSERT_TRUE(eventually([&] { return engine.connection_losses() == 1; }));
   ASSERT_TRUE(eventually([&] { return !engine.reconnecting() && !engine.connected(); }))
       << "the client is still trying, or was taken back";
   try {
