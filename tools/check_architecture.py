@@ -63,6 +63,7 @@ PUBLIC_OWNER = {
     "error.h": "core",
     "hf_checkpoint.h": "core",
     "hf_model.h": "core",
+    "json_fields.h": "core",
     "layouts.h": "layouts",
     "load_spec.h": "core",
     "materialize.h": "core",

@@ -111,7 +111,16 @@ TEST_F(CoordinatorRestart, KilledAndRestartedMidStepTheEnginesServeOnAndTheNextS
     std::lock_guard lock(mu_);
     return engine_error;
   };
-  std::thread engine([&] {
+  // Joined however the test ends (a failed assertion returns early).
+  struct Joiner {
+    std::atomic<bool>& stop;
+    std::thread thread;
+    ~Joiner() {
+      stop = true;
+      if (thread.joinable()) thread.join();
+    }
+  } engine{stop, {}};
+  engine.thread = std::thread([&] {
     try {
       SubscriberOptions so;
       so.coordinator = address;
@@ -136,99 +145,109 @@ TEST_F(CoordinatorRestart, KilledAndRestartedMidStepTheEnginesServeOnAndTheNextS
     }
   });
 
-  PublisherOptions po;
-  po.coordinator = address;
-  po.layout = layout_;
-  po.engine = config_;
-  // Slow sends: step 2 is still moving when the coordinator is killed.
-  po.transport = "fault:ucx?delay_ms=25";
-  po.plan.bucket_bytes = 16384;
-  po.step_timeout = 60s;
-  po.coordinator_reconnect = 60s;
-  Publisher pub(po);
-  for (size_t i = 0; i < layout_.params.size(); ++i) {
-    const LoadSpec& spec = layout_.params[i];
-    pub.register_tensor(
-        spec.name, host_view(shards_[i].data(), spec.dtype, local_shape(spec, layout_.mesh, 0)));
-  }
-  set_version(1);
-  const PushResult first = pub.push(1);
-  ASSERT_EQ(first.committed, std::vector<int>{0});
-  for (int i = 0; i < 100 && version < 1; ++i) std::this_thread::sleep_for(20ms);
-  ASSERT_EQ(version, 1) << error();
-  std::vector<uint64_t> ids;
-  {
-    control::ClientOptions o;
-    o.address = address;
-    control::Client observer(o);
-    for (const auto& m : observer.members())
-      if (m.role != control::Role::observer) ids.push_back(m.id);
-  }
-  ASSERT_EQ(ids.size(), 2u);
-
-  // Step 2, killed under it.
-  set_version(2);
-  std::optional<Error> push_error;
-  std::chrono::steady_clock::time_point push_ended;
-  std::thread pusher([&] {
-    try {
-      pub.push(2);
-    } catch (const Error& e) {
-      push_error = e;
+  // The trainer's part; what it throws fails the test (the threads are joined).
+  const auto trainer = [&] {
+    PublisherOptions po;
+    po.coordinator = address;
+    po.layout = layout_;
+    po.engine = config_;
+    // Slow sends: step 2 is still moving when the coordinator is killed.
+    po.transport = "fault:ucx?delay_ms=25";
+    po.plan.bucket_bytes = 16384;
+    po.step_timeout = 60s;
+    po.coordinator_reconnect = 60s;
+    Publisher pub(po);
+    for (size_t i = 0; i < layout_.params.size(); ++i) {
+      const LoadSpec& spec = layout_.params[i];
+      pub.register_tensor(
+          spec.name, host_view(shards_[i].data(), spec.dtype, local_shape(spec, layout_.mesh, 0)));
     }
-    push_ended = std::chrono::steady_clock::now();
-  });
-  std::this_thread::sleep_for(700ms);
-  const auto killed = std::chrono::steady_clock::now();
-  coordinator->kill();
-  down = true;
-  pusher.join();
-  ASSERT_TRUE(push_error) << "step 2 committed although its coordinator died during it";
-  EXPECT_EQ(push_error->code(), Errc::peer_failure) << push_error->what();
-  EXPECT_NE(std::string(push_error->what()).find("lost the coordinator"), std::string::npos)
-      << push_error->what();
-  EXPECT_LT(push_ended - killed, 2s) << "the push did not fail at once: " << push_error->what();
-  // The engine aborted step 2 and kept version 1, whole.
-  for (int i = 0; i < 200 && seen().size() < 2; ++i) std::this_thread::sleep_for(20ms);
-  std::this_thread::sleep_for(1s);  // down a while: the engine keeps serving
-  {
-    std::lock_guard lock(mu_);
-    ASSERT_EQ(outcomes.size(), 2u) << engine_error;
-    EXPECT_EQ(outcomes[1].step, 2);
-    EXPECT_FALSE(outcomes[1].committed);
-    EXPECT_FALSE(outcomes[1].torn);
-    EXPECT_NE(outcomes[1].reason.find("lost the coordinator"), std::string::npos)
-        << outcomes[1].reason;
-    EXPECT_EQ(version, 1);
-    EXPECT_TRUE(params_ == expected(1)) << "the aborted step left a mix in the engine's params";
-    EXPECT_TRUE(engine_error.empty()) << engine_error;
-    EXPECT_FALSE(versions_while_down.empty()) << "the engine's loop stopped while it was down";
-    EXPECT_TRUE(std::all_of(versions_while_down.begin(), versions_while_down.end(),
-                            [](int64_t v) { return v == 1; }));
-  }
+    set_version(1);
+    const PushResult first = pub.push(1);
+    ASSERT_EQ(first.committed, std::vector<int>{0});
+    for (int i = 0; i < 100 && version < 1; ++i) std::this_thread::sleep_for(20ms);
+    ASSERT_EQ(version, 1) << error();
+    std::vector<uint64_t> ids;
+    {
+      control::ClientOptions o;
+      o.address = address;
+      control::Client observer(o);
+      for (const auto& m : observer.members())
+        if (m.role != control::Role::observer) ids.push_back(m.id);
+    }
+    ASSERT_EQ(ids.size(), 2u);
 
-  // Restarted on the same address: the ranks come back as the same members.
-  coordinator = std::make_unique<CoordinatorProcess>(std::vector<std::string>{}, address);
-  ASSERT_EQ("127.0.0.1:" + std::to_string(coordinator->port()), address)
-      << coordinator->first_line();
-  down = false;
-  {
-    control::ClientOptions o;
-    o.address = address;
-    control::Client observer(o);
-    const auto members = observer.wait_members(1, 1, 30s);
-    std::vector<uint64_t> back;
-    for (const auto& m : members)
-      if (m.role != control::Role::observer) back.push_back(m.id);
-    std::sort(back.begin(), back.end());
-    std::sort(ids.begin(), ids.end());
-    EXPECT_EQ(back, ids) << "the ranks came back under new member ids";
-    EXPECT_EQ(observer.committed_version(0), 1) << "the engine's version was not rebuilt";
+    // Step 2, killed under it.
+    set_version(2);
+    std::optional<Error> push_error;
+    std::chrono::steady_clock::time_point push_ended;
+    std::thread pusher([&] {
+      try {
+        pub.push(2);
+      } catch (const Error& e) {
+        push_error = e;
+      }
+      push_ended = std::chrono::steady_clock::now();
+    });
+    std::this_thread::sleep_for(700ms);
+    const auto killed = std::chrono::steady_clock::now();
+    coordinator->kill();
+    down = true;
+    pusher.join();
+    ASSERT_TRUE(push_error) << "step 2 committed although its coordinator died during it";
+    EXPECT_EQ(push_error->code(), Errc::peer_failure) << push_error->what();
+    EXPECT_NE(std::string(push_error->what()).find("lost the coordinator"), std::string::npos)
+        << push_error->what();
+    EXPECT_LT(push_ended - killed, 2s) << "the push did not fail at once: " << push_error->what();
+    // The engine aborted step 2 and kept version 1, whole.
+    for (int i = 0; i < 200 && seen().size() < 2; ++i) std::this_thread::sleep_for(20ms);
+    std::this_thread::sleep_for(1s);  // down a while: the engine keeps serving
+    {
+      std::lock_guard lock(mu_);
+      ASSERT_EQ(outcomes.size(), 2u) << engine_error;
+      EXPECT_EQ(outcomes[1].step, 2);
+      EXPECT_FALSE(outcomes[1].committed);
+      EXPECT_FALSE(outcomes[1].torn);
+      EXPECT_NE(outcomes[1].reason.find("lost the coordinator"), std::string::npos)
+          << outcomes[1].reason;
+      EXPECT_EQ(version, 1);
+      EXPECT_TRUE(params_ == expected(1)) << "the aborted step left a mix in the engine's params";
+      EXPECT_TRUE(engine_error.empty()) << engine_error;
+      EXPECT_FALSE(versions_while_down.empty()) << "the engine's loop stopped while it was down";
+      EXPECT_TRUE(std::all_of(versions_while_down.begin(), versions_while_down.end(),
+                              [](int64_t v) { return v == 1; }));
+    }
+
+    // Restarted on the same address: the ranks come back as the same members.
+    coordinator = std::make_unique<CoordinatorProcess>(std::vector<std::string>{}, address);
+    ASSERT_EQ("127.0.0.1:" + std::to_string(coordinator->port()), address)
+        << coordinator->first_line();
+    down = false;
+    {
+      control::ClientOptions o;
+      o.address = address;
+      control::Client observer(o);
+      const auto members = observer.wait_members(1, 1, 30s);
+      std::vector<uint64_t> back;
+      for (const auto& m : members)
+        if (m.role != control::Role::observer) back.push_back(m.id);
+      std::sort(back.begin(), back.end());
+      std::sort(ids.begin(), ids.end());
+      EXPECT_EQ(back, ids) << "the ranks came back under new member ids";
+      EXPECT_EQ(observer.committed_version(0), 1) << "the engine's version was not rebuilt";
+    }
+    set_version(3);
+    const PushResult third = pub.push(3);
+    EXPECT_EQ(third.committed, std::vector<int>{0});
+  };
+  try {
+    trainer();
+  } catch (const Error& e) {
+    ADD_FAILURE() << "the trainer side threw: " << e.what();
+    return;
   }
-  set_version(3);
-  const PushResult third = pub.push(3);
-  EXPECT_EQ(third.committed, std::vector<int>{0});
-  engine.join();
+  if (HasFailure()) stop = true;  // the engine would wait for version 3
+  engine.thread.join();
   EXPECT_TRUE(engine_error.empty()) << engine_error;
   ASSERT_EQ(outcomes.size(), 3u);
   EXPECT_TRUE(outcomes[2].committed) << outcomes[2].reason;
