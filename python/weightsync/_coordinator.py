@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from . import _core
 
@@ -46,7 +46,7 @@ class Coordinator:
         """The last step engine rank `engine_rank` committed (-1: none)."""
         return self._core.committed_version(engine_rank)
 
-    def members(self) -> list[dict]:
+    def members(self) -> list[dict[str, Any]]:
         """Every registered member: {"role", "rank", "replica", "id"} (a
         member keeps its id when it comes back to a restarted coordinator)."""
         return [{"role": role, "rank": rank, "replica": replica, "id": member_id}

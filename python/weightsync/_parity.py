@@ -78,7 +78,7 @@ def table(rows: list[tuple[str, str, str, str]]) -> str:
 
 def engine_holds(model: Any) -> dict[str, tuple[str, list]]:
     """{name: (dtype, shape)} of a torch module's parameters and buffers."""
-    out = {}
+    out: dict[str, tuple[str, list]] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         out.setdefault(name, (dtype_name(t), list(t.shape)))
     return out
