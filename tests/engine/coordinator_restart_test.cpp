@@ -103,6 +103,7 @@ TEST_F(CoordinatorRestart, KilledAndRestartedMidStepTheEnginesServeOnAndTheNextS
   std::atomic<bool> down{false};
   std::string engine_error;
   std::atomic<int64_t> version{-1};
+  std::atomic<bool> began2{false};  // the engine began receiving step 2
   const auto seen = [&] {
     std::lock_guard lock(mu_);
     return outcomes;
@@ -129,6 +130,9 @@ TEST_F(CoordinatorRestart, KilledAndRestartedMidStepTheEnginesServeOnAndTheNextS
       so.step_timeout = 60s;
       so.coordinator_reconnect = 60s;
       Subscriber sub(so);
+      sub.on_begin([&](int64_t step) {
+        if (step == 2) began2 = true;
+      });
       for (size_t i = 0; i < params_.size(); ++i)
         sub.register_param(rank_layout().params[i].name, params_[i].data(),
                            rank_layout().params[i].dtype, rank_layout().params[i].shape);
@@ -152,8 +156,8 @@ TEST_F(CoordinatorRestart, KilledAndRestartedMidStepTheEnginesServeOnAndTheNextS
     po.layout = layout_;
     po.engine = config_;
     // Slow sends: step 2 is still moving when the coordinator is killed.
-    po.transport = "fault:ucx?delay_ms=25";
-    po.plan.bucket_bytes = 16384;
+    po.transport = "fault:ucx?delay_ms=40";
+    po.plan.bucket_bytes = 8192;
     po.step_timeout = 60s;
     po.coordinator_reconnect = 60s;
     Publisher pub(po);
@@ -189,7 +193,10 @@ TEST_F(CoordinatorRestart, KilledAndRestartedMidStepTheEnginesServeOnAndTheNextS
       }
       push_ended = std::chrono::steady_clock::now();
     });
-    std::this_thread::sleep_for(700ms);
+    // Killed while step 2's data moves: once the engine began it.
+    for (int i = 0; i < 3000 && !began2; ++i) std::this_thread::sleep_for(1ms);
+    EXPECT_TRUE(began2) << "step 2 never began on the engine";
+    std::this_thread::sleep_for(30ms);
     const auto killed = std::chrono::steady_clock::now();
     coordinator->kill();
     down = true;
