@@ -469,7 +469,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         kwargs: dict[str, Any] = dict(
             transport=self.transport, mode=self.mode, bucket_bytes=self.bucket_size,
             token=self.token, job=self.job, connect_timeout=self.connect_timeout,
-            step_timeout=self.step_timeout)
+            step_timeout=self.step_timeout, coordinator_reconnect=0.0)
         kwargs.update(self.publisher_kwargs)
         pub = ws.Publisher(coordinator=str(self.coordinator_address), rank=self._rank,
                            layout=layout, engine=self._engine, **kwargs)
@@ -488,7 +488,12 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         kwargs: dict[str, Any] = dict(
             transport=self.transport, token=self.token, job=self.job,
             connect_timeout=self.connect_timeout, step_timeout=self.step_timeout,
-            weights_device=self.weights_device)
+            weights_device=self.weights_device,
+            # This backend closes its coordinator when a step fails before it
+            # was sent (_teardown) and builds a new job at the next sync: its
+            # ranks must see the loss at once, not wait for that coordinator
+            # to come back (docs/usage.md, "The coordinator dies").
+            coordinator_reconnect=0.0)
         kwargs.update(self.subscriber_kwargs)
         sub = ws.Subscriber(coordinator=str(self.coordinator_address), engine=self._engine,
                             replica=int(self._replica or 0), rank=self._rank, **kwargs)
