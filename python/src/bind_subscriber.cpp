@@ -195,7 +195,9 @@ void bind_subscriber_options(nb::module_& m) {
           [](O& o, double s) { o.step_timeout = millis(s, "step_timeout"); })
       .def_prop_rw(
           "coordinator_reconnect", [](const O& o) { return seconds(o.coordinator_reconnect); },
-          [](O& o, double s) { o.coordinator_reconnect = millis(s, "coordinator_reconnect"); });
+          [](O& o, double s) {
+            o.coordinator_reconnect = millis_or_zero(s, "coordinator_reconnect");
+          });
 }
 
 void bind_outcome(nb::module_& m) {

@@ -37,6 +37,8 @@ TensorView tensor_view(uintptr_t data, const std::string& dtype, const Shape& sh
 
 // Seconds from Python as milliseconds; Errc::invalid_argument unless positive.
 std::chrono::milliseconds millis(double seconds, const char* what);
+// The same, where 0 means off.
+std::chrono::milliseconds millis_or_zero(double seconds, const char* what);
 
 // Owns a C++ endpoint so that close() can release it (leaving the
 // coordinator) before Python's garbage collector would.

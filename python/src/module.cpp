@@ -21,6 +21,12 @@ std::chrono::milliseconds millis(double seconds, const char* what) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
 }
 
+std::chrono::milliseconds millis_or_zero(double seconds, const char* what) {
+  if (!(seconds >= 0))
+    fail(Errc::invalid_argument, what, " must be 0 (off) or positive, got ", seconds, " s");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+}
+
 TensorView tensor_view(uintptr_t data, const std::string& dtype, const Shape& shape,
                        const Shape& strides, int device, const std::string& what) {
   TensorView v;
