@@ -101,18 +101,25 @@ def check_step(s: dict, prev: dict | None) -> None:
         assert s["unchanged_tensors"] == [], s
 
 
-def test_every_engine_commits_and_matches_every_step():
-    r = run_job("--steps", "4")
+def check_every_engine_every_step(r: dict) -> list:
+    """A run of steps 1-4 on the two-node layout in which both engine ranks
+    commit every step, bit for bit; returns the steps."""
     check_layout(r)
     assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4]
     prev = None
     for s in r["steps"]:
         check_step(s, prev)
         assert s["committed"] == [0, 1] and s["verified"] == [0, 1], s
+        prev = s
+    return r["steps"]
+
+
+def test_every_engine_commits_and_matches_every_step():
+    r = run_job("--steps", "4")
+    for s in check_every_engine_every_step(r):
         assert s["replicas"] == [0, 1] and s["failed"] == [], s
         # Each of the two engine ranks receives the whole model, once.
         assert s["bytes"] == 2 * s["engine_bytes"]["0"] == 2 * s["engine_bytes"]["1"], s
-        prev = s
     assert r["versions"] == {"0": 4, "1": 4}
 
 
@@ -146,13 +153,7 @@ def test_a_killed_coordinator_is_restarted_by_ray_and_the_job_goes_on():
     its port, every trainer and engine rank registers again as the same member
     with what it holds, and step 3 (and 4) commit on every engine, bit for bit."""
     r = run_job("--steps", "4", "--kill-coordinator", "3")
-    check_layout(r)
-    assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4]
-    prev = None
-    for s in r["steps"]:
-        check_step(s, prev)
-        assert s["committed"] == [0, 1] and s["verified"] == [0, 1], s
-        prev = s
+    check_every_engine_every_step(r)
     (restart,) = r["coordinator_restarts"]
     assert restart["step"] == 3 and restart["old_pid"] != restart["new_pid"], restart
     assert restart["address"] == r["coordinator"]["address"], restart
