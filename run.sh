@@ -113,7 +113,7 @@ case "$job" in
     install_package
     status=0
     (cd "$build_dir" && ctest --output-on-failure -j"$(nproc)" "$@") || status=$?
-    (cd tests/python && "$venv/bin/python" -m pytest -q) || status=$?
+    (cd tests/python && "$venv/bin/python" -m pytest -q --durations=15) || status=$?
     exit $status
     ;;
   test-engines)
@@ -130,10 +130,12 @@ case "$job" in
         status=2
         continue
       fi
+      engine_start=$SECONDS
       engine_python=$(bash "tools/engines/setup_$engine.sh" "$root" "$build_dir" | tail -n 1)/bin/python
       # test_<engine>.py and its companions (test_<engine>_lora.py, ...), in one run.
-      (cd tests/real_engines && "$engine_python" -m pytest -q -p no:cacheprovider \
+      (cd tests/real_engines && "$engine_python" -m pytest -q --durations=15 -p no:cacheprovider \
         "test_$engine.py" $(ls "test_${engine}"_*.py 2>/dev/null) "$@") || status=$?
+      echo "run.sh: the $engine suites took $((SECONDS - engine_start)) s" >&2
     done
     exit $status
     ;;
