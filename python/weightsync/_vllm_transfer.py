@@ -16,7 +16,9 @@ module, by name, when an engine is created with
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -151,12 +153,46 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        error: Optional[Error] = None
         try:
             self._receive(update_info)
         except Error as e:
+            error = e
+        error = self._the_one_to_raise(error)
+        if error is not None:
             # vLLM passes on only the text: weightsync.vllm.receive reads the
             # code and the message back from it.
-            raise marked(e) from e
+            raise marked(error) from error
+
+    def _the_one_to_raise(self, error: Optional[Error]) -> Optional[Error]:
+        """The error this worker raises into vLLM, if any.
+
+        vLLM's executor reads its workers' replies in rank order and raises at
+        the first failed one, leaving the later workers' replies queued: the
+        next call of any kind on the engine would read them (another worker's
+        stale error, then every reply one call late). So the workers of a
+        tensor-parallel group agree on the outcome, and only the last one
+        raises: its own error, else the first failed worker's. The others end
+        their update session as vLLM does for a worker that raised, and
+        return. Without a group, or where the session cannot be ended so
+        (another vLLM), every worker raises its own error."""
+        group = _executor_group()
+        if group is None:
+            return error
+        import torch.distributed as dist
+
+        errors: list = [None] * group.world_size
+        mine = None if error is None else (error.code, error.message)
+        dist.all_gather_object(errors, mine, group=group.cpu_group)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if not failed:
+            return None
+        if group.rank_in_group == group.world_size - 1:
+            if error is not None:
+                return error
+            rank, (code, message) = failed[0]
+            return Error(code, message)
+        return None if _end_worker_session(self) else error
 
     def _receive(self, update_info: WeightsyncUpdateInfo) -> None:
         if update_info.adapter is not None:
@@ -200,3 +236,32 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
         raise Error("unsupported", "weightsync trainers push with weightsync.Publisher "
                     "(every rank its own shards), not through vLLM's trainer_send_weights")
+
+
+def _executor_group() -> Any:
+    """vLLM's tensor-parallel group when it is every worker of the executor
+    (pipeline parallel size 1) and has more than one rank; else None."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+    except (ImportError, AssertionError):
+        return None
+    return tp if pp.world_size == 1 and tp.world_size > 1 else None
+
+
+def _end_worker_session(engine: Any) -> bool:
+    """Ends the update session of the vLLM worker whose update_weights is
+    running `engine`, as vLLM 0.32's Worker.update_weights does when the
+    engine raises (the worker is the caller up the stack holding `engine`).
+    False when no such caller is found."""
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        owner: Any = frame.f_locals.get("self")
+        if (owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine
+                and hasattr(owner, "_weight_update_active")):
+            owner._weight_update_active = False
+            engine.reset_weight_update_target()
+            return True
+        frame = frame.f_back
+    return False

@@ -212,24 +212,29 @@ def adapter_of(engine: Any) -> Optional[dict]:
             "base": dict(lora.get("base") or {})}
 
 
-def trainer_layout(model_or_params: Any, adapter: str = "default") -> dict:
+def trainer_layout(model_or_params: Any, adapter: str = "default",
+                   world_size: Optional[int] = None) -> dict:
     """The trainer layout of this rank's adapter parameters (PEFT's keys;
-    FSDP2 shards as LoadSpecs), as weightsync.torch.trainer_layout."""
+    FSDP2 shards as LoadSpecs), as weightsync.torch.trainer_layout
+    (`world_size`: the trainer ranks, default torch.distributed's world)."""
     from .torch import trainer_layout as layout_of
 
     params = (adapter_params(model_or_params, adapter)
               if hasattr(model_or_params, "named_parameters") else list(model_or_params))
-    return layout_of(params)
+    return layout_of(params, world_size=world_size)
 
 
 def publisher(model: Any, coordinator: Any, rank: int, engine: Any, adapter: str = "default",
-              **options: Any):
+              world_size: Optional[int] = None, **options: Any):
     """A weightsync.Publisher of this rank's adapter parameters, registered:
-    push(step) sends the adapter of step `step`. `options`: Publisher's."""
+    push(step) sends the adapter of step `step`. `world_size`: the trainer
+    ranks (default torch.distributed's world; plain tensors are then held
+    whole by every rank). `options`: Publisher's."""
     from ._publisher import Publisher
 
     params = adapter_params(model, adapter)
-    pub = Publisher(coordinator=coordinator, rank=rank, layout=trainer_layout(params),
+    pub = Publisher(coordinator=coordinator, rank=rank,
+                    layout=trainer_layout(params, world_size=world_size),
                     engine=engine, **options)
     try:
         for key, p in params:

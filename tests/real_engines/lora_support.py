@@ -43,20 +43,22 @@ def set_version(model: Any, seed: int) -> None:
 
 
 def _lora_trainer_main(base: str, adapters: dict, out_dir: str, commands: Any, results: Any,
-                       options: dict) -> None:
-    """One trainer process: `adapters` {name: (its job's coordinator address,
-    its engine config)}, each adapter a job of its own; commands
-    ("push", name, step, seed) set that adapter's version, save it
-    (out_dir/<name>-<step>) and push it; ("push_and_die", name, step, seed,
-    seconds) dies `seconds` into the push; ("stop",)."""
+                       options: dict, rank: int = 0, world: int = 1) -> None:
+    """One trainer process, rank `rank` of `world` (each holding the whole
+    adapters): `adapters` {name: (its job's coordinator address, its engine
+    config)}, each adapter a job of its own; commands ("push", name, step,
+    seed) set that adapter's version, save it (rank 0: out_dir/<name>-<step>)
+    and push it; ("push_and_die", name, step, seed, seconds) dies `seconds`
+    into the push; ("stop",)."""
     try:
         import weightsync.lora as wsl
 
         models, pubs = {}, {}
         for name, (coordinator, engine) in adapters.items():
             models[name] = peft_model(base)
-            pubs[name] = wsl.publisher(models[name], coordinator=coordinator, rank=0,
-                                       engine=engine, step_timeout=60.0, **options)
+            pubs[name] = wsl.publisher(models[name], coordinator=coordinator, rank=rank,
+                                       engine=engine, world_size=world, step_timeout=60.0,
+                                       **options)
         results.put(("ready", None))
         while True:
             cmd = commands.get()
@@ -65,7 +67,8 @@ def _lora_trainer_main(base: str, adapters: dict, out_dir: str, commands: Any, r
             name, step, seed = cmd[1], cmd[2], cmd[3]
             set_version(models[name], seed)
             saved = os.path.join(out_dir, f"{name}-{step}")
-            models[name].save_pretrained(saved)
+            if rank == 0:
+                models[name].save_pretrained(saved)
             if cmd[0] == "push_and_die":
                 pubs[name].push_async(step)
                 time.sleep(cmd[4])
@@ -83,13 +86,18 @@ def _lora_trainer_main(base: str, adapters: dict, out_dir: str, commands: Any, r
 class LoraTrainer(Trainer):
     """The trainer process of adapter jobs, driven from the test."""
 
-    def __init__(self, base: str, adapters: dict, out_dir: str, **options: Any):
+    def __init__(self, base: str, adapters: dict, out_dir: str, rank: int = 0, world: int = 1,
+                 wait: bool = True, **options: Any):
         ctx = mp.get_context("spawn")
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_lora_trainer_main,
                                 args=(base, adapters, out_dir, self.commands, self.results,
-                                      options), daemon=True)
+                                      options, rank, world), daemon=True)
         self.proc.start()
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
         kind, value = self._next(180)
         assert kind == "ready", value
 
@@ -99,3 +107,36 @@ class LoraTrainer(Trainer):
     def push_and_die(self, name: str, step: int, seed: int,  # type: ignore[override]
                      seconds: float) -> None:
         self.commands.put(("push_and_die", name, step, seed, seconds))
+
+
+class LoraTrainers:
+    """Trainer ranks 0..world-1 of adapter jobs, each its own process
+    (LoraTrainer), driven together: a push is every rank's."""
+
+    def __init__(self, base: str, adapters: dict, out_dir: str, world: int, **options: Any):
+        self.ranks = [LoraTrainer(base, adapters, out_dir, rank=r, world=world, wait=False,
+                                  **options) for r in range(world)]
+        for t in self.ranks:
+            t.ready()
+
+    def push(self, name: str, step: int, seed: int) -> None:
+        for t in self.ranks:
+            t.push(name, step, seed)
+
+    def pushed(self, timeout: float = 120) -> dict:
+        """Rank 0's result, with bytes_sent summed over the ranks."""
+        results = [t.pushed(timeout) for t in self.ranks]
+        return {**results[0], "bytes_sent": sum(r["bytes_sent"] for r in results)}
+
+    def push_and_die(self, name: str, step: int, seed: int, seconds: float) -> None:
+        for t in self.ranks:
+            t.push_and_die(name, step, seed, seconds)
+
+    def wait_dead(self, timeout: float = 60) -> None:
+        for t in self.ranks:
+            t.proc.join(timeout)
+            assert not t.proc.is_alive(), "a trainer rank did not die"
+
+    def close(self) -> None:
+        for t in self.ranks:
+            t.close()

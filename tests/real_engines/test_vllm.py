@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -124,14 +125,17 @@ def moe2(tmp_path_factory):
 class Job:
     """A weightsync job: a coordinator and a trainer process."""
 
-    def __init__(self, eng: Engine, framework: str, **trainer_options):
+    def __init__(self, eng: Engine, framework: str, trainers: int = 1, **trainer_options):
         self.coord = ws.Coordinator()
         self.config = vs.engine_config(eng.versions[0], framework, eng.tp)
         # Framework "derived": the engine derives its layout at connect; the
         # trainer takes it from the job (no engine config of its own).
         trainer_engine = None if framework == "derived" else self.config
-        self.trainer = vs.Trainer(self.coord.address, trainer_engine, eng.versions[0],
-                                  **trainer_options)
+        self.trainer: vs.Trainer | vs.Trainers = (
+            vs.Trainer(self.coord.address, trainer_engine, eng.versions[0], **trainer_options)
+            if trainers == 1 else
+            vs.Trainers(self.coord.address, trainer_engine, eng.versions[0], trainers,
+                        **trainer_options))
 
     def close(self) -> None:
         self.trainer.close()
@@ -405,6 +409,61 @@ def test_worker_extension_and_transfer_api_moe_tp2(moe2):
         wsv.receive(eng.llm, step=1, timeout=90)
         assert job.trainer.pushed()["committed"] == [0, 1]
         eng.check(target, "step 1 through the transfer API")
+        eng.llm.shutdown_weight_transfer_engine()
+    finally:
+        job.close()
+
+
+def _wait_trainers_gone(coord: ws.Coordinator, timeout: float = 30.0) -> None:
+    """Until the coordinator has dropped every trainer rank (and so aborted
+    their step)."""
+    deadline = time.monotonic() + timeout
+    while any(m["role"] == "trainer" for m in coord.members()):
+        assert time.monotonic() < deadline, coord.members()
+        time.sleep(0.1)
+
+
+def test_trainers_killed_under_the_transfer_api_tp2(dense2):
+    """Through vLLM's weight-transfer API at tp=2 with two trainer ranks:
+    step 1 commits; both trainer ranks die in step 2 before the engine asks
+    for it. receive() then fails at once with the step's reason (not after
+    its timeout), both workers' replies are consumed (the next calls of the
+    engine answer for themselves, with no stale error), the engine serves
+    step 1's version, and two new trainer processes push step 3, which
+    commits."""
+    eng = dense2
+    job = Job(eng, "hf", trainers=2, transport="fault:ucx?delay_ms=400", bucket_bytes=16 << 10)
+    try:
+        eng.llm.init_weight_transfer_engine({"init_info": dict(
+            coordinator=job.coord.address, engine=job.config, replica=0, step_timeout=30.0)})
+        first = _other(eng)
+        job.trainer.push(1, eng.versions[first])
+        wsv.receive(eng.llm, step=1, timeout=90)
+        assert job.trainer.pushed()["committed"] == [0, 1]
+        eng.check(first, "step 1")
+        job.trainer.push_and_die(2, eng.versions[_other(eng)], seconds=2.0)
+        job.trainer.wait_dead()
+        _wait_trainers_gone(job.coord)
+        start = time.monotonic()
+        with pytest.raises(ws.Error) as raised:
+            wsv.receive(eng.llm, step=2, timeout=90)
+        took = time.monotonic() - start
+        print(f"\nreceive() raised after {took:.1f} s: {raised.value!r}")
+        assert took < 30, f"receive() waited {took:.1f} s for an aborted step"
+        assert raised.value.code == "peer_failure", raised.value
+        assert "step 2" in str(raised.value), raised.value
+        # Every worker answers the next calls for itself.
+        assert len(eng.llm.collective_rpc("test_cpu_gemm_packs")) == 2
+        assert len(eng.llm.collective_rpc("test_cpu_gemm_packs")) == 2
+        eng.check(first, "after the killed step")
+        job.trainer.close()
+        job.trainer = vs.Trainers(job.coord.address, job.config, eng.versions[0], 2)
+        target = _other(eng)
+        job.trainer.push(3, eng.versions[target])
+        wsv.receive(eng.llm, step=3, timeout=90)
+        assert job.trainer.pushed()["committed"] == [0, 1]
+        eng.check(target, "step 3, from the new trainer ranks")
+        assert eng.llm.get_weight_version() == "3"
         eng.llm.shutdown_weight_transfer_engine()
     finally:
         job.close()

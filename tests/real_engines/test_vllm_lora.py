@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -264,4 +265,47 @@ def test_adapter_steps_tp2(tp2, tmp_path):
         eng.live.collective_rpc("weightsync_lora_close")
     finally:
         trainer.close()
+        coord.close()
+
+
+def test_adapter_through_the_transfer_api_trainers_killed_tp2(tp2, tmp_path):
+    """Two trainer ranks of an adapter job die in its step 2 before the
+    engine asks for it, through vLLM's weight-transfer API at tp=2:
+    receive() fails at once with the step's reason, both workers' replies
+    are consumed (no stale error in the next calls), the adapter serves
+    version 1, and two new trainer processes push step 3, which commits."""
+    eng = tp2
+    coord = ws.Coordinator()
+    code = _adapter_config(eng, "code", 4)
+    trainers = ls.LoraTrainers(eng.base, {"code": (coord.address, code)}, str(tmp_path), world=2,
+                               transport="fault:ucx?delay_ms=300", bucket_bytes=8 << 10)
+    try:
+        eng.live.init_weight_transfer_engine({"init_info": dict(
+            coordinator=coord.address, adapters=[{"engine": code}], step_timeout=30.0)})
+        _steps(eng, trainers, code, "code", [(1, 51)], "transfer")
+        trainers.push_and_die("code", 2, 52, seconds=1.0)
+        trainers.wait_dead()
+        deadline = time.monotonic() + 30
+        while any(m["role"] == "trainer" for m in coord.members()):
+            assert time.monotonic() < deadline, coord.members()
+            time.sleep(0.1)
+        start = time.monotonic()
+        with pytest.raises(ws.Error) as raised:
+            wsv.receive(eng.live, step=2, timeout=90, adapter="code")
+        took = time.monotonic() - start
+        print(f"\nreceive() raised after {took:.1f} s: {raised.value!r}")
+        assert took < 30, f"receive() waited {took:.1f} s for an aborted step"
+        assert raised.value.code == "peer_failure", raised.value
+        assert "step 2" in str(raised.value), raised.value
+        # Every worker answers the next call for itself.
+        info = wsl.adapter_of(code)
+        assert len(eng.live.collective_rpc("test_lora_slot", args=(info["id"],))) == 2
+        eng.check(code, os.path.join(str(tmp_path), "code-1"), "code after the killed step")
+        trainers.close()
+        trainers = ls.LoraTrainers(eng.base, {"code": (coord.address, code)}, str(tmp_path),
+                                   world=2)
+        _steps(eng, trainers, code, "code", [(3, 53)], "transfer")
+        eng.live.shutdown_weight_transfer_engine()
+    finally:
+        trainers.close()
         coord.close()

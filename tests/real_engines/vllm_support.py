@@ -306,29 +306,32 @@ def diff_states(got: list, want: list) -> list:
 
 # ---- the trainer -------------------------------------------------------------------
 
-def trainer_layout_and_model(path: str):
-    """A transformers model loaded from `path` and its trainer layout (one
-    rank holding everything; transformers >= 5 keeps MoE experts stacked)."""
+def trainer_layout_and_model(path: str, world: int = 1):
+    """A transformers model loaded from `path` and its trainer layout (each
+    of `world` ranks holding everything; transformers >= 5 keeps MoE experts
+    stacked)."""
     import torch
     import weightsync.torch as wst
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    return model, wst.trainer_layout(model)
+    return model, wst.trainer_layout(model, world_size=world)
 
 
 def _trainer_main(coordinator: str, engine: Any, first: str, commands: Any, results: Any,
-                  transport: str, bucket_bytes: int, delta: str) -> None:
-    """Runs in its own process: a one-rank trainer; each command ("push",
-    step, checkpoint dir) loads that version into the model in place and
-    pushes it; ("push_and_die", step, dir, seconds) starts the push and kills
-    this process `seconds` later; ("stop",) ends."""
+                  transport: str, bucket_bytes: int, delta: str, rank: int = 0,
+                  world: int = 1) -> None:
+    """Runs in its own process: trainer rank `rank` of `world` (each holding
+    the whole model); each command ("push", step, checkpoint dir) loads that
+    version into the model in place and pushes it; ("push_and_die", step,
+    dir, seconds) starts the push and kills this process `seconds` later;
+    ("stop",) ends."""
     try:
         import torch
         import weightsync as ws
 
-        model, layout = trainer_layout_and_model(first)
-        with ws.Publisher(coordinator=coordinator, rank=0, layout=layout, engine=engine,
+        model, layout = trainer_layout_and_model(first, world)
+        with ws.Publisher(coordinator=coordinator, rank=rank, layout=layout, engine=engine,
                           transport=transport, bucket_bytes=bucket_bytes, delta=delta,
                           step_timeout=60.0) as pub:
             pub.register_module(model)
@@ -359,13 +362,19 @@ class Trainer:
     """The trainer process, driven from the test."""
 
     def __init__(self, coordinator: str, engine: Any, first: str, transport: str = "ucx",
-                 bucket_bytes: int = 256 << 20, delta: str = "off"):
+                 bucket_bytes: int = 256 << 20, delta: str = "off", rank: int = 0,
+                 world: int = 1, wait: bool = True):
         ctx = mp.get_context("spawn")
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_trainer_main,
                                 args=(coordinator, engine, first, self.commands, self.results,
-                                      transport, bucket_bytes, delta), daemon=True)
+                                      transport, bucket_bytes, delta, rank, world), daemon=True)
         self.proc.start()
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Waits for the trainer's Publisher."""
         kind, value = self._next(120)
         assert kind == "ready", value
 
@@ -402,6 +411,39 @@ class Trainer:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=10)
+
+
+class Trainers:
+    """Trainer ranks 0..world-1, each its own process (Trainer), driven
+    together: a push is every rank's."""
+
+    def __init__(self, coordinator: str, engine: Any, first: str, world: int, **options: Any):
+        self.ranks = [Trainer(coordinator, engine, first, rank=r, world=world, wait=False,
+                              **options) for r in range(world)]
+        for t in self.ranks:
+            t.ready()
+
+    def push(self, step: int, path: str) -> None:
+        for t in self.ranks:
+            t.push(step, path)
+
+    def pushed(self, timeout: float = 120) -> dict:
+        """Rank 0's result (every rank's push returned)."""
+        results = [t.pushed(timeout) for t in self.ranks]
+        return results[0]
+
+    def push_and_die(self, step: int, path: str, seconds: float) -> None:
+        for t in self.ranks:
+            t.push_and_die(step, path, seconds)
+
+    def wait_dead(self, timeout: float = 60) -> None:
+        for t in self.ranks:
+            t.proc.join(timeout)
+            assert not t.proc.is_alive(), "a trainer rank did not die"
+
+    def close(self) -> None:
+        for t in self.ranks:
+            t.close()
 
 
 def engine_config(path: str, framework: str, tp: int) -> dict:
