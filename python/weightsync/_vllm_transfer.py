@@ -261,7 +261,7 @@ def _end_worker_session(engine: Any) -> bool:
         if (owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine
                 and hasattr(owner, "_weight_update_active")):
             owner._weight_update_active = False
-            engine.reset_weight_update_target()
+            owner.weight_transfer_engine.reset_weight_update_target()
             return True
         frame = frame.f_back
     return False
