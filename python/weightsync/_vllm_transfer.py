@@ -154,15 +154,18 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         error: Optional[Error] = None
+        cause: Optional[Exception] = None
         try:
             self._receive(update_info)
         except Error as e:
-            error = e
+            error = cause = e
+        except Exception as e:  # noqa: BLE001 - every worker must reach the agreement below
+            error, cause = Error("internal", f"weightsync: {type(e).__name__}: {e}"), e
         error = self._the_one_to_raise(error)
         if error is not None:
             # vLLM passes on only the text: weightsync.vllm.receive reads the
             # code and the message back from it.
-            raise marked(error) from error
+            raise marked(error) from cause
 
     def _the_one_to_raise(self, error: Optional[Error]) -> Optional[Error]:
         """The error this worker raises into vLLM, if any.
