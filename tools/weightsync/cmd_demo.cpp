@@ -285,9 +285,12 @@ int run_chaos(const Args& args) {
   const int seed_int = parse_int(seed_text, "--chaos");
   if (seed_int < 0) fail(Errc::invalid_argument, "--chaos SEED must be >= 0");
   const auto seed = static_cast<uint64_t>(seed_int);
-  for (const char* o : {"kill", "restart", "elastic", "join", "leave", "min-replicas", "delta",
-                        "update", "dump", "trace", "engine-transport", "no-verify", "step-gap"})
+  for (const char* o : {"kill", "join", "leave", "min-replicas", "update", "dump", "trace",
+                        "engine-transport", "step-gap"})
     if (args.has(o))
+      fail(Errc::invalid_argument, "--chaos decides the faults itself: it does not take --", o);
+  for (const char* o : {"restart", "elastic", "delta", "no-verify"})
+    if (args.flag(o))
       fail(Errc::invalid_argument, "--chaos decides the faults itself: it does not take --", o);
   if (args.get_or("mode", "p2p") != "p2p")
     fail(Errc::invalid_argument, "--chaos runs p2p only (its faults target p2p buckets)");
