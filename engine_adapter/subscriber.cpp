@@ -377,10 +377,15 @@ bool Subscriber::Impl::wait_decision(int64_t step, Clock::time_point deadline,
                                      std::string& reason) {
   const auto began = Clock::now();
   while (true) {
+    // A coordinator lost meanwhile never decides: a restarted one, reached
+    // again, knows nothing of the step (run_step's caller ends it uncommitted).
+    if (client->connection_losses() != losses_at_begin)
+      fail(Errc::peer_failure, "the connection was lost while waiting for the decision");
     control::Event ev;
     try {
-      ev = client->wait_event(left_until(deadline));
+      ev = client->wait_event(std::min(Millis(100), left_until(deadline)));
     } catch (const Error& e) {
+      if (e.code() == Errc::timeout && Clock::now() < deadline) continue;
       fail(e.code(), "engine rank ", global, ": step ", step, ": acked, then waited ",
            seconds_since(began), " s for the coordinator's decision: ", e.what());
     }
