@@ -196,6 +196,10 @@ int first_step(const std::string& dir) {
   return last + 1;
 }
 
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 bool wait_for_go(const std::string& dir, int step) {
   const std::string go = go_path(dir, step), stop = stop_path(dir);
   for (;;) {

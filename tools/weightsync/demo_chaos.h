@@ -77,6 +77,8 @@ void append_line(const std::string& path, const nlohmann::json& line);
 std::vector<nlohmann::json> read_lines(const std::string& path);
 // The first step a worker starting now takes part in: one past the last released.
 int first_step(const std::string& dir);
+// Seconds since the epoch (system clock): when a rank saw and ended a step.
+double unix_seconds();
 // Waits for go-<step> (true) or stop (false).
 bool wait_for_go(const std::string& dir, int step);
 

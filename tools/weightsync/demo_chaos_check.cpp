@@ -135,7 +135,7 @@ void Checker::check_engine_line(int rank, const nlohmann::json& line) {
                 " bytes differ from it (first: ", c.value("first_bad_param", std::string()), ")"));
 }
 
-void Checker::step_done(const Fault& f, double seconds, int64_t bound_ms) {
+void Checker::step_done(const Fault& f, double seconds, int64_t bound_ms, double go_at) {
   const int s = f.step;
   ++faults_[fault_name(f.kind)];
   nlohmann::json row = {{"step", s}, {"fault", fault_name(f.kind)}, {"seconds", seconds}};
@@ -170,9 +170,16 @@ void Checker::step_done(const Fault& f, double seconds, int64_t bound_ms) {
   bound_s_ = static_cast<double>(bound_ms) / 1000;
   if (seconds > longest_s_) longest_s_ = seconds, longest_step_ = s;
   ++checks_;
-  if (seconds * 1000 > static_cast<double>(bound_ms))
+  if (seconds * 1000 > static_cast<double>(bound_ms)) {
+    // When each trainer rank began and ended it, from the release.
+    std::string when;
+    for (int r = 0; r < trainers_; ++r)
+      if (const auto* l = line_of(lines("trainer", r), s))
+        when += cat("; trainer rank ", r, " began ", l->value("began_at", go_at) - go_at,
+                    " s after the release, ended at ", l->value("ended_at", go_at) - go_at, " s");
     violation(s, "job", "no step outlives its bound",
-              cat("the step took ", seconds, " s (bound ", bound_s_, " s)"));
+              cat("the step took ", seconds, " s (bound ", bound_s_, " s)", when));
+  }
   steps_.push_back(row);
 }
 

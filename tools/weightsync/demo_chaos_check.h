@@ -36,7 +36,8 @@ class Checker {
 
   // After step f.step: the ranks' reports (bit-exact, no mix, torn only
   // without staging) and its time against `bound_ms`.
-  void step_done(const Fault& f, double seconds, int64_t bound_ms);
+  // `go_at`: when it was released (unix_seconds).
+  void step_done(const Fault& f, double seconds, int64_t bound_ms, double go_at);
   // Every failure of the step is in the coordinator's status, with its
   // reason, and counted in its metrics (since `before`), with its reason.
   void check_coordinator(const Fault& f, const std::string& address, const std::string& token,

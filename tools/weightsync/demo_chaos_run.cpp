@@ -106,13 +106,16 @@ struct Workers {
   ProcessGroup& group;
   std::string job_path, dir;
   std::map<std::pair<std::string, int>, pid_t> pid;
+  std::map<std::pair<std::string, int>, int> restarts;
 
   void start(const std::string& role, int rank, bool restarted) {
     std::vector<std::string> args{
         "worker", "--job", job_path, "--role", role, "--rank", std::to_string(rank)};
     if (restarted) args.push_back("--restarted");
-    pid[{role, rank}] = group.spawn(cat(role, " ", rank, restarted ? " restarted" : ""), args,
-                                    /*may_fail=*/true);
+    // Each process its own log: "engine 3", "engine 3 restart 1", ...
+    const int n = restarted ? ++restarts[{role, rank}] : 0;
+    pid[{role, rank}] =
+        group.spawn(cat(role, " ", rank, n ? cat(" restart ", n) : ""), args, /*may_fail=*/true);
   }
   // Waits until every listed worker wrote its ready file (or ended).
   void wait_ready(const std::vector<std::pair<std::string, int>>& who, Millis timeout) {
@@ -182,7 +185,7 @@ nlohmann::json run_soak(JobSpec job, uint64_t seed, bool quiet) {
   coordinator.start();
   job.coordinator = coordinator.address();
   job.token = coordinator.token();
-  Workers workers{group, job.work_dir + "/job.json", job.chaos_dir, {}};
+  Workers workers{group, job.work_dir + "/job.json", job.chaos_dir, {}, {}};
   job.save(workers.job_path);
 
   Checker checker(job, trainers, engines);
@@ -198,6 +201,7 @@ nlohmann::json run_soak(JobSpec job, uint64_t seed, bool quiet) {
     const bool coordinator_dies = f.kind == FaultKind::kill_coordinator;
     const Scrape before = coordinator_dies ? Scrape{} : checker.scrape(coordinator.metrics_port());
     const auto go = Clock::now();
+    const double go_at = unix_seconds();
     touch(go_path(job.chaos_dir, s));
     if (f.kind != FaultKind::none && f.at_ms > 0) std::this_thread::sleep_for(Millis(f.at_ms));
     if (f.kind == FaultKind::kill_trainer || f.kind == FaultKind::kill_engine)
@@ -227,7 +231,7 @@ nlohmann::json run_soak(JobSpec job, uint64_t seed, bool quiet) {
         done &= !group.running(workers.pid.at({"engine", g})) || checker.engine_reported(g, s);
       if (!done) std::this_thread::sleep_for(Millis(2));
     }
-    checker.step_done(f, seconds, bound_ms);
+    checker.step_done(f, seconds, bound_ms, go_at);
     if (!coordinator_dies)
       checker.check_coordinator(f, coordinator.address(), coordinator.token(),
                                 coordinator.metrics_port(), before);

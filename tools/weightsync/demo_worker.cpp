@@ -110,6 +110,7 @@ int run_chaos_steps(const JobSpec& job, Publisher& pub, std::vector<WorkerTensor
   chaos::touch(chaos::ready_path(dir, "trainer", rank, ::getpid()));
   uint8_t applied = 0;  // the XOR pattern the shards hold now
   for (int s = first; s <= job.steps && chaos::wait_for_go(dir, s); ++s) {
+    const double began_at = chaos::unix_seconds();
     const uint8_t target = version_pattern(s, job.steps);
     for (auto& t : shards) {
       xor_bytes(t.host(), t.nbytes(), applied ^ target);
@@ -124,6 +125,8 @@ int run_chaos_steps(const JobSpec& job, Publisher& pub, std::vector<WorkerTensor
                 << "]: " << e.what() << "\n";
       line = {{"step", s}, {"ok", false}, {"error", e.what()}, {"code", errc_name(e.code())}};
     }
+    line["began_at"] = began_at;
+    line["ended_at"] = chaos::unix_seconds();
     chaos::append_line(chaos::report_path(dir, "trainer", rank), line);
   }
   return 0;
