@@ -462,8 +462,9 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
     } catch (const Error& e) {
       // The coordinator died or the link broke: no decision reaches this
       // rank, so the step does not commit here (a restarted coordinator
-      // knows nothing of it).
-      if (e.code() != Errc::peer_failure) throw;
+      // knows nothing of it). An ack that reached the restarted one, after
+      // a loss just past the check above, it refuses ("not open").
+      if (e.code() != Errc::peer_failure && client->connection_losses() == losses_at_begin) throw;
       out.committed = false;
       out.reason = cat("engine rank ", global, ": step ", begin.step,
                        ": lost the coordinator before its decision (", e.what(),
