@@ -377,10 +377,15 @@ bool Subscriber::Impl::wait_decision(int64_t step, Clock::time_point deadline,
                                      std::string& reason) {
   const auto began = Clock::now();
   while (true) {
+    // A coordinator lost meanwhile never decides: a restarted one, reached
+    // again, knows nothing of the step (run_step's caller ends it uncommitted).
+    if (client->connection_losses() != losses_at_begin)
+      fail(Errc::peer_failure, "the connection was lost while waiting for the decision");
     control::Event ev;
     try {
-      ev = client->wait_event(left_until(deadline));
+      ev = client->wait_event(std::min(Millis(100), left_until(deadline)));
     } catch (const Error& e) {
+      if (e.code() == Errc::timeout && Clock::now() < deadline) continue;
       fail(e.code(), "engine rank ", global, ": step ", step, ": acked, then waited ",
            seconds_since(began), " s for the coordinator's decision: ", e.what());
     }
@@ -457,8 +462,9 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
     } catch (const Error& e) {
       // The coordinator died or the link broke: no decision reaches this
       // rank, so the step does not commit here (a restarted coordinator
-      // knows nothing of it).
-      if (e.code() != Errc::peer_failure) throw;
+      // knows nothing of it). An ack that reached the restarted one, after
+      // a loss just past the check above, it refuses ("not open").
+      if (e.code() != Errc::peer_failure && client->connection_losses() == losses_at_begin) throw;
       out.committed = false;
       out.reason = cat("engine rank ", global, ": step ", begin.step,
                        ": lost the coordinator before its decision (", e.what(),

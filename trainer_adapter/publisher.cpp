@@ -252,11 +252,21 @@ void Publisher::Impl::poll() {
 control::StepResult Publisher::Impl::decide(int64_t step, Clock::time_point deadline) {
   if (early_result) return *early_result;
   const auto began = Clock::now();
-  try {
-    return client->wait_step_result(step, left_until(deadline + control::kDecisionGrace));
-  } catch (const Error& e) {
-    fail(e.code(), "trainer rank ", opt.rank, ": step ", step, ": sent, then waited ",
-         seconds_since(began), " s for the coordinator's decision: ", e.what());
+  const auto until = deadline + control::kDecisionGrace;
+  while (true) {
+    // A coordinator lost meanwhile never decides: a restarted one, reached
+    // again, knows nothing of the step.
+    if (client->connection_losses() != losses_at_begin)
+      fail(Errc::peer_failure, "trainer rank ", opt.rank, ": step ", step,
+           ": lost the coordinator ", client->address(),
+           " before its decision; the step is aborted (it reconnects for the next)");
+    try {
+      return client->wait_step_result(step, std::min(Millis(100), left_until(until)));
+    } catch (const Error& e) {
+      if (e.code() == Errc::timeout && Clock::now() < until) continue;
+      fail(e.code(), "trainer rank ", opt.rank, ": step ", step, ": sent, then waited ",
+           seconds_since(began), " s for the coordinator's decision: ", e.what());
+    }
   }
 }
 

@@ -187,6 +187,11 @@ void Client::Impl::lost(std::optional<Error> why) {
   if (connected) {
     connected = false;
     ++losses;
+    // A step the lost coordinator began and this client has not taken up
+    // yet is over: no coordinator will decide it (a restarted one knows
+    // nothing of it). Taken up later, it would wait for a decision until
+    // its deadline.
+    std::erase_if(events, [](const Event& e) { return std::holds_alternative<StepBegin>(e); });
     lost_reason = why ? why->what() : "connection closed";
     for (auto& [id, p] : pending) {
       p->error = why ? *why : Error(Errc::peer_failure, lost_reason);

@@ -2,6 +2,7 @@
 // is configured with, deterministically, over a real UCX transport.
 #include "harness.h"
 
+#include "transport/fault/fault_config.h"
 #include "transport/fault/freeze_points.h"
 
 #include <gtest/gtest.h>
@@ -337,6 +338,19 @@ TEST(FaultTransport, RejectsMalformedSettings) {
           << e.what();
     }
   }
+}
+
+// tag=T1,T2: only operations with one of the listed tags are hit (the chaos
+// soak arms one rank for the buckets of several steps this way).
+TEST(FaultTransport, TagListHitsOnlyThoseTags) {
+  using transport::fault::FaultConfig;
+  using transport::fault::FaultPlan;
+  FaultPlan plan(FaultConfig::parse({{"corrupt_recv", "1"}, {"tag", "5,9"}}));
+  std::vector<bool> hit;
+  for (Tag t : {Tag{4}, Tag{5}, Tag{9}, Tag{5}, Tag{10}})
+    hit.push_back(plan.next_recv(t) == FaultPlan::Fault::corrupt);
+  EXPECT_EQ(hit, (std::vector<bool>{false, true, true, true, false}));
+  EXPECT_THROW(FaultConfig::parse({{"tag", "5,x"}}), Error);
 }
 
 }  // namespace

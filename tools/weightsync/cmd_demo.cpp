@@ -3,6 +3,7 @@
 // Qwen3-MoE-shaped model. With --checkpoint/--trainer/--engine: the given
 // files (DESIGN.md contract), optionally dumping every engine rank's params.
 #include "cli.h"
+#include "demo_chaos.h"
 #include "demo_device.h"
 #include "demo_run.h"
 #include "demo_setup.h"
@@ -88,7 +89,21 @@ constexpr const char* kUsage =
     "  --min-replicas N     elastic: a step waits for N ready replicas (default 1)\n"
     "  --join R:STEP[,...]  elastic: replica R's processes start once the step\n"
     "                       before STEP was decided (scale out)\n"
-    "  --leave R:STEP[,...] elastic: replica R's processes leave after STEP (scale in)\n\n"
+    "  --leave R:STEP[,...] elastic: replica R's processes leave after STEP (scale in)\n"
+    "  --chaos SEED         chaos soak: one fault (or none) per step from a schedule\n"
+    "                       drawn from SEED (printed first): SIGKILL a trainer, an\n"
+    "                       engine or the coordinator (each its own process; a new\n"
+    "                       one takes over), a bucket corrupted or truncated (fault\n"
+    "                       transport), a rank stalled (SIGSTOP); checks after every\n"
+    "                       step that every rank reporting version k holds k bit for\n"
+    "                       bit, no rank serves a mix, no step outlives its bound,\n"
+    "                       every failure is in status and the metrics with its\n"
+    "                       reason; at the end every live rank holds the last\n"
+    "                       committed version. Prints a table (--json: in \"table\").\n"
+    "                       Default 20 steps, --timeout 10. Not with --kill,\n"
+    "                       --restart, --elastic, --delta, --update, --dump, --trace,\n"
+    "                       --engine-transport, --no-verify, broadcast or cuda\n"
+    "  --schedule-only      with --chaos: print the schedule (JSON with --json), run nothing\n\n"
     "Exit code 0 only if every engine rank committed every step and matched the\n"
     "reference after each one (elastic: every rank of each step's replicas, and\n"
     "every replica that joined served).\n";
@@ -264,10 +279,70 @@ demo::JobSpec job_from_args(const Args& args, std::optional<demo::ModelFiles>& m
   return job;
 }
 
+// `--chaos SEED`: the soak of demo_chaos.h on the job the other options describe.
+int run_chaos(const Args& args) {
+  const std::string seed_text = args.require("chaos");
+  const int seed_int = parse_int(seed_text, "--chaos");
+  if (seed_int < 0) fail(Errc::invalid_argument, "--chaos SEED must be >= 0");
+  const auto seed = static_cast<uint64_t>(seed_int);
+  for (const char* o : {"kill", "join", "leave", "min-replicas", "update", "dump", "trace",
+                        "engine-transport", "step-gap"})
+    if (args.has(o))
+      fail(Errc::invalid_argument, "--chaos decides the faults itself: it does not take --", o);
+  for (const char* o : {"restart", "elastic", "delta", "no-verify"})
+    if (args.flag(o))
+      fail(Errc::invalid_argument, "--chaos decides the faults itself: it does not take --", o);
+  if (args.get_or("mode", "p2p") != "p2p")
+    fail(Errc::invalid_argument, "--chaos runs p2p only (its faults target p2p buckets)");
+  if (args.get_or("device", "cpu") != "cpu")
+    fail(Errc::invalid_argument, "--chaos runs with --device cpu only");
+  std::optional<demo::ModelFiles> model;
+  demo::JobSpec job = job_from_args(args, model);
+  if (!args.has("steps")) job.steps = 20;
+  if (job.steps > 0x7FFF) fail(Errc::invalid_argument, "--chaos: at most 32767 steps");
+  if (!args.has("timeout")) job.timeout_ms = 10000;
+  const bool json = args.flag("json");
+  nlohmann::json summary;
+  if (args.flag("schedule-only")) {
+    // The same targets the soak draws from (the plan's buckets per rank).
+    summary = {{"seed", seed}, {"steps", job.steps}};
+    summary["schedule"] = demo::chaos::schedule_json(
+        demo::chaos::make_schedule(seed, job.steps, demo::chaos::targets_of(job)));
+    if (json) {
+      std::cout << summary.dump() << "\n";
+    } else {
+      for (const auto& f : summary["schedule"])
+        if (f["fault"] != "none")
+          std::cout << "step " << f["step"].get<int>() << ": " << f["what"].get<std::string>()
+                    << "\n";
+    }
+    if (!args.has("work-dir")) std::filesystem::remove_all(job.work_dir);
+    return 0;
+  }
+  if (!json) {
+    if (model) describe_default(std::cout, *model, job);
+    std::cout << "chaos soak: seed " << seed << ", " << job.steps << " steps, step timeout "
+              << job.timeout_ms / 1000.0 << " s" << (job.staging ? ", staging" : "") << "\n"
+              << std::flush;
+  }
+  summary = demo::chaos::run_soak(job, seed, json);
+  if (auto f = args.get("summary")) std::ofstream(*f, std::ios::trunc) << summary.dump(2);
+  const bool ok = summary["ok"].get<bool>();
+  if (json) {
+    std::cout << summary.dump() << "\n";
+  } else {
+    demo::chaos::print_table(std::cout, summary);
+    std::cout << (ok ? std::string("OK: every invariant held after every step\n")
+                     : "FAILED (logs in " + job.work_dir + ")\n");
+  }
+  if (ok && !args.has("work-dir")) std::filesystem::remove_all(job.work_dir);
+  return ok ? 0 : 1;
+}
+
 int run_demo(const std::vector<std::string>& argv) {
   Args args(argv,
             {"staging", "checksums", "no-checksums", "no-lend", "restart", "no-verify", "json",
-             "elastic", "delta"},
+             "elastic", "delta", "schedule-only"},
             {"checkpoint", "trainer",
              "engine",     "steps",
              "mode",       "dump",
@@ -278,7 +353,9 @@ int run_demo(const std::vector<std::string>& argv) {
              "step-gap",   "device",
              "fp8-site",   "min-replicas",
              "join",       "leave",
-             "update"});
+             "update",     "chaos"});
+  if (args.has("chaos")) return run_chaos(args);
+  if (args.flag("schedule-only")) fail(Errc::invalid_argument, "--schedule-only needs --chaos");
   std::optional<demo::ModelFiles> model;
   const demo::JobSpec job = job_from_args(args, model);
   if (!args.flag("json")) {

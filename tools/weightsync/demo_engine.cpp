@@ -2,6 +2,7 @@
 // its params (zero at start), a Subscriber applying every step, and a check
 // of the params against the reference (the checkpoint materialized for this
 // rank, with the step's version pattern on every byte the layout covers).
+#include "demo_chaos.h"
 #include "demo_device.h"
 #include "demo_job.h"
 #include "demo_raw.h"
@@ -24,6 +25,8 @@
 #include <thread>
 #include <tuple>
 #include <utility>
+
+#include <unistd.h>
 
 namespace weightsync::demo {
 namespace {
@@ -267,6 +270,30 @@ bool serve_steps(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl
   return ok;
 }
 
+// The chaos soak's engine rank (demo_chaos.h): serves steps until the parent
+// says stop. After every step it reports the outcome, the version and torn
+// flag it holds, and its params against that version's reference (unless
+// torn: then they hold part of a step by design); at the stop, the same for
+// what it holds last.
+void serve_chaos(const JobSpec& job, Subscriber& sub, const EngineRankLayout& rl,
+                 std::vector<Param>& params, int global) {
+  const std::string& dir = job.chaos_dir;
+  const std::string report = chaos::report_path(dir, "engine", global);
+  chaos::touch(chaos::ready_path(dir, "engine", global, ::getpid()));
+  auto held = [&](nlohmann::json line) {
+    line["version"] = sub.version();
+    line["torn"] = sub.torn();
+    line["pid"] = ::getpid();
+    if (job.verify && !sub.torn()) line["check"] = check(rl, params, sub.version(), job);
+    return line;
+  };
+  while (!std::filesystem::exists(chaos::stop_path(dir))) {
+    const auto o = sub.run_step(Millis(200));
+    if (o) chaos::append_line(report, held(outcome_json(*o)));
+  }
+  chaos::append_line(report, held({{"final", true}}));
+}
+
 }  // namespace
 
 int run_engine_worker(const JobSpec& job, int global) {
@@ -296,6 +323,10 @@ int run_engine_worker(const JobSpec& job, int global) {
   if (job.raw_rounds > 0) {
     auto observer = observer_client(job, Millis(job.timeout_ms));
     stats["raw"] = run_raw_rounds(job, sub.plan(), *observer, "engine", global);
+  }
+  if (!job.chaos_dir.empty()) {
+    serve_chaos(job, sub, rl, params, global);
+    return 0;
   }
   bool ok = serve_steps(job, sub, rl, params, stats, started, replica);
   stats["version"] = sub.version();

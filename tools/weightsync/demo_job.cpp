@@ -37,6 +37,7 @@ nlohmann::json JobSpec::to_json() const {
       {"mode", mode},
       {"transport", transport},
       {"engine_transport", engine_transport},
+      {"trainer_transport", trainer_transport},
       {"bucket_bytes", bucket_bytes},
       {"fp8_site", fp8_site},
       {"timeout_ms", timeout_ms},
@@ -62,7 +63,8 @@ nlohmann::json JobSpec::to_json() const {
       {"elastic", elastic},
       {"min_replicas", min_replicas},
       {"join", join_pairs(join)},
-      {"leave", join_pairs(leave)}};
+      {"leave", join_pairs(leave)},
+      {"chaos_dir", chaos_dir}};
 }
 
 JobSpec JobSpec::from_json(const nlohmann::json& j) {
@@ -75,6 +77,8 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.mode = j.at("mode").get<std::string>();
     s.transport = j.at("transport").get<std::string>();
     s.engine_transport = j.at("engine_transport").get<std::vector<std::string>>();
+    s.trainer_transport =
+        j.value("trainer_transport", nlohmann::json::array()).get<std::vector<std::string>>();
     s.bucket_bytes = j.at("bucket_bytes").get<int64_t>();
     s.fp8_site = j.value("fp8_site", std::string("sender"));
     s.timeout_ms = j.at("timeout_ms").get<int64_t>();
@@ -103,6 +107,7 @@ JobSpec JobSpec::from_json(const nlohmann::json& j) {
     s.min_replicas = j.value("min_replicas", 1);
     if (j.contains("join")) s.join = pairs_map(j["join"]);
     if (j.contains("leave")) s.leave = pairs_map(j["leave"]);
+    s.chaos_dir = j.value("chaos_dir", std::string());
     return s;
   } catch (const nlohmann::json::exception& e) {
     fail(Errc::format, "job file: ", e.what());

@@ -49,6 +49,7 @@ struct JobSpec {
   // Per global engine rank, a transport name overriding `transport` (e.g. a
   // fault wrapper); "" keeps the default.
   std::vector<std::string> engine_transport;
+  std::vector<std::string> trainer_transport;  // the same per trainer rank
   int64_t bucket_bytes = int64_t{256} << 20;
   std::string fp8_site = "sender";  // FP8 engines: where weights are quantized
   int64_t timeout_ms = 120000;      // per step; connection setup gets the same
@@ -83,6 +84,11 @@ struct JobSpec {
   bool elastic = false;
   int min_replicas = 1;
   std::map<int, int> join, leave;
+  // The chaos soak (demo --chaos, demo_chaos.h): non-empty, the folder where
+  // the parent releases each step (go-<step>), ends the job (stop), and the
+  // workers report (ready-<role>-<rank>-<pid>, <role>-<rank>.jsonl). Its
+  // workers go on after a failed step and serve until told to stop.
+  std::string chaos_dir;
 
   nlohmann::json to_json() const;
   static JobSpec from_json(const nlohmann::json& j);

@@ -42,8 +42,8 @@ ProcessGroup::~ProcessGroup() {
   }
 }
 
-void ProcessGroup::spawn(const std::string& label, const std::vector<std::string>& args,
-                         bool may_fail, bool kill_when_stopped) {
+pid_t ProcessGroup::spawn(const std::string& label, const std::vector<std::string>& args,
+                          bool may_fail, bool kill_when_stopped) {
   std::string file = label;
   std::replace(file.begin(), file.end(), ' ', '-');
   ChildResult child;
@@ -79,6 +79,20 @@ void ProcessGroup::spawn(const std::string& label, const std::vector<std::string
   child.pid = pid;
   children_.push_back(std::move(child));
   running_.push_back(true);
+  return pid;
+}
+
+bool ProcessGroup::running(pid_t pid) {
+  reap(false);
+  for (size_t i = 0; i < children_.size(); ++i)
+    if (children_[i].pid == pid) return running_[i];
+  return false;
+}
+
+const ChildResult* ProcessGroup::result(pid_t pid) const {
+  for (const auto& c : children_)
+    if (c.pid == pid) return &c;
+  return nullptr;
 }
 
 void ProcessGroup::reap(bool block) {

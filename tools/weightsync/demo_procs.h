@@ -45,8 +45,13 @@ class ProcessGroup {
   // group (e.g. an engine the scenario kills on purpose). `kill_when_stopped`:
   // the group SIGKILLs the child as soon as it stops (a failure drill's
   // victim, frozen at its chosen operation by the fault transport).
-  void spawn(const std::string& label, const std::vector<std::string>& args, bool may_fail = false,
-             bool kill_when_stopped = false);
+  // Returns the child's pid.
+  pid_t spawn(const std::string& label, const std::vector<std::string>& args, bool may_fail = false,
+              bool kill_when_stopped = false);
+  // Without waiting: whether child `pid` still runs (reaps what ended), and
+  // its result (null for a pid this group did not start).
+  bool running(pid_t pid);
+  const ChildResult* result(pid_t pid) const;
 
   // Waits until every child has ended, or `timeout`. When a child that may not
   // fail ends badly, the others get `grace` to end on their own (they usually

@@ -1,6 +1,7 @@
 // The trainer side of a demo/bench job: one process per trainer rank holding
 // its local shards (read from the checkpoint as `weightsync shard` would),
 // turning them into each step's version and pushing it.
+#include "demo_chaos.h"
 #include "demo_device.h"
 #include "demo_job.h"
 #include "demo_raw.h"
@@ -17,6 +18,8 @@
 #include <fstream>
 #include <iostream>
 #include <thread>
+
+#include <unistd.h>
 
 namespace weightsync::demo {
 namespace {
@@ -89,11 +92,47 @@ std::unique_ptr<control::Client> observer_client(const JobSpec& job, Millis time
 
 std::string worker_transport(const JobSpec& job, const std::string& role, int rank) {
   std::string t = job.transport;
-  if (role == "engine" && rank < static_cast<int>(job.engine_transport.size()) &&
-      !job.engine_transport[static_cast<size_t>(rank)].empty())
-    t = job.engine_transport[static_cast<size_t>(rank)];
+  const auto& own = role == "engine" ? job.engine_transport : job.trainer_transport;
+  if (rank < static_cast<int>(own.size()) && !own[static_cast<size_t>(rank)].empty())
+    t = own[static_cast<size_t>(rank)];
   return with_kill(job, t, role, rank);
 }
+
+namespace {
+
+// The chaos soak's trainer (demo_chaos.h): from the first step not yet
+// released, each step when the parent releases it; a failed push is
+// reported and the next step goes on.
+int run_chaos_steps(const JobSpec& job, Publisher& pub, std::vector<WorkerTensor>& shards,
+                    int rank) {
+  const std::string& dir = job.chaos_dir;
+  const int first = chaos::first_step(dir);
+  chaos::touch(chaos::ready_path(dir, "trainer", rank, ::getpid()));
+  uint8_t applied = 0;  // the XOR pattern the shards hold now
+  for (int s = first; s <= job.steps && chaos::wait_for_go(dir, s); ++s) {
+    const double began_at = chaos::unix_seconds();
+    const uint8_t target = version_pattern(s, job.steps);
+    for (auto& t : shards) {
+      xor_bytes(t.host(), t.nbytes(), applied ^ target);
+      t.upload();
+    }
+    applied = target;
+    nlohmann::json line;
+    try {
+      line = push_json(pub.push(s));
+    } catch (const Error& e) {
+      std::cerr << "trainer rank " << rank << ": step " << s << ": error [" << errc_name(e.code())
+                << "]: " << e.what() << "\n";
+      line = {{"step", s}, {"ok", false}, {"error", e.what()}, {"code", errc_name(e.code())}};
+    }
+    line["began_at"] = began_at;
+    line["ended_at"] = chaos::unix_seconds();
+    chaos::append_line(chaos::report_path(dir, "trainer", rank), line);
+  }
+  return 0;
+}
+
+}  // namespace
 
 int run_trainer_worker(const JobSpec& job, int rank) {
   const Millis timeout(job.timeout_ms);
@@ -130,6 +169,7 @@ int run_trainer_worker(const JobSpec& job, int rank) {
   for (size_t i = 0; i < shards.size(); ++i)
     pub.register_tensor(layout.params[held[i]].name, shards[i].view());
   pub.prepare();
+  if (!job.chaos_dir.empty()) return run_chaos_steps(job, pub, shards, rank);
   auto observer = observer_client(job, timeout);
   const int trainers = static_cast<int>(layout.mesh.world());
 

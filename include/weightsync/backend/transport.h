@@ -318,7 +318,7 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //   Each fault applies to an operation chosen with
 //   probability P from a generator seeded with `seed`, among operations whose
 //   index (per kind: sends or receives, counted from 0) is >= `after`, whose
-//   tag equals `tag` when given, at most `count` times in total when given:
+//   tag is one of `tag` when given, at most `count` times in total when given:
 //     seed=N           generator seed (default 1)
 //     drop_send=P      the send completes locally but nothing is sent
 //     corrupt_send=P   a copy of the payload with one byte flipped is sent
@@ -329,7 +329,7 @@ std::unique_ptr<Transport> make_transport(TransportOptions options);
 //                      Errc::transport "injected failure"
 //     dead=R1,R2       every operation to/from these ranks fails with
 //                      Errc::peer_failure
-//     after=N, tag=T, count=K  as described above
+//     after=N, tag=T[,T2...], count=K  as described above (tag: a list)
 //     freeze_send=N    posting its N-th send (counted from 1) the rank stops
 //     freeze_recv=N    (SIGSTOP), as a hung process would, after a line on
 //                      stderr; SIGCONT resumes it. Test hooks, refused with

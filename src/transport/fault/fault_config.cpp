@@ -37,15 +37,21 @@ double parse_probability(const std::string& key, const std::string& value) {
   return p;
 }
 
-std::set<int> parse_ranks(const std::string& key, const std::string& value) {
-  std::set<int> ranks;
+std::set<uint64_t> parse_list(const std::string& key, const std::string& value) {
+  std::set<uint64_t> out;
   size_t start = 0;
   while (start < value.size()) {
     size_t end = value.find(',', start);
     if (end == std::string::npos) end = value.size();
-    ranks.insert(static_cast<int>(parse_uint(key, value.substr(start, end - start))));
+    out.insert(parse_uint(key, value.substr(start, end - start)));
     start = end + 1;
   }
+  return out;
+}
+
+std::set<int> parse_ranks(const std::string& key, const std::string& value) {
+  std::set<int> ranks;
+  for (uint64_t r : parse_list(key, value)) ranks.insert(static_cast<int>(r));
   return ranks;
 }
 
@@ -92,7 +98,7 @@ FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params)
     if (key == "fail_after") c.fail_after = parse_uint(key, value);
     if (key == "dead") c.dead = parse_ranks(key, value);
     if (key == "after") c.after = parse_uint(key, value);
-    if (key == "tag") c.tag = parse_uint(key, value);
+    if (key == "tag") c.tags = parse_list(key, value);
     if (key == "count") c.count = parse_uint(key, value);
     if (key == "release_ms") c.release_ms = static_cast<int64_t>(parse_uint(key, value));
     if (key == "freeze_send" || key == "freeze_recv") {
@@ -112,7 +118,7 @@ FaultConfig FaultConfig::parse(const std::map<std::string, std::string>& params)
 bool FaultPlan::chosen(double probability, uint64_t index, Tag tag) {
   if (probability <= 0) return false;
   if (index < config_.after) return false;
-  if (config_.tag && *config_.tag != tag) return false;
+  if (!config_.tags.empty() && !config_.tags.count(tag)) return false;
   if (config_.count && injected_ >= *config_.count) return false;
   // Always draw, so that which operations are hit depends only on the seed
   // and the order of calls.

@@ -23,7 +23,7 @@ struct FaultConfig {
   std::optional<uint64_t> fail_after;
   std::set<int> dead;
   uint64_t after = 0;
-  std::optional<Tag> tag;
+  std::set<Tag> tags;  // tag=T1,T2,...: only operations with one of these tags (empty: any)
   std::optional<uint64_t> count;
   // 1-based: the N-th send (receive) posted. Test hooks, refused unless
   // armed (freeze_points.h).
