@@ -85,6 +85,21 @@ void CoordinatorState::begin_step(ConnId conn, const Conn& c, uint64_t id, const
     return reply_error(conn, id, Errc::invalid_argument,
                        cat("begin_step ", step, " from ", who(c.member),
                            ": replicas without a plan id (a follower takes the leader's)"));
+  // A trainer of the open step that begins a later one gave the open step up
+  // (its coordinator was lost during it, and it reached this one only for
+  // the next): the open step can no longer complete, so it fails now rather
+  // than at its deadline, and the later step begins.
+  if (open_step_ && step > open_step_->step) {
+    auto p = open_step_->trainers.find(c.member.id);
+    if (p != open_step_->trainers.end()) {
+      if (p->second.outcome != Outcome::failed) {
+        p->second.outcome = Outcome::failed;
+        p->second.reason = cat(who(c.member), " began step ", step, " while step ",
+                               open_step_->step, " was open: it gave that step up");
+      }
+      decide();
+    }
+  }
   if (open_step_) return join_open_step(conn, c, id, b);
   if (last_decided_ && step <= *last_decided_)
     return reply_error(conn, id, Errc::protocol,

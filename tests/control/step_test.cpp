@@ -267,12 +267,42 @@ TEST(Steps, ProtocolMisuseIsAnsweredWithErrors) {
   EXPECT_EQ(code([&] { job.trainers[0]->ack({1, true, 0, 0, ""}); }), Errc::protocol);
   EXPECT_EQ(code([&] { job.trainers[0]->sent(9, true); }), Errc::protocol) << "no such step";
   job.trainers[0]->begin_step(4, "p");
-  EXPECT_EQ(code([&] { job.trainers[1]->begin_step(5, "p"); }), Errc::protocol) << "4 is open";
   EXPECT_EQ(code([&] { job.trainers[1]->begin_step(4, "other"); }), Errc::mismatch);
   // The plan mismatch aborted step 4; steps must now go above 4.
   EXPECT_FALSE(job.trainers[0]->wait_step_result(4, 20s).trainers_ok);
   EXPECT_EQ(code([&] { job.trainers[0]->begin_step(3, "p"); }), Errc::protocol);
   EXPECT_NO_THROW(job.trainers[0]->begin_step(6, "p"));
+}
+
+// A trainer of the open step that begins a later one gave the open step up
+// (its coordinator was lost during the step, and the restarted one opened
+// it for another rank alone): the open step fails at once, naming why, not
+// at its deadline, and the later step begins.
+TEST(Steps, ATrainerBeginningALaterStepEndsTheOpenOneAtOnce) {
+  Job job(fast_coordinator(), 2, 1);
+  job.begin(1);
+  for (auto& t : job.trainers) t->sent(1, true);
+  job.engines[0]->ack({1, true, 10, 1, ""});
+  ASSERT_EQ(job.trainers[0]->wait_step_result(1, 20s).committed, (std::vector<int>{0}));
+  EXPECT_EQ(expect_event<Commit>(*job.engines[0]).step, 1);
+  job.trainers[0]->begin_step(2, "plan-1");
+  EXPECT_EQ(expect_event<StepBegin>(*job.engines[0]).step, 2);
+  const auto before = std::chrono::steady_clock::now();
+  job.trainers[1]->begin_step(3, "plan-1");  // trainer 1 gave step 2 up
+  const StepResult r = job.trainers[0]->wait_step_result(2, 20s);
+  EXPECT_LT(std::chrono::steady_clock::now() - before, 5s);
+  EXPECT_FALSE(r.trainers_ok);
+  EXPECT_NE(r.reason.find("trainer rank 1 began step 3 while step 2 was open"), std::string::npos)
+      << r.reason;
+  EXPECT_EQ(expect_event<Abort>(*job.engines[0]).step, 2);
+  // Step 3 is open: trainer 0 joins it, and it commits.
+  job.trainers[0]->begin_step(3, "plan-1");
+  EXPECT_EQ(expect_event<StepBegin>(*job.engines[0]).step, 3);
+  job.trainers[0]->sent(3, true);
+  job.trainers[1]->sent(3, true);
+  job.engines[0]->ack({3, true, 10, 1, ""});
+  EXPECT_EQ(job.trainers[0]->wait_step_result(3, 20s).committed, (std::vector<int>{0}));
+  EXPECT_EQ(job.coord.committed_version(0), 3);
 }
 
 }  // namespace
