@@ -395,8 +395,9 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
         logger.warning(msg)
     protocol = VllmReload(model, model_config, vllm_config, load_kind="engine", aliases=aliases)
     options.pop("staging", None)  # the private tensors are the staging copy
+    # aliases: the parity check compares the layout's names with vLLM's.
     sync = EngineSync(model, coordinator, engine, replica, rank, mode=mode, protocol=protocol,
-                      keep_previous=keep_previous, **options)
+                      keep_previous=keep_previous, aliases=aliases, **options)
     sync.fallback_reason = blockers[0]
     return sync
 
