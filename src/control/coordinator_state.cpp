@@ -105,6 +105,14 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
     m.id = resume->member;
     next_member_id_ = std::max(next_member_id_, m.id + 1);
     adopt(m, *resume);
+    // A trainer that had ended the open step before it came back (it failed
+    // the step with the lost coordinator) takes no part in it here: the step
+    // cannot complete, so it fails now, not at its deadline (decided below,
+    // once the member is welcomed).
+    if (m.role == Role::trainer && open_step_ && resume->last_step >= open_step_->step &&
+        open_step_->failure.empty())
+      open_step_->failure = cat(who(m), " had ended step ", open_step_->step,
+                                " before it came back to this coordinator");
   } else {
     m.id = next_member_id_++;
   }
@@ -117,6 +125,7 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
   welcome["coordinator"] = instance_;
   outbox_.send(conn, welcome);
   record_membership();
+  if (open_step_ && !open_step_->failure.empty()) decide();
   // Membership grew: some wait_members requests may now be satisfied.
   auto ready = std::stable_partition(
       member_waiters_.begin(), member_waiters_.end(),

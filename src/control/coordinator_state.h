@@ -104,6 +104,7 @@ class CoordinatorState {
     Clock::time_point deadline;
     std::map<uint64_t, Participant> trainers;  // by member id
     std::map<uint64_t, Participant> engines;
+    std::string failure;  // the step fails for this, whatever its participants say
   };
 
   // Membership.

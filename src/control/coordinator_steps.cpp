@@ -309,6 +309,7 @@ void CoordinatorState::try_decide() {
 // reason names the trainer that failed (a step is decided as soon as one
 // fails), not one that was still sending when that happened.
 std::string CoordinatorState::trainer_failure_of(const OpenStep& s) const {
+  if (!s.failure.empty()) return s.failure;
   std::string failure, pending;
   for (const auto& [id, p] : s.trainers) {
     if (p.outcome == Outcome::failed && failure.empty())

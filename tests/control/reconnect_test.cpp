@@ -142,6 +142,60 @@ TEST(Reconnect, AStepInFlightWhenTheCoordinatorDiesFailsAtOnceAndTheNextCommits)
   EXPECT_EQ(coord->committed_version(0), 2);
 }
 
+// The coordinator dies as step 5 begins: trainer rank 1 had begun it there
+// and failed it with the loss; trainer rank 0's begin_step waited through
+// the reconnection and opened step 5 on the restarted coordinator alone.
+// When trainer rank 1 comes back reporting that it had ended step 5, the
+// step fails at once (not at its deadline), naming why, and step 6 commits.
+TEST(Reconnect, AStepATrainerEndedBeforeTheRestartFailsWhenItComesBack) {
+  auto coord = std::make_unique<Coordinator>(fast_coordinator());
+  const uint16_t port = coord->port();
+  const std::string address = coord->address();
+  Client t0(reconnecting(*coord, Role::trainer, 0, 2));
+  Client t1(reconnecting(*coord, Role::trainer, 1, 2));
+  Client engine(reconnecting(*coord, Role::engine, 0, 1));
+  t0.set_resume({-1, 4, false});
+  t1.set_resume({-1, 5, false});  // it ended (failed) step 5 with the old coordinator
+  engine.set_resume({4, -1, false});
+  coord.reset();
+  ASSERT_TRUE(eventually([&] { return t1.reconnecting() && !t1.connected(); }));
+  t1.set_address("127.0.0.1:1");  // kept away until step 5 is open
+  auto opts = on_port(port);
+  opts.step_timeout = 60s;
+  coord = std::make_unique<Coordinator>(opts);
+  ASSERT_TRUE(eventually([&] { return t0.connected() && engine.connected(); }));
+  t0.begin_step(5, "plan-1");
+  auto next = [&] {
+    while (true) {
+      Event e = engine.wait_event(20s);
+      if (!std::holds_alternative<MemberLeft>(e)) return e;
+    }
+  };
+  Event began = next();
+  ASSERT_TRUE(std::holds_alternative<StepBegin>(began));
+  EXPECT_EQ(std::get<StepBegin>(began).step, 5);
+  const auto before = std::chrono::steady_clock::now();
+  t1.set_address(address);
+  const StepResult r = t0.wait_step_result(5, 20s);
+  EXPECT_LT(std::chrono::steady_clock::now() - before, 10s) << "the step ran to its deadline";
+  EXPECT_FALSE(r.trainers_ok);
+  EXPECT_NE(r.reason.find("trainer rank 1 had ended step 5 before it came back"), std::string::npos)
+      << r.reason;
+  Event aborted = next();
+  ASSERT_TRUE(std::holds_alternative<Abort>(aborted));
+  EXPECT_EQ(std::get<Abort>(aborted).step, 5);
+  // Step 6, with both trainers, commits.
+  ASSERT_TRUE(eventually([&] { return t1.connected(); }));
+  t0.begin_step(6, "plan-1");
+  t1.begin_step(6, "plan-1");
+  Event six = next();
+  ASSERT_TRUE(std::holds_alternative<StepBegin>(six));
+  engine.ack({6, true, 10, 1, ""});
+  t0.sent(6, true);
+  t1.sent(6, true);
+  EXPECT_EQ(t0.wait_step_result(6, 20s).committed, (std::vector<int>{0}));
+}
+
 TEST(Reconnect, SetAddressMovesAClientToACoordinatorElsewhere) {
   auto first = std::make_unique<Coordinator>(fast_coordinator());
   Client engine(reconnecting(*first, Role::engine, 0, 1));
