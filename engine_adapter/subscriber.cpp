@@ -460,15 +460,21 @@ StepOutcome Subscriber::Impl::run_one(const control::StepBegin& begin) {
       client->ack(ack, std::max(Millis(1000), left_until(deadline)));
       out.committed = wait_decision(begin.step, deadline + control::kDecisionGrace, out.reason);
     } catch (const Error& e) {
-      // The coordinator died or the link broke: no decision reaches this
-      // rank, so the step does not commit here (a restarted coordinator
-      // knows nothing of it). An ack that reached the restarted one, after
-      // a loss just past the check above, it refuses ("not open").
-      if (e.code() != Errc::peer_failure && client->connection_losses() == losses_at_begin) throw;
+      // No decision reaches this rank, so the step does not commit here;
+      // the rank serves on (a step's failure never ends the engine):
+      // - the coordinator died or the link broke (a restarted coordinator
+      //   knows nothing of the step; an ack that reached it after a loss
+      //   just past the check above, it refuses: "not open");
+      // - the coordinator decided the step before the ack came ("not open")
+      //   or not within the deadline (a step a restarted coordinator opened
+      //   for some trainer ranks only).
       out.committed = false;
+      const bool lost =
+          e.code() == Errc::peer_failure || client->connection_losses() != losses_at_begin;
       out.reason = cat("engine rank ", global, ": step ", begin.step,
-                       ": lost the coordinator before its decision (", e.what(),
-                       "); the step does not commit here");
+                       lost ? ": lost the coordinator before its decision ("
+                            : ": no decision from the coordinator (",
+                       e.what(), "); the step does not commit here");
     }
   }
   if (out.committed) commit(begin.step, out);
