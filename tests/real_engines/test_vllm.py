@@ -11,7 +11,9 @@ a fresh engine started from the step's checkpoint, and greedy tokens from
 fixed token ids equal the fresh engine's (the prompts were served before the
 sync too, so a stale prefix cache would show). A trainer killed mid-step
 leaves the engine on its previous version, bit for bit, and the next step
-commits.
+commits. The MoE model runs at tp=2 (moe2: the extension, the transfer API
+and direct mode); a tp=1 MoE engine of its own cost about 3 minutes of CI
+time and reached no path the others miss.
 
 Run with the vLLM venv's python (tools/engines/setup_vllm.sh):
     $(bash tools/engines/setup_vllm.sh | tail -1)/bin/python -m pytest tests/real_engines/test_vllm.py
@@ -86,14 +88,6 @@ class Engine:
 def dense1(tmp_path_factory):
     eng = Engine(str(tmp_path_factory.mktemp("dense1")), "qwen3", tp=1, count=3)
     print(f"\nqwen3 tp=1 engine started in {eng.llm.weightsync_start_seconds:.1f} s")
-    yield eng
-    vs.stop_engine(eng.llm)
-
-
-@pytest.fixture(scope="module")
-def moe1(tmp_path_factory):
-    eng = Engine(str(tmp_path_factory.mktemp("moe1")), "qwen3_moe", tp=1, count=3)
-    print(f"\nqwen3_moe tp=1 engine started in {eng.llm.weightsync_start_seconds:.1f} s")
     yield eng
     vs.stop_engine(eng.llm)
 
@@ -375,26 +369,6 @@ def _cpu_gemm_packs(eng: Engine) -> bool:
     """Whether vLLM's CPU GEMM dispatch reads packed copies of the weights in
     this engine (asked of its first worker)."""
     return bool(eng.llm.collective_rpc("test_cpu_gemm_packs")[0])
-
-
-def test_worker_extension_load_weights_moe_tp1(moe1):
-    _extension_steps(moe1, "hf", steps=2)
-
-
-def test_weight_transfer_api_moe_tp1(moe1):
-    eng = moe1
-    job = Job(eng, "hf")
-    try:
-        eng.llm.init_weight_transfer_engine({"init_info": dict(
-            coordinator=job.coord.address, engine=job.config, replica=0)})
-        target = _other(eng)
-        job.trainer.push(1, eng.versions[target])
-        wsv.receive(eng.llm, step=1, timeout=90)
-        assert job.trainer.pushed()["committed"] == [0]
-        eng.check(target, "step 1")
-        eng.llm.shutdown_weight_transfer_engine()
-    finally:
-        job.close()
 
 
 def test_worker_extension_and_transfer_api_moe_tp2(moe2):
