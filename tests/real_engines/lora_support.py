@@ -12,7 +12,7 @@ import time
 import traceback
 from typing import Any
 
-from vllm_support import Trainer
+from vllm_support import Trainer, Trainers
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -109,34 +109,15 @@ class LoraTrainer(Trainer):
         self.commands.put(("push_and_die", name, step, seed, seconds))
 
 
-class LoraTrainers:
+class LoraTrainers(Trainers):
     """Trainer ranks 0..world-1 of adapter jobs, each its own process
     (LoraTrainer), driven together: a push is every rank's."""
 
     def __init__(self, base: str, adapters: dict, out_dir: str, world: int, **options: Any):
-        self.ranks = [LoraTrainer(base, adapters, out_dir, rank=r, world=world, wait=False,
-                                  **options) for r in range(world)]
-        for t in self.ranks:
-            t.ready()
-
-    def push(self, name: str, step: int, seed: int) -> None:
-        for t in self.ranks:
-            t.push(name, step, seed)
+        self._start([LoraTrainer(base, adapters, out_dir, rank=r, world=world, wait=False,
+                                 **options) for r in range(world)])
 
     def pushed(self, timeout: float = 120) -> dict:
         """Rank 0's result, with bytes_sent summed over the ranks."""
         results = [t.pushed(timeout) for t in self.ranks]
         return {**results[0], "bytes_sent": sum(r["bytes_sent"] for r in results)}
-
-    def push_and_die(self, name: str, step: int, seed: int, seconds: float) -> None:
-        for t in self.ranks:
-            t.push_and_die(name, step, seed, seconds)
-
-    def wait_dead(self, timeout: float = 60) -> None:
-        for t in self.ranks:
-            t.proc.join(timeout)
-            assert not t.proc.is_alive(), "a trainer rank did not die"
-
-    def close(self) -> None:
-        for t in self.ranks:
-            t.close()

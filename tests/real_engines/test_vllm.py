@@ -388,15 +388,6 @@ def test_worker_extension_and_transfer_api_moe_tp2(moe2):
         job.close()
 
 
-def _wait_trainers_gone(coord: ws.Coordinator, timeout: float = 30.0) -> None:
-    """Until the coordinator has dropped every trainer rank (and so aborted
-    their step)."""
-    deadline = time.monotonic() + timeout
-    while any(m["role"] == "trainer" for m in coord.members()):
-        assert time.monotonic() < deadline, coord.members()
-        time.sleep(0.1)
-
-
 def test_trainers_killed_under_the_transfer_api_tp2(dense2):
     """Through vLLM's weight-transfer API at tp=2 with two trainer ranks:
     step 1 commits; both trainer ranks die in step 2 before the engine asks
@@ -417,7 +408,7 @@ def test_trainers_killed_under_the_transfer_api_tp2(dense2):
         eng.check(first, "step 1")
         job.trainer.push_and_die(2, eng.versions[_other(eng)], seconds=2.0)
         job.trainer.wait_dead()
-        _wait_trainers_gone(job.coord)
+        vs.wait_trainers_gone(job.coord)
         start = time.monotonic()
         with pytest.raises(ws.Error) as raised:
             wsv.receive(eng.llm, step=2, timeout=90)

@@ -285,10 +285,7 @@ def test_adapter_through_the_transfer_api_trainers_killed_tp2(tp2, tmp_path):
         _steps(eng, trainers, code, "code", [(1, 51)], "transfer")
         trainers.push_and_die("code", 2, 52, seconds=1.0)
         trainers.wait_dead()
-        deadline = time.monotonic() + 30
-        while any(m["role"] == "trainer" for m in coord.members()):
-            assert time.monotonic() < deadline, coord.members()
-            time.sleep(0.1)
+        vs.wait_trainers_gone(coord)
         start = time.monotonic()
         with pytest.raises(ws.Error) as raised:
             wsv.receive(eng.live, step=2, timeout=90, adapter="code")

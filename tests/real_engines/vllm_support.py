@@ -418,23 +418,27 @@ class Trainers:
     together: a push is every rank's."""
 
     def __init__(self, coordinator: str, engine: Any, first: str, world: int, **options: Any):
-        self.ranks = [Trainer(coordinator, engine, first, rank=r, world=world, wait=False,
-                              **options) for r in range(world)]
-        for t in self.ranks:
+        self._start([Trainer(coordinator, engine, first, rank=r, world=world, wait=False,
+                             **options) for r in range(world)])
+
+    def _start(self, ranks: list) -> None:
+        """Takes the rank processes (started together) and waits for each."""
+        self.ranks = ranks
+        for t in ranks:
             t.ready()
 
-    def push(self, step: int, path: str) -> None:
+    def push(self, *args: Any, **kwargs: Any) -> None:
         for t in self.ranks:
-            t.push(step, path)
+            t.push(*args, **kwargs)
 
     def pushed(self, timeout: float = 120) -> dict:
         """Rank 0's result (every rank's push returned)."""
         results = [t.pushed(timeout) for t in self.ranks]
         return results[0]
 
-    def push_and_die(self, step: int, path: str, seconds: float) -> None:
+    def push_and_die(self, *args: Any, **kwargs: Any) -> None:
         for t in self.ranks:
-            t.push_and_die(step, path, seconds)
+            t.push_and_die(*args, **kwargs)
 
     def wait_dead(self, timeout: float = 60) -> None:
         for t in self.ranks:
@@ -444,6 +448,15 @@ class Trainers:
     def close(self) -> None:
         for t in self.ranks:
             t.close()
+
+
+def wait_trainers_gone(coord: Any, timeout: float = 30.0) -> None:
+    """Until the coordinator has dropped every trainer rank (and so aborted
+    their step)."""
+    deadline = time.monotonic() + timeout
+    while any(m["role"] == "trainer" for m in coord.members()):
+        assert time.monotonic() < deadline, coord.members()
+        time.sleep(0.1)
 
 
 def engine_config(path: str, framework: str, tp: int) -> dict:
