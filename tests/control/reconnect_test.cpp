@@ -122,6 +122,7 @@ TEST(Reconnect, AStepInFlightWhenTheCoordinatorDiesFailsAtOnceAndTheNextCommits)
   ASSERT_TRUE(result_error) << "the step's result came from a dead coordinator";
   EXPECT_EQ(result_error->code(), Errc::peer_failure) << result_error->what();
   EXPECT_LT(std::chrono::steady_clock::now() - died, 2s) << "the wait did not end at once";
+  ASSERT_TRUE(eventually([&] { return engine.connection_losses() == 1; }));
 
   coord = std::make_unique<Coordinator>(on_port(port));
   ASSERT_TRUE(eventually([&] { return trainer.connected() && engine.connected(); }));
@@ -158,7 +159,13 @@ TEST(Reconnect, AStepATrainerEndedBeforeTheRestartFailsWhenItComesBack) {
   t1.set_resume({-1, 5, false});  // it ended (failed) step 5 with the old coordinator
   engine.set_resume({4, -1, false});
   coord.reset();
-  ASSERT_TRUE(eventually([&] { return t1.reconnecting() && !t1.connected(); }));
+  // Every client has seen the loss before the restart: a client that has not
+  // yet read the close would send begin_step down the dead connection.
+  ASSERT_TRUE(eventually([&] {
+    return t0.connection_losses() == 1 && t1.connection_losses() == 1 &&
+           engine.connection_losses() == 1;
+  }));
+  ASSERT_TRUE(t1.reconnecting() && !t1.connected());
   t1.set_address("127.0.0.1:1");  // kept away until step 5 is open
   auto opts = on_port(port);
   opts.step_timeout = 60s;
