@@ -315,17 +315,21 @@ void SendPipeline::post_root(const SendAction& a, Slot& slot, int64_t step,
 void SendPipeline::send_to_engines(Slot& slot, Tag tag, const Buffer& buffer,
                                    std::vector<bool>& dead) {
   Transport& t = loop_->transport();
+  int posted = 0;
   for (int g = 0; g < engine_world_; ++g) {
     if (dead[static_cast<size_t>(g)]) continue;
     try {
       slot.posted.add(t.send(trainer_world_ + g, tag, buffer), g);
+      ++posted;
     } catch (const Error& e) {
       // Refused at posting (known dead, endpoint timeout, unreachable): that
       // engine is dropped, as a failed transfer is in drain(); the others
       // get the bucket.
+      slot.unsent = true;
       drop_engine(g, e, dead, cat("sending bucket ", slot.bucket));
     }
   }
+  if (posted == 0) slot.unsent = true;
 }
 
 int64_t SendPipeline::post_root_frame(size_t index, int k, int64_t step, std::vector<bool>& dead,
@@ -425,10 +429,15 @@ uint64_t SendPipeline::run(int64_t step, Transport& transport, std::vector<bool>
     // The drain may have learned of the engine's death.
     if (p2p && dead[static_cast<size_t>(a.dst_engine)]) continue;
     slots_[s].counted = 0;
+    slots_[s].unsent = false;
     try {
       const uint64_t bytes = post_action(i, s, step, lend, dead, phases);
-      sent += bytes;
-      if (p2p) slots_[s].counted = bytes;
+      if (a.kind == SendAction::Kind::holder) {
+        sent += bytes;  // a gather part: its failure fails the step
+      } else if (!slots_[s].unsent) {
+        sent += bytes;
+        slots_[s].counted = bytes;
+      }
     } catch (const Error& e) {
       // A send to an engine refused at posting (known dead, endpoint timeout,
       // unreachable) drops that engine, as a failed transfer does in drain().

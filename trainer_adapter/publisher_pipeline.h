@@ -110,9 +110,13 @@ class SendPipeline {
     int32_t bucket = -1;      // on the wire from this slot (for the trace)
     int64_t bytes = 0;
     int64_t posted_us = 0;
-    // p2p: the bytes run() counted as sent for the bucket in this slot,
-    // taken back if one of its messages fails or is dropped.
+    // The bytes run() counted as sent for the bucket in this slot (p2p, and
+    // a broadcast root's), taken back if one of its messages fails or is
+    // dropped: bytes_sent counts only buckets whose every message completed.
     uint64_t counted = 0;
+    // A message of the bucket to an engine rank was refused at posting, or
+    // no engine rank was left to send it to: the bucket is not counted.
+    bool unsent = false;
   };
   // Drops engine rank `g` from the step after `error` (`what`: what failed)
   // and reports it once (engine_failed_).

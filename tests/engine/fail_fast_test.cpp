@@ -110,8 +110,9 @@ class FailFast : public ::testing::Test {
   }
 
   // A trainer process for one step: pushes version `step` over `transport`.
-  PushResult push(int64_t step, const std::string& transport) {
+  PushResult push(int64_t step, const std::string& transport, PlanMode mode = PlanMode::p2p) {
     PublisherOptions po;
+    po.plan.mode = mode;
     po.coordinator = coordinator_.address();
     po.layout = layout_;
     po.engine = config_;
@@ -206,6 +207,42 @@ TEST_F(FailFast, TrainerSendFailureAbortsTheStepAtOnceAndTheEngineSaysItIsTorn) 
   EXPECT_EQ(seen_[2].version, 3);
   EXPECT_FALSE(seen_[2].torn);
   EXPECT_EQ(seen_[2].params, expected(3));
+}
+
+// The same failed send in broadcast mode (the trainer rank is the root of
+// every bucket): the step fails at once too, and bytes_sent counts only the
+// buckets that went out, not the ones packed for an engine rank that had
+// already failed.
+TEST_F(FailFast, BroadcastSendFailureCountsOnlyTheBucketsThatWentOut) {
+  std::thread engine = this->engine(2);
+  const PushResult first = push(1, "ucx", PlanMode::broadcast);
+  ASSERT_EQ(first.committed, (std::vector<int>{0}));
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<PushResult> second;
+  std::string thrown;
+  try {
+    second = push(2, "fault:ucx?fail_after=3", PlanMode::broadcast);
+  } catch (const Error& e) {
+    thrown = e.what();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("broadcast push(2) with a failed send: %.3f s, bytes_sent %llu (step 1: %llu)\n",
+              seconds, second ? static_cast<unsigned long long>(second->bytes_sent) : 0ULL,
+              static_cast<unsigned long long>(first.bytes_sent));
+  engine.join();
+  EXPECT_LT(seconds, 5.0) << "a failed send must not wait out the 30 s step timeout";
+  ASSERT_TRUE(second) << "push(2) threw: " << thrown;
+  EXPECT_TRUE(second->committed.empty());
+  ASSERT_EQ(second->failed.size(), 1u);
+  EXPECT_TRUE(has(second->failed[0].second, "injected failure")) << second->failed[0].second;
+  ASSERT_GT(first.bytes_sent, 8u * 4096) << "the model must take more buckets than the failure";
+  EXPECT_LE(second->bytes_sent, 3u * 4096) << "counts only the sends that completed";
+  ASSERT_EQ(engine_error_, "");
+  ASSERT_EQ(seen_.size(), 2u);
+  EXPECT_TRUE(seen_[0].outcome.committed);
+  EXPECT_FALSE(seen_[1].outcome.committed);
+  EXPECT_EQ(seen_[1].version, 1);
 }
 
 // The engine rank's own receives fail (after its first three operations):
