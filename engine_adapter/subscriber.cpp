@@ -754,6 +754,12 @@ bool Subscriber::torn() const {
   return impl_->torn;
 }
 
+void Subscriber::restored(int64_t step) {
+  impl_->torn = false;
+  impl_->client->set_resume({impl_->version.load(), -1, false});
+  impl_->client->restored(step);
+}
+
 void Subscriber::set_coordinator(const std::string& address) {
   impl_->client->set_address(address);
 }

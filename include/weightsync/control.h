@@ -291,6 +291,10 @@ class Client final : public Store {
   // Engines.
   // `wait` as for sent (the step's deadline); zero: request_timeout.
   void ack(const StepAck& ack, Millis wait = Millis(0));
+  // This engine rank, torn by failed step `step`, holds its last committed
+  // version whole again (the engine put it back by its own means): the
+  // coordinator stops reporting it torn (status, weightsync_engine_torn).
+  void restored(int64_t step);
 
   // Next queued event, in arrival order. A StepResult already taken by
   // wait_step_result is not returned again (and vice versa). Errc::timeout if none arrives in time;

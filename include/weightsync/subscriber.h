@@ -159,6 +159,13 @@ class Subscriber {
   // Cleared by the next commit (every element is written by every step).
   // Never set with staging: a failed step leaves the params untouched.
   bool torn() const;
+  // The engine put this rank's last committed version back whole by its own
+  // means after failed step `step` wrote part of it (weightsync's vLLM and
+  // SGLang layers reload the version they kept): torn() is false again and
+  // the coordinator stops listing the rank torn. Call it between steps, on
+  // the thread that runs run_step. Errc::peer_failure when the coordinator
+  // cannot be told (torn() is false here all the same).
+  void restored(int64_t step);
   // The coordinator moved (a restarted one on another address): the rank
   // reconnects there. coordinator(): where it connects now.
   void set_coordinator(const std::string& address);

@@ -267,6 +267,9 @@ void bind_subscriber(nb::module_& m) {
       .def_prop_ro("version", [](PySubscriber& s) { return s.get("subscriber").version(); })
       .def_prop_ro("torn", [](PySubscriber& s) { return s.get("subscriber").torn(); })
       .def(
+          "restored", [](PySubscriber& s, int64_t step) { s.get("subscriber").restored(step); },
+          nb::arg("step"), ReleaseGil())
+      .def(
           "set_coordinator",
           [](PySubscriber& s, const std::string& address) {
             s.get("subscriber").set_coordinator(address);

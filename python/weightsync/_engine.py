@@ -3,6 +3,7 @@ and SGLang integrations share. The engine is never imported here."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import weakref
@@ -48,7 +49,30 @@ def outcome_dict(out: Any) -> Optional[dict]:
         return None
     return {"step": out.step, "committed": out.committed, "reason": out.reason,
             "bytes": out.bytes, "delta_buckets": out.delta_buckets,
-            "weights_handed": out.weights_handed, "seconds": out.seconds}
+            "weights_handed": out.weights_handed, "seconds": out.seconds,
+            "torn": bool(out.torn)}
+
+
+# The sentence the C++ Subscriber adds to a failed step's reason when the step
+# wrote part of the params or handed the engine tensors (StepOutcome.torn).
+_TORN_SENTENCE = re.compile(r"(; )?engine rank \d+ is torn: step -?\d+ may have written part of "
+                            r"its params \(no staging\) and did not commit; version -?\d+ is no "
+                            r"longer whole until the next commit")
+
+
+def settle_restored(result: dict, restored: Optional[str], poisoned: Optional[str]) -> None:
+    """An outcome of an engine whose own update protocol put its previous
+    version back after a failed step (`restored`: what it put back): the
+    rank is whole again, so it is not torn and its reason says what was
+    restored instead of "is torn". Poisoned (nothing could be put back): torn."""
+    if poisoned is not None:
+        result["torn"] = True
+        return
+    if restored is None:
+        return
+    result["torn"] = False
+    reason = _TORN_SENTENCE.sub("", result.get("reason") or "")
+    result["reason"] = (f"{reason}; " if reason else "") + f"the engine was restored to {restored}"
 
 
 class UpdateProtocol:
@@ -368,6 +392,14 @@ class EngineSync:
             self._poison(step, f"restoring {what} failed: {e}")
             raise
         self._restored = (step, what)
+        if self.sub.torn:
+            # The C++ rank says torn (the step wrote part of what the engine
+            # holds); the engine is whole again: it and the coordinator are
+            # told.
+            try:
+                self.sub.restored(step)
+            except Error:
+                pass  # no coordinator now: its status says torn until the next commit
 
     def _poison(self, step: int, why: str) -> None:
         self._poisoned = (f"weightsync: step {step} failed after the engine took part of it, "
@@ -458,6 +490,8 @@ class EngineSync:
                 result["poisoned"] = self._poisoned
             if self._restored is not None and self._restored[0] == result["step"]:
                 result["restored"] = self._restored[1]
+            if not result["committed"]:
+                settle_restored(result, result.get("restored"), self._poisoned)
             if result["committed"] and self._version != result["step"]:
                 result["committed"] = False
                 result["reason"] = result["reason"] or "the engine did not take the step"
@@ -478,6 +512,8 @@ class EngineSync:
             result["poisoned"] = self._poisoned
         if self._restored is not None and self._restored[0] == result["step"]:
             result["restored"] = self._restored[1]
+        if not result["committed"]:
+            settle_restored(result, result.get("restored"), self._poisoned)
         return result
 
     def _apply_version(self, result: dict, tensors: list) -> None:

@@ -238,6 +238,14 @@ class Subscriber:
         whole. Cleared by the next commit; never set with staging=True."""
         return self._core.torn
 
+    def restored(self, step: int) -> None:
+        """The engine put this rank's last committed version back whole by
+        its own means after failed step `step` wrote part of the registered
+        tensors (or of what the engine was handed): `torn` is False again and
+        the coordinator's status stops listing the rank torn. Call it
+        between steps, on the thread that runs `run_step`."""
+        self._core.restored(step)
+
     @property
     def coordinator(self) -> str:
         """The coordinator's address ("HOST:PORT") this rank connects to."""

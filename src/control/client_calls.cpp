@@ -185,6 +185,12 @@ void Client::send_failed(int64_t step, int engine_rank, const std::string& error
                  cat("send_failed for step ", step, ", engine rank ", engine_rank));
 }
 
+void Client::restored(int64_t step) {
+  Json m = wire::make(Kind::restored);
+  m["step"] = step;
+  impl_->request(m, impl_->options.request_timeout, cat("restored after step ", step));
+}
+
 void Client::ack(const StepAck& a, Millis wait) {
   Json m = wire::make(Kind::ack);
   m["step"] = a.step;

@@ -148,6 +148,8 @@ class CoordinatorState {
   // while receiving): torn if the step wrote its params.
   void note_late_landing(int rank, int64_t step);
   void mark_torn(int rank);  // torn_ and its metric
+  // An engine rank put its last committed version back whole: not torn.
+  void record_restored(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
   void participant_lost(uint64_t member_id, const std::string& reason);
   void try_decide();
   void decide();

@@ -277,6 +277,30 @@ void CoordinatorState::mark_torn(int rank) {
   if (torn_.insert(rank).second && metrics_) metrics_->engine_torn(rank, true);
 }
 
+// The rank restores after its outcome of the step is settled (decided, or
+// it was told to abort while the others go on), on the thread that takes
+// its steps: no later step of it is open that this report could be
+// mistaken for. While the step is open, its landing is forgotten too, so
+// that the decision does not mark it torn again.
+void CoordinatorState::record_restored(ConnId conn, const Conn& c, uint64_t id, const Json& body) {
+  if (c.member.role != Role::engine)
+    return reply_error(conn, id, Errc::protocol,
+                       cat("restored from ", who(c.member), ": engines only"));
+  const int64_t step = body.at("step").get<int64_t>();
+  if (open_step_ && open_step_->step == step) {
+    auto p = open_step_->engines.find(c.member.id);
+    if (p != open_step_->engines.end()) {
+      if (p->second.outcome == Outcome::pending)
+        return reply_error(conn, id, Errc::protocol,
+                           cat("restored from ", who(c.member), " for step ", step,
+                               ", which is still open and which it has not acked"));
+      p->second.landed = false;
+    }
+  }
+  if (torn_.erase(c.member.rank) > 0 && metrics_) metrics_->engine_torn(c.member.rank, false);
+  reply(conn, id);
+}
+
 void CoordinatorState::participant_lost(uint64_t member_id, const std::string& reason) {
   if (!open_step_) return;
   if (auto t = open_step_->trainers.find(member_id); t != open_step_->trainers.end()) {

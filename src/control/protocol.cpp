@@ -139,6 +139,9 @@ std::vector<KindSpec> step_requests() {
         {"step", Type::i64},
         {"engine_rank", Type::count},
         {"error", Type::str}}},
+      // An engine rank whose params a failed step wrote put its last
+      // committed version back whole (the engine's own restore): not torn.
+      {Kind::restored, "restored", true, {{"id", Type::u64}, {"step", Type::i64}}},
       {Kind::version, "version", true, {{"id", Type::u64}, {"engine_rank", Type::count}}},
       {Kind::status, "status", true, {{"id", Type::u64}}},
   };

@@ -66,6 +66,7 @@ enum class Kind {
   ack,
   sent,
   send_failed,
+  restored,
   version,
   status,
   // coordinator -> client

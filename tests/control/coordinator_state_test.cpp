@@ -199,6 +199,54 @@ TEST_F(StateTest, LateLandingOfADecidedStepMarksTheRankTorn) {
   EXPECT_TRUE(torn(0)) << state_.status().dump(1);
 }
 
+// An engine that put its last committed version back by its own means
+// (weightsync's vLLM and SGLang layers reload it) says so: status stops
+// listing it torn. Not while its step is open, and not from a trainer.
+TEST_F(StateTest, ARestoredRankIsNoLongerTorn) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 1);
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  out_.take(2);
+  request(2, "restored", {{"step", 1}});
+  ASSERT_EQ(out_.sent[2].size(), 1u);
+  EXPECT_EQ(out_.sent[2][0].at("kind"), "error") << "step 1 is still open and not acked";
+  EXPECT_NE(out_.sent[2][0].at("message").get<std::string>().find("still open"), std::string::npos);
+  out_.take(2);
+  request(1, "sent", {{"step", 1}, {"ok", false}, {"error", "out of memory"}});
+  request(2, "ack", {{"step", 1}, {"ok", false}, {"bytes", 0}, {"checksum", 0}, {"landed", true}});
+  out_.take(2);
+  ASSERT_TRUE(torn(0));
+  request(1, "restored", {{"step", 1}});
+  EXPECT_EQ(out_.sent[1].back().at("kind"), "error") << "engines only";
+  EXPECT_TRUE(torn(0));
+  request(2, "restored", {{"step", 1}});
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"reply"});
+  EXPECT_FALSE(torn(0)) << state_.status().dump(1);
+}
+
+// A rank told to abort while the others go on (a trainer's send to it
+// failed) restores before the step is decided: the decision does not mark
+// it torn again.
+TEST_F(StateTest, ARankRestoredBeforeTheDecisionStaysWhole) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 2);
+  join(3, "engine", 1, 2);
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  for (ConnId c : {1, 2, 3}) out_.take(c);
+  request(1, "send_failed", {{"step", 1}, {"engine_rank", 0}, {"error", "injected"}});
+  request(2, "ack", {{"step", 1}, {"ok", false}, {"bytes", 0}, {"checksum", 0}, {"landed", true}});
+  ASSERT_TRUE(torn(0));
+  out_.take(2);
+  request(2, "restored", {{"step", 1}});
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"reply"});
+  EXPECT_FALSE(torn(0));
+  request(3, "ack", {{"step", 1}, {"ok", true}, {"bytes", 1}, {"checksum", 1}, {"landed", true}});
+  request(1, "sent", {{"step", 1}, {"ok", true}});
+  ASSERT_EQ(out_.sent[1].back().at("kind"), "step_result");
+  EXPECT_EQ(out_.sent[1].back().at("committed"), Json::array({1}));
+  EXPECT_FALSE(torn(0)) << "the decision marked the restored rank torn again";
+}
+
 TEST_F(StateTest, MembersJoiningMidStepWaitForTheNextStep) {
   join(1, "trainer", 0, 1);
   join(2, "engine", 0, 2);

@@ -9,6 +9,7 @@ under streaming load) is tests/real_engines/test_vllm_trainer_api.py."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ class Served:
 class RecordingProtocol(UpdateProtocol):
     """begin/load/finish into `model.tensors` at finish (whole or not at
     all); `fail_finish`: the next finish raises (an engine that refuses the
-    version while applying it)."""
+    version while applying it); `fail_load`: the next load raises, after
+    taking its batch."""
 
     load_kind = "hf"
 
@@ -36,6 +38,7 @@ class RecordingProtocol(UpdateProtocol):
         self.model = model
         self.calls: list = []
         self.fail_finish = False
+        self.fail_load = False
         self._loading: dict = {}
 
     def begin(self):
@@ -45,6 +48,9 @@ class RecordingProtocol(UpdateProtocol):
     def load(self, batch):
         self.calls.append("load")
         self._loading.update((n, t.clone()) for n, t in batch)
+        if self.fail_load:
+            self.fail_load = False
+            raise RuntimeError("the engine refused a batch of weights")
 
     def finish(self):
         self.calls.append("finish")
@@ -203,3 +209,48 @@ def test_staged_ranks_of_a_replica_agree_on_the_apply():
         finally:
             for s in syncs:
                 s.close()
+
+
+def torn_in_status(coord) -> bool:
+    status = json.loads(cli("status", "--coordinator", coord.address, "--json").stdout)
+    return next(m for m in status["members"] if m["role"] == "engine")["torn"]
+
+
+def test_a_failed_step_the_engine_put_back_is_not_reported_torn():
+    """Without staging (load_weights mode hands the engine each tensor as it
+    completes), a step that fails after the engine took part of it (here the
+    engine refuses a batch it was handed) leaves the C++ rank torn; the engine's protocol then loads the previous
+    version back (kept in host memory), so the outcome says the rank is
+    whole: "torn" False and a reason that names what was restored, not "is
+    torn"; `sub.torn` and the coordinator's status say so too."""
+    layout = json.loads(cli("trainer-layout", "--hf-config",
+                            model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
+    engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 1}
+    with ws.Coordinator() as coord:
+        model = Served()
+        protocol = RecordingProtocol(model)
+        sync = EngineSync(model, coord.address, engine, 0, 0, mode="load_weights",
+                          protocol=protocol)
+        outs: list = []
+        try:
+            for step in (1, 2):
+                protocol.fail_load = step == 2
+                receiver = threading.Thread(target=lambda: outs.append(
+                    (sync.update(timeout=60), sync.sub.torn, torn_in_status(coord))))
+                receiver.start()
+                res = push(coord, layout, engine, version(layout, step), step)
+                receiver.join()
+                assert res.committed == ([0] if step == 1 else []), res
+        finally:
+            sync.close()
+    (first, _, _), (second, sub_torn, status_torn) = outs
+    assert first["committed"] and first["torn"] is False, first
+    assert not sub_torn and not status_torn, "restored, the rank still says it is torn"
+    assert not second["committed"] and second["step"] == 2, second
+    assert second["weights_handed"] > 0, f"the engine took nothing of step 2: {second}"
+    assert "kept in host memory" in second["restored"], second
+    assert second["torn"] is False, second
+    assert "is torn" not in second["reason"], second["reason"]
+    assert "restored to version 1" in second["reason"], second["reason"]
+    assert second["version"] == 1
+    assert_serves(model, version(layout, 1))
