@@ -2,7 +2,8 @@
 // takes a rank over, the store may still hold the departed process's UCX
 // address. A peer that connects then must wait for the new process's
 // address, never connect to the departed one's (which failed with shared
-// memory's "Shared memory error" until the next step).
+// memory's "Shared memory error" until the next step); with no process
+// holding the rank, it fails at once.
 #include "harness.h"
 
 #include <weightsync/store.h>
@@ -121,6 +122,24 @@ TEST(UcxIncarnation, ANewProcessThatNeverPublishesIsNamedInTheTimeout) {
   const std::string message = require_error([&] { rank1->connect(0); }, Errc::timeout,
                                             {"rank 0", "process 12", "process 11", "departed"});
   EXPECT_NE(message.find("did not publish its address"), std::string::npos) << message;
+}
+
+// The departed process has no successor (no process holds rank 0): a
+// connect fails at once, naming the rank and the process that left, rather
+// than waiting out the bootstrap timeout (a killed trainer rank then held
+// every other rank of a checkpoint save until the command killed them).
+TEST(UcxIncarnation, APeerWhoseProcessLeftWithNoSuccessorFailsAtOnce) {
+  TempDir dir;
+  departed_rank0(dir.path);
+  auto store = make_file_store(dir.path);
+  Members members;
+  members.at = {{1, 21}};
+  auto rank1 = make_transport(options(*store, 1, 21, members));  // 20 s bootstrap timeout
+  const auto start = std::chrono::steady_clock::now();
+  require_error([&] { rank1->connect(0); }, Errc::peer_failure,
+                {"rank 0", "member id 11", "left", "no process holds the rank"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5))
+      << "waited for the bootstrap timeout";
 }
 
 }  // namespace

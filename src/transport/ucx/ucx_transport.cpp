@@ -371,6 +371,12 @@ std::vector<uint8_t> UcxTransport::fresh_address(const UcxPeer& p) {
     if (options_.incarnation_of && got != 0) {
       want = options_.incarnation_of(p.rank);
       if (want == got) return address;
+      // The process that published the address registered before it did,
+      // and is gone; none holds the rank now. Waiting would hold this rank
+      // until the bootstrap timeout while the step it serves fails anyway.
+      if (want == 0)
+        fail(Errc::peer_failure, "ucx transport: rank ", p.rank, "'s process (member id ", got,
+             ") left and no process holds the rank now");
     } else if (p.stale_address.empty() || address != p.stale_address) {
       return address;
     }
