@@ -254,3 +254,59 @@ def test_a_failed_step_the_engine_put_back_is_not_reported_torn():
     assert "restored to version 1" in second["reason"], second["reason"]
     assert second["version"] == 1
     assert_serves(model, version(layout, 1))
+
+
+def test_a_trainer_killed_while_the_engine_stages_changes_nothing_it_serves():
+    """A trainer process SIGKILLed one second into step 2 (its sends
+    delayed) while the engine rank stages that step on its background
+    thread: update() applies nothing of step 2 and the engine serves
+    version 1 whole; a new trainer process takes the rank, and its step 3
+    is staged, applied and served. (The issue's check in a real `vllm serve`
+    under load, with the serving gaps, is not this test.)"""
+    import multiprocessing as mp
+    import signal
+
+    from test_trainer_rejoin import _tensors, _trainer
+
+    layout = json.loads(cli("trainer-layout", "--hf-config",
+                            model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
+    engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 1}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    with ws.Coordinator() as coord:
+        model = Served()
+        protocol = RecordingProtocol(model)
+        sync = EngineSync(model, coord.address, engine, 0, 0, mode="load_weights",
+                          protocol=protocol, staged=True)
+        try:
+            a = ctx.Process(target=_trainer, args=(coord.address, layout, [1, 2], True,
+                                                   "fault:ucx?delay_ms=300", 16 << 10, results,
+                                                   engine))
+            procs.append(a)
+            a.start()
+            out = sync.update(timeout=60, step=1)
+            assert out is not None and out["committed"] and out["step"] == 1, out
+            assert_serves(model, _tensors(layout, 1))
+            protocol.calls.clear()
+            out = sync.update(timeout=60, step=2)
+            assert out is not None and out["step"] == 2 and not out["committed"], out
+            a.join(timeout=30)
+            assert a.exitcode == -signal.SIGKILL, a.exitcode
+            assert protocol.calls == [], f"the engine was handed part of step 2: {protocol.calls}"
+            assert out["version"] == 1 and sync.version == 1, out
+            assert_serves(model, _tensors(layout, 1))
+            b = ctx.Process(target=_trainer, args=(coord.address, layout, [3], False, "ucx",
+                                                   1 << 20, results, engine))
+            procs.append(b)
+            b.start()
+            out = sync.update(timeout=60, step=3)
+            assert out is not None and out["committed"] and out["step"] == 3, out
+            assert sync.version == 3
+            assert_serves(model, _tensors(layout, 3))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=10)
+            sync.close()

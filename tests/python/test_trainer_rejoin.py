@@ -35,10 +35,10 @@ def _tensors(layout: dict, seed: int) -> dict:
 
 
 def _trainer(address: str, layout: dict, steps: list, die_in_last: bool, transport: str,
-             bucket_bytes: int, results) -> None:
-    """Pushes `steps` (step k carries the tensors of seed k); with
-    `die_in_last`, SIGKILLs itself one second into the last push."""
-    with ws.Publisher(coordinator=address, rank=0, layout=layout, engine=ENGINE,
+             bucket_bytes: int, results, engine: dict = ENGINE) -> None:
+    """Pushes `steps` (step k carries the tensors of seed k) to `engine`;
+    with `die_in_last`, SIGKILLs itself one second into the last push."""
+    with ws.Publisher(coordinator=address, rank=0, layout=layout, engine=engine,
                       transport=transport, bucket_bytes=bucket_bytes, step_timeout=20.0) as pub:
         held = _tensors(layout, 0)
         for name, t in held.items():
