@@ -485,13 +485,7 @@ class EngineSync:
         if result is not None and self.parity:
             result["fp8"] = self.parity
         if result is not None and self.protocol is not None:
-            result["version"] = self._version
-            if self._poisoned is not None:
-                result["poisoned"] = self._poisoned
-            if self._restored is not None and self._restored[0] == result["step"]:
-                result["restored"] = self._restored[1]
-            if not result["committed"]:
-                settle_restored(result, result.get("restored"), self._poisoned)
+            self._report(result)
             if result["committed"] and self._version != result["step"]:
                 result["committed"] = False
                 result["reason"] = result["reason"] or "the engine did not take the step"
@@ -507,6 +501,13 @@ class EngineSync:
             start = time.monotonic()
             self._apply_version(result, tensors)
             result["apply_seconds"] = time.monotonic() - start
+        self._report(result)
+        return result
+
+    def _report(self, result: dict) -> None:
+        """What the engine holds after the step, in its outcome dict: its
+        version, why it is poisoned, what a failed step's restore put back,
+        and whether it is torn."""
         result["version"] = self._version
         if self._poisoned is not None:
             result["poisoned"] = self._poisoned
@@ -514,7 +515,6 @@ class EngineSync:
             result["restored"] = self._restored[1]
         if not result["committed"]:
             settle_restored(result, result.get("restored"), self._poisoned)
-        return result
 
     def _apply_version(self, result: dict, tensors: list) -> None:
         """Applies a staged version, agreed by every rank of the replica;
