@@ -63,11 +63,17 @@ class RecordingProtocol(UpdateProtocol):
         self.calls.append("abort")
 
 
-@pytest.fixture()
-def job():
+def tiny_llama() -> tuple[dict, dict]:
+    """tiny-llama's trainer layout (one rank) and an engine of framework "hf"."""
     layout = json.loads(cli("trainer-layout", "--hf-config",
                             model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
     engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 1}
+    return layout, engine
+
+
+@pytest.fixture()
+def job():
+    layout, engine = tiny_llama()
     with ws.Coordinator() as coord:
         model = Served()
         protocol = RecordingProtocol(model)
@@ -164,8 +170,6 @@ def test_staged_ranks_of_a_replica_agree_on_the_apply():
     """The commit comes before the apply: when one rank of a replica (tp=2)
     fails to apply, the other goes back to the version before too, so the
     replica never serves two versions."""
-    import threading
-
     layout = json.loads(cli("trainer-layout", "--hf-config",
                             model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
     engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 2}
@@ -219,13 +223,12 @@ def torn_in_status(coord) -> bool:
 def test_a_failed_step_the_engine_put_back_is_not_reported_torn():
     """Without staging (load_weights mode hands the engine each tensor as it
     completes), a step that fails after the engine took part of it (here the
-    engine refuses a batch it was handed) leaves the C++ rank torn; the engine's protocol then loads the previous
-    version back (kept in host memory), so the outcome says the rank is
+    engine refuses a batch it was handed) leaves the C++ rank torn; the
+    engine's protocol then loads the previous version back (kept in host
+    memory), so the outcome says the rank is
     whole: "torn" False and a reason that names what was restored, not "is
     torn"; `sub.torn` and the coordinator's status say so too."""
-    layout = json.loads(cli("trainer-layout", "--hf-config",
-                            model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
-    engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 1}
+    layout, engine = tiny_llama()
     with ws.Coordinator() as coord:
         model = Served()
         protocol = RecordingProtocol(model)
@@ -268,9 +271,7 @@ def test_a_trainer_killed_while_the_engine_stages_changes_nothing_it_serves():
 
     from test_trainer_rejoin import _tensors, _trainer
 
-    layout = json.loads(cli("trainer-layout", "--hf-config",
-                            model_config("tiny-llama") + "/config.json", "--mesh", "fsdp=1").stdout)
-    engine = {"framework": "hf", "hf_config": model_config("tiny-llama") + "/config.json", "tp": 1}
+    layout, engine = tiny_llama()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = []
