@@ -131,6 +131,24 @@ class FailFast : public ::testing::Test {
     return pub.push(step);
   }
 
+  // A push that may fail, timed from the call to its return.
+  struct Timed {
+    std::optional<PushResult> result;  // none: it threw
+    std::string thrown;                // then what
+    double seconds = 0;
+  };
+  Timed timed_push(int64_t step, const std::string& transport, PlanMode mode = PlanMode::p2p) {
+    Timed t;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      t.result = push(step, transport, mode);
+    } catch (const Error& e) {
+      t.thrown = e.what();
+    }
+    t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return t;
+  }
+
   Model m_;
   std::optional<Checkpoint> ckpt_;
   TrainerLayout layout_;
@@ -159,29 +177,21 @@ TEST_F(FailFast, TrainerSendFailureAbortsTheStepAtOnceAndTheEngineSaysItIsTorn) 
   const PushResult first = push(1, "ucx");
   ASSERT_EQ(first.committed, (std::vector<int>{0}));
 
-  const auto start = std::chrono::steady_clock::now();
-  std::optional<PushResult> second;
-  std::string thrown;
-  try {
-    second = push(2, "fault:ucx?fail_after=3");
-  } catch (const Error& e) {
-    thrown = e.what();
-  }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const Timed second = timed_push(2, "fault:ucx?fail_after=3");
   std::printf("push(2) with a failed send returned after %.3f s (bytes_sent %llu, step 1: %llu)\n",
-              seconds, second ? static_cast<unsigned long long>(second->bytes_sent) : 0ULL,
+              second.seconds,
+              second.result ? static_cast<unsigned long long>(second.result->bytes_sent) : 0ULL,
               static_cast<unsigned long long>(first.bytes_sent));
-  EXPECT_LT(seconds, 5.0) << "a failed send must not wait out the 30 s step timeout";
-  ASSERT_TRUE(second) << "push(2) threw: " << thrown;
-  EXPECT_TRUE(second->committed.empty());
-  ASSERT_EQ(second->failed.size(), 1u);
-  const std::string& why = second->failed[0].second;
+  EXPECT_LT(second.seconds, 5.0) << "a failed send must not wait out the 30 s step timeout";
+  ASSERT_TRUE(second.result) << "push(2) threw: " << second.thrown;
+  EXPECT_TRUE(second.result->committed.empty());
+  ASSERT_EQ(second.result->failed.size(), 1u);
+  const std::string& why = second.result->failed[0].second;
   EXPECT_TRUE(has(why, "trainer rank 0")) << why;
   EXPECT_TRUE(has(why, "injected failure")) << "names the trainer's failed send: " << why;
   EXPECT_FALSE(has(why, "step timeout")) << why;
   // fail_after=3: three messages went out, none above a bucket (4096).
-  EXPECT_LE(second->bytes_sent, 3u * 4096) << "counts only the sends that completed";
+  EXPECT_LE(second.result->bytes_sent, 3u * 4096) << "counts only the sends that completed";
 
   const PushResult third = push(3, "ucx");
   EXPECT_EQ(third.committed, (std::vector<int>{0}));
@@ -217,27 +227,20 @@ TEST_F(FailFast, BroadcastSendFailureCountsOnlyTheBucketsThatWentOut) {
   std::thread engine = this->engine(2);
   const PushResult first = push(1, "ucx", PlanMode::broadcast);
   ASSERT_EQ(first.committed, (std::vector<int>{0}));
-  const auto start = std::chrono::steady_clock::now();
-  std::optional<PushResult> second;
-  std::string thrown;
-  try {
-    second = push(2, "fault:ucx?fail_after=3", PlanMode::broadcast);
-  } catch (const Error& e) {
-    thrown = e.what();
-  }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const Timed second = timed_push(2, "fault:ucx?fail_after=3", PlanMode::broadcast);
   std::printf("broadcast push(2) with a failed send: %.3f s, bytes_sent %llu (step 1: %llu)\n",
-              seconds, second ? static_cast<unsigned long long>(second->bytes_sent) : 0ULL,
+              second.seconds,
+              second.result ? static_cast<unsigned long long>(second.result->bytes_sent) : 0ULL,
               static_cast<unsigned long long>(first.bytes_sent));
   engine.join();
-  EXPECT_LT(seconds, 5.0) << "a failed send must not wait out the 30 s step timeout";
-  ASSERT_TRUE(second) << "push(2) threw: " << thrown;
-  EXPECT_TRUE(second->committed.empty());
-  ASSERT_EQ(second->failed.size(), 1u);
-  EXPECT_TRUE(has(second->failed[0].second, "injected failure")) << second->failed[0].second;
+  EXPECT_LT(second.seconds, 5.0) << "a failed send must not wait out the 30 s step timeout";
+  ASSERT_TRUE(second.result) << "push(2) threw: " << second.thrown;
+  EXPECT_TRUE(second.result->committed.empty());
+  ASSERT_EQ(second.result->failed.size(), 1u);
+  EXPECT_TRUE(has(second.result->failed[0].second, "injected failure"))
+      << second.result->failed[0].second;
   ASSERT_GT(first.bytes_sent, 8u * 4096) << "the model must take more buckets than the failure";
-  EXPECT_LE(second->bytes_sent, 3u * 4096) << "counts only the sends that completed";
+  EXPECT_LE(second.result->bytes_sent, 3u * 4096) << "counts only the sends that completed";
   ASSERT_EQ(engine_error_, "");
   ASSERT_EQ(seen_.size(), 2u);
   EXPECT_TRUE(seen_[0].outcome.committed);
@@ -254,23 +257,15 @@ TEST_F(FailFast, BroadcastSendFailureCountsOnlyTheBucketsThatWentOut) {
 // landing in the params).
 TEST_F(FailFast, EngineReceiveFailureStopsTheTrainersSendsAtOnce) {
   std::thread engine = this->engine(1, "fault:ucx?fail_after=3");
-  const auto start = std::chrono::steady_clock::now();
-  std::optional<PushResult> result;
-  std::string thrown;
-  try {
-    result = push(1, "ucx?UCX_RNDV_THRESH=1024");
-  } catch (const Error& e) {
-    thrown = e.what();
-  }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("push(1) to an engine whose receive failed returned after %.3f s\n", seconds);
+  const Timed result = timed_push(1, "ucx?UCX_RNDV_THRESH=1024");
+  std::printf("push(1) to an engine whose receive failed returned after %.3f s\n", result.seconds);
   engine.join();
-  EXPECT_LT(seconds, 5.0) << "the trainer must not wait out the 30 s step timeout";
-  ASSERT_TRUE(result) << "push(1) threw: " << thrown;
-  EXPECT_TRUE(result->committed.empty());
-  ASSERT_EQ(result->failed.size(), 1u);
-  EXPECT_TRUE(has(result->failed[0].second, "injected failure")) << result->failed[0].second;
+  EXPECT_LT(result.seconds, 5.0) << "the trainer must not wait out the 30 s step timeout";
+  ASSERT_TRUE(result.result) << "push(1) threw: " << result.thrown;
+  EXPECT_TRUE(result.result->committed.empty());
+  ASSERT_EQ(result.result->failed.size(), 1u);
+  EXPECT_TRUE(has(result.result->failed[0].second, "injected failure"))
+      << result.result->failed[0].second;
   ASSERT_EQ(engine_error_, "");
   ASSERT_EQ(seen_.size(), 1u);
   EXPECT_FALSE(seen_[0].outcome.committed);
