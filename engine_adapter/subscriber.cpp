@@ -636,6 +636,7 @@ Subscriber::Subscriber(SubscriberOptions options) : impl_(std::make_unique<Impl>
   c.rank = m.global;
   c.world = m.engine.world();
   c.replica = m.opt.replica;
+  c.parity = m.opt.parity;
   c.connect_timeout = m.opt.connect_timeout;
   c.reconnect_timeout = m.opt.coordinator_reconnect;
   m.client = std::make_unique<control::Client>(c);

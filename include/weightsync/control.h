@@ -70,6 +70,10 @@ struct Member {
   int replica = -1;  // engine replica, -1 when not given
   std::string layout_hash;
   std::vector<uint8_t> transport_address;  // opaque (e.g. a UCX worker address)
+  // An engine rank's parity line, as it reported it when it registered: what
+  // its FP8 parity check at connect found ("N of M linear weights FP8,
+  // scales fp32; matches the engine"); "" when not checked or without FP8.
+  std::string parity;
 };
 
 // ---------------------------------------------------------------- coordinator
@@ -167,6 +171,7 @@ struct ClientOptions {
   int replica = -1;
   std::string layout_hash;
   std::vector<uint8_t> transport_address;
+  std::string parity;             // engines: Member::parity (shown by `weightsync status`)
   Millis connect_timeout{10000};  // retries refused connections until then
   Millis request_timeout{30000};  // for replies that need no waiting
   Millis heartbeat_interval{1000};

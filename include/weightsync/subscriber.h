@@ -73,6 +73,11 @@ struct SubscriberOptions {
   // again for this long; the rank registers again as the same member with
   // its version (docs/usage.md, "The coordinator dies"). 0: never.
   std::chrono::milliseconds coordinator_reconnect{300000};
+  // The summary line of a parity check run before connecting (the Python
+  // engine integrations' check of the layout against the live engine's
+  // params, docs/fp8.md): registered with the coordinator, which shows it
+  // per engine rank in `weightsync status`. "" when none was run.
+  std::string parity;
   Tracer* tracer = nullptr;
 };
 

@@ -187,6 +187,7 @@ void bind_subscriber_options(nb::module_& m) {
       .def_rw("staging", &O::staging)
       .def_rw("weights_device", &O::weights_device)
       .def_rw("job", &O::job)
+      .def_rw("parity", &O::parity)
       .def_prop_rw(
           "connect_timeout", [](const O& o) { return seconds(o.connect_timeout); },
           [](O& o, double s) { o.connect_timeout = millis(s, "connect_timeout"); })

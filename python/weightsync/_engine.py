@@ -155,7 +155,7 @@ class EngineSync:
     `aliases`; any difference raises MismatchError with a table of the params
     that differ. `parity` is then the summary line ("N of M linear weights
     FP8, scales fp32; matches the engine", "" without FP8), also in each step
-    result ("fp8") of update().
+    result ("fp8") of update() and, per engine rank, in `weightsync status`.
 
     `staged` (with a protocol): each step is received on a background
     thread into copies this object owns while the engine serves (weightsync.
@@ -190,6 +190,9 @@ class EngineSync:
         self.keep_previous = keep_previous
         if staged:
             require_staged_protocol(protocol, mode)
+        if self.parity:
+            # Registered with the coordinator: `weightsync status` shows it.
+            subscriber_options.setdefault("parity", self.parity)
         self.sub = Subscriber(coordinator=coordinator, engine=engine, replica=replica, rank=rank,
                               **subscriber_options)
         self._version = -1          # protocol modes: the version the engine holds whole

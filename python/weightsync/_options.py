@@ -44,6 +44,9 @@ class PublisherOptions:
             must hold after applying them, checked before they are written.
         coordinator_reconnect: seconds a lost coordinator is reached again
             (a restarted one takes the job back; docs/usage.md); 0: never.
+        parity: the summary line of a parity check run before connecting
+            (EngineSync sets it, docs/fp8.md); the coordinator shows it per
+            engine rank in `weightsync status`. "" when none was run.
     """
 
     transport: str = "ucx"
@@ -91,6 +94,7 @@ class SubscriberOptions:
     step_timeout: float = 120.0
     weights_device: Any = None
     coordinator_reconnect: float = 300.0
+    parity: str = ""
 
 
 _O = TypeVar("_O", PublisherOptions, SubscriberOptions)
@@ -194,4 +198,5 @@ def core_subscriber_options(o: SubscriberOptions, coordinator: Any, engine_text:
     c.connect_timeout = o.connect_timeout
     c.step_timeout = o.step_timeout
     c.coordinator_reconnect = o.coordinator_reconnect
+    c.parity = o.parity
     return c

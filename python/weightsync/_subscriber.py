@@ -34,7 +34,7 @@ class Subscriber:
                  transport: str = "ucx", staging: bool = False, token: Optional[str] = None,
                  job: str = "weightsync", connect_timeout: float = 60.0,
                  step_timeout: float = 120.0, weights_device: Any = None,
-                 coordinator_reconnect: float = 300.0):
+                 coordinator_reconnect: float = 300.0, parity: str = ""):
         """Connects rank `rank` of replica `replica` of `engine` (an engine
         config: path, dict, JSON text, or a list of them: engine groups) to the
         coordinator ("HOST:PORT" or a Coordinator). The options
@@ -44,7 +44,8 @@ class Subscriber:
         o = _merge_options(SubscriberOptions, options, dict(
             transport=transport, staging=staging, token=token, job=job,
             connect_timeout=connect_timeout, step_timeout=step_timeout,
-            weights_device=weights_device, coordinator_reconnect=coordinator_reconnect))
+            weights_device=weights_device, coordinator_reconnect=coordinator_reconnect,
+            parity=parity))
         text, base = load_json(engine, "engine config")
         self._options = o
         self._core = _core.Subscriber()

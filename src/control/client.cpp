@@ -332,6 +332,7 @@ Json Client::Impl::hello_message() const {
   hello["layout_hash"] = o.layout_hash;
   hello["address"] = wire::base64_encode(o.transport_address);
   if (!o.token.empty()) hello["token"] = o.token;
+  if (!o.parity.empty()) hello["parity"] = o.parity;
   return hello;
 }
 

@@ -89,6 +89,10 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
     fail(Errc::protocol, "hello: replica ", replica, " out of range");
   m.replica = static_cast<int>(replica);
   m.layout_hash = body.value("layout_hash", "");
+  m.parity = body.value("parity", "");
+  if (!m.parity.empty() && m.role != Role::engine)
+    fail(Errc::protocol, "hello: ", role_name(m.role), " rank ", m.rank,
+         " sent a parity line; only engine ranks check parity");
   if (body.contains("address")) m.transport_address = wire::get_bytes(body, "address");
   const std::optional<Resume> resume = resume_of(body, m);
   if (m.role != Role::observer) {

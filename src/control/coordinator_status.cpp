@@ -103,6 +103,8 @@ Json CoordinatorState::status() const {
       j["lag"] = newest < 0 ? 0 : newest - v;
       // Its params hold part of a step that did not commit (no staging).
       j["torn"] = torn_.count(m.rank) > 0;
+      // What its FP8 parity check at connect found ("" when not checked).
+      j["parity"] = m.parity;
     }
     members.push_back(std::move(j));
   }

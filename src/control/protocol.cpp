@@ -62,6 +62,7 @@ std::vector<KindSpec> membership_requests() {
         {"layout_hash", Type::str, false},
         {"address", Type::bytes, false},
         {"token", Type::str, false},
+        {"parity", Type::str, false},
         // A client registering again after a lost connection (a restarted
         // coordinator): {"member", "version", "last_step", "torn"}.
         {"resume", Type::object, false}}},
@@ -456,7 +457,8 @@ Json member_to_json(const Member& m) {
               {"world", m.world},
               {"replica", m.replica},
               {"layout_hash", m.layout_hash},
-              {"address", base64_encode(m.transport_address)}};
+              {"address", base64_encode(m.transport_address)},
+              {"parity", m.parity}};
 }
 
 Member member_from_json(const Json& j) {
@@ -483,6 +485,11 @@ Member member_from_json(const Json& j) {
   m.replica = replica < -1 || replica > std::numeric_limits<int>::max() ? -1 : int(replica);
   m.layout_hash = j.at("layout_hash").get<std::string>();
   m.transport_address = get_bytes(j, "address");
+  // Absent from coordinators older than the field.
+  if (const auto it = j.find("parity"); it != j.end()) {
+    if (!it->is_string()) fail(Errc::protocol, "member: field \"parity\" must be a string");
+    m.parity = it->get<std::string>();
+  }
   return m;
 }
 

@@ -4,6 +4,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
+#include <string>
+
 #include <gtest/gtest.h>
 
 namespace weightsync::control {
@@ -245,6 +248,40 @@ TEST_F(StateTest, ARankRestoredBeforeTheDecisionStaysWhole) {
   ASSERT_EQ(out_.sent[1].back().at("kind"), "step_result");
   EXPECT_EQ(out_.sent[1].back().at("committed"), Json::array({1}));
   EXPECT_FALSE(torn(0)) << "the decision marked the restored rank torn again";
+}
+
+// An engine rank's parity line (its FP8 parity check at connect) is shown
+// per rank by status; a trainer's is refused, naming the rank.
+TEST_F(StateTest, StatusShowsEachEngineRanksParityLine) {
+  const std::string line = "14 of 16 linear weights FP8, scales fp32; matches the engine";
+  state_.on_connect(1, now_);
+  message(1, {{"kind", "hello"},
+              {"id", 1},
+              {"role", "engine"},
+              {"rank", 0},
+              {"world", 2},
+              {"parity", line}});
+  ASSERT_EQ(out_.take(1), std::vector<std::string>{"welcome"});
+  join(2, "engine", 1, 2);
+  const Json status = state_.status();
+  std::map<int, std::string> shown;
+  for (const Json& m : status.at("members"))
+    shown[m.at("rank").get<int>()] = m.at("parity").get<std::string>();
+  EXPECT_EQ(shown, (std::map<int, std::string>{{0, line}, {1, ""}})) << status.dump(1);
+  state_.on_connect(3, now_);
+  try {
+    message(3, {{"kind", "hello"},
+                {"id", 1},
+                {"role", "trainer"},
+                {"rank", 0},
+                {"world", 1},
+                {"parity", line}});
+    ADD_FAILURE() << "a trainer's parity line was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::protocol);
+    EXPECT_NE(std::string(e.what()).find("trainer rank 0 sent a parity line"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_F(StateTest, MembersJoiningMidStepWaitForTheNextStep) {

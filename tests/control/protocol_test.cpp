@@ -124,7 +124,9 @@ TEST(MemberJson, RoundTripsAndRejectsMalformedMembers) {
   m.replica = 1;
   m.layout_hash = "abc";
   m.transport_address = {0, 1, 255};
+  m.parity = "2 of 2 linear weights FP8, scales fp32; matches the engine";
   const Member back = member_from_json(member_to_json(m));
+  EXPECT_EQ(back.parity, m.parity);
   EXPECT_EQ(back.id, 9u);
   EXPECT_EQ(back.role, Role::engine);
   EXPECT_EQ(back.rank, 3);
@@ -138,6 +140,11 @@ TEST(MemberJson, RoundTripsAndRejectsMalformedMembers) {
   bad = member_to_json(m);
   bad.erase("rank");
   EXPECT_THROW(member_from_json(bad), Error);
+  bad = member_to_json(m);
+  bad["parity"] = 3;
+  EXPECT_THROW(member_from_json(bad), Error);
+  bad.erase("parity");  // a coordinator older than the field
+  EXPECT_EQ(member_from_json(bad).parity, "");
 }
 
 TEST(ErrcNames, RoundTrip) {

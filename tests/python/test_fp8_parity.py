@@ -5,6 +5,8 @@ when they match. The engine here is a module of the layout's own tensors
 (wst.allocate_engine_params), changed the way a real engine would differ."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ import weightsync as ws
 import weightsync.torch as wst
 from weightsync import _parity
 from weightsync._engine import EngineSync
-from helpers import model_config
+from helpers import cli, model_config
 from test_engines import module_of
 
 QWEN3_FP8 = {"framework": "vllm", "hf_config": model_config("tiny-qwen3-fp8") + "/config.json",
@@ -36,6 +38,12 @@ def test_layout_matches_and_says_so():
     with ws.Coordinator() as coord:
         sync = EngineSync(module_of(tensors), coord.address, QWEN3_FP8, 0, 0)
         assert sync.parity == line
+        # The coordinator shows it per engine rank: `weightsync status`.
+        status = json.loads(cli("status", "--coordinator", coord.address, "--json").stdout)
+        engines = [m for m in status["members"] if m["role"] == "engine"]
+        assert [(m["rank"], m["parity"]) for m in engines] == [(0, line)], status
+        text = cli("status", "--coordinator", coord.address).stdout
+        assert f"parity (engine rank 0): {line}" in text, text
         sync.close()
 
 

@@ -15,8 +15,10 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 namespace weightsync::cli {
 namespace {
@@ -68,6 +70,16 @@ std::string table(const std::string& address, const nlohmann::json& s) {
                     static_cast<long long>(m["lag"].get<int64_t>()),
                     m.value("torn", false) ? "  torn" : "");
       out << line;
+    }
+    // Each engine rank's FP8 parity line (docs/fp8.md), once per distinct line.
+    std::map<std::string, std::vector<int>> parity;
+    for (const auto& m : s["members"])
+      if (m["role"] == "engine" && !m.value("parity", std::string()).empty())
+        parity[m["parity"].get<std::string>()].push_back(m["rank"].get<int>());
+    for (const auto& [line, ranks] : parity) {
+      out << "  parity (engine rank" << (ranks.size() > 1 ? "s " : " ");
+      for (size_t i = 0; i < ranks.size(); ++i) out << (i ? "," : "") << ranks[i];
+      out << "): " << line << "\n";
     }
   }
   if (!s["open_step"].is_null()) {
