@@ -587,12 +587,13 @@ void Subscriber::Impl::settle_torn(StepOutcome& out) {
   else if (landing || weights_handed > 0)
     torn = true;
   out.torn = torn;
-  if (out.torn && !out.committed)
-    out.reason =
-        cat(out.reason.empty() ? std::string() : out.reason + "; ", "engine rank ", global,
-            " is torn: step ", out.step,
+  if (out.torn && !out.committed) {
+    out.torn_reason =
+        cat("engine rank ", global, " is torn: step ", out.step,
             " may have written part of its params (no staging) and did not commit; version ",
             version.load(), " is no longer whole until the next commit");
+    out.reason = (out.reason.empty() ? std::string() : out.reason + "; ") + out.torn_reason;
+  }
 }
 
 void Subscriber::Impl::report_late_landing(const StepOutcome& out) {

@@ -103,6 +103,10 @@ struct StepOutcome {
   // After this step the params hold part of a step that did not commit
   // (Subscriber::torn()).
   bool torn = false;
+  // When torn and not committed: the sentence `reason` ends with that says
+  // so ("engine rank N is torn: ..."), kept apart so that a layer that puts
+  // the previous version back can drop it without parsing the reason.
+  std::string torn_reason;
 };
 
 class Subscriber {

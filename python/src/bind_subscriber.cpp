@@ -214,6 +214,7 @@ void bind_outcome(nb::module_& m) {
       .def_ro("checksum", &StepOutcome::checksum)
       .def_ro("seconds", &StepOutcome::seconds)
       .def_ro("torn", &StepOutcome::torn)
+      .def_ro("torn_reason", &StepOutcome::torn_reason)
       .def_prop_ro("phases", [](const StepOutcome& o) { return step_phases(o.phases); })
       .def("__repr__", [](const StepOutcome& o) {
         return cat("StepOutcome(step=", o.step, ", committed=", o.committed ? "True" : "False",

@@ -3,7 +3,6 @@ and SGLang integrations share. The engine is never imported here."""
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import weakref
@@ -47,17 +46,14 @@ def outcome_dict(out: Any) -> Optional[dict]:
     collective_rpc or Ray)."""
     if out is None:
         return None
-    return {"step": out.step, "committed": out.committed, "reason": out.reason,
-            "bytes": out.bytes, "delta_buckets": out.delta_buckets,
-            "weights_handed": out.weights_handed, "seconds": out.seconds,
-            "torn": bool(out.torn)}
-
-
-# The sentence the C++ Subscriber adds to a failed step's reason when the step
-# wrote part of the params or handed the engine tensors (StepOutcome.torn).
-_TORN_SENTENCE = re.compile(r"(; )?engine rank \d+ is torn: step -?\d+ may have written part of "
-                            r"its params \(no staging\) and did not commit; version -?\d+ is no "
-                            r"longer whole until the next commit")
+    result = {"step": out.step, "committed": out.committed, "reason": out.reason,
+              "bytes": out.bytes, "delta_buckets": out.delta_buckets,
+              "weights_handed": out.weights_handed, "seconds": out.seconds,
+              "torn": bool(out.torn)}
+    if out.torn_reason:
+        # The sentence `reason` ends with that says the rank is torn.
+        result["torn_reason"] = out.torn_reason
+    return result
 
 
 def settle_restored(result: dict, restored: Optional[str], poisoned: Optional[str]) -> None:
@@ -71,7 +67,10 @@ def settle_restored(result: dict, restored: Optional[str], poisoned: Optional[st
     if restored is None:
         return
     result["torn"] = False
-    reason = _TORN_SENTENCE.sub("", result.get("reason") or "")
+    reason = result.get("reason") or ""
+    note = result.pop("torn_reason", "")
+    if note and reason.endswith(note):
+        reason = reason[: -len(note)].removesuffix("; ")
     result["reason"] = (f"{reason}; " if reason else "") + f"the engine was restored to {restored}"
 
 

@@ -74,6 +74,8 @@ class StepOutcome:
         phases: seconds per phase: "receive", "verify", "apply", "commit".
         torn: after this step the params hold part of a step that did not
             commit (no staging): `Subscriber.torn`, until the next commit.
+        torn_reason: when torn and not committed, the sentence `reason`
+            ends with that says so ("" otherwise).
     """
 
     step: int
@@ -88,6 +90,7 @@ class StepOutcome:
     seconds: float
     phases: dict[str, float]
     torn: bool = False
+    torn_reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,10 @@ def test_a_failed_send_leaves_an_in_place_rank_torn_until_its_next_commit():
     assert one.committed and v1 == 1 and not torn1 and not one.torn
     assert not two.committed and v2 == 1
     assert torn2 and two.torn and "torn" in two.reason, two
+    # The sentence that says so, kept apart (a layer that restores drops it).
+    assert two.torn_reason.startswith("engine rank 0 is torn: step 2 "), two
+    assert two.reason.endswith(two.torn_reason) and two.reason != two.torn_reason, two
+    assert one.torn_reason == "" and three.torn_reason == ""
     assert status2, "weightsync status lists the rank as torn"
     assert three.committed and v3 == 3 and not torn3 and not three.torn and not status3
     for name, t in params.items():  # version 3 whole (the vocab's padding rows stay zero)
