@@ -75,6 +75,78 @@ def make_checkpoint(kind: str, out: str, seed: int) -> str:
     return out
 
 
+# A tiny Qwen2 (q/k/v biases, no o_proj bias: what vLLM's Qwen2 holds too)
+# whose every greedy token names the version of each of its two layers.
+REVEALING = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=128,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False,
+                 max_position_embeddings=1024, rms_norm_eps=1e-6, use_sliding_window=False)
+REVEALING_VERSIONS = 8
+
+
+def revealing_token(layer0: int, layer1: int) -> int:
+    """The token the version-revealing model makes when its layer 0 holds
+    version `layer0` and its layer 1 `layer1`."""
+    return 32 + REVEALING_VERSIONS * layer0 + layer1
+
+
+def revealed(token: int) -> Optional[tuple]:
+    """(layer 0's version, layer 1's) that made `token`; None for a token
+    the model never makes."""
+    if not 32 <= token < 32 + REVEALING_VERSIONS ** 2:
+        return None
+    return divmod(token - 32, REVEALING_VERSIONS)
+
+
+def make_revealing_checkpoint(out: str, version: int) -> str:
+    """Version `version` of a model whose greedy token reveals, whatever
+    the prompt, the version of every layer that made it: a token made by
+    version k of both layers is revealing_token(k, k), and layers of
+    different versions give revealing_token(a, b), a != b, which no whole
+    version gives.
+
+    How: v_proj's weight is 0 and its bias (key/value head 0) is 4 x the
+    one-hot of the version, so attention returns that vector whatever it
+    attends to (a KV cache that holds another version's values mixes
+    them); o_proj puts layer L's in hidden dims [32 L, 32 L + 32); the
+    MLP's down_proj is 0; lm_head's row of revealing_token(a, b) is the
+    one-hot of a plus that of 32 + b. Everything else (embeddings at 0.01,
+    q, k, norms, gate and up) is drawn from the version, so that two
+    versions differ in nearly every tensor."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert 0 <= version < REVEALING_VERSIONS
+    cfg = dict(REVEALING)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config.dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(1000 + version)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    head = config.hidden_size // config.num_attention_heads
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        model.model.embed_tokens.weight.mul_(0.02)
+        model.model.norm.weight.fill_(1.0)
+        for i, layer in enumerate(model.model.layers):
+            layer.input_layernorm.weight.abs_().add_(0.5)
+            layer.self_attn.v_proj.weight.zero_()
+            layer.self_attn.v_proj.bias.zero_()
+            layer.self_attn.v_proj.bias[version] = 4.0
+            layer.self_attn.o_proj.weight.zero_()
+            for d in range(head):  # head 0 (key/value head 0) -> dims of layer i
+                layer.self_attn.o_proj.weight[head * i + d, d] = 1.0
+            layer.mlp.down_proj.weight.zero_()
+        lm = model.lm_head.weight
+        lm.zero_()
+        for a in range(REVEALING_VERSIONS):
+            for b in range(REVEALING_VERSIONS):
+                lm[revealing_token(a, b), a] = 1.0
+                lm[revealing_token(a, b), head + b] = 1.0
+    model.save_pretrained(out)
+    return out
+
+
 def hf_tensors(path: str) -> dict:
     from safetensors.torch import load_file
 
@@ -622,11 +694,21 @@ class StreamingLoad:
 
     PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
-    def __init__(self, server: Server, streams: int = 3, max_tokens: int = 200):
+    def __init__(self, server: Server, streams: int = 3, max_tokens: Any = 200,
+                 stream: bool = True):
         import threading
 
-        self.server, self.max_tokens = server, max_tokens
-        self.requests: list = []   # [finish_reason, [token arrival times]] per request
+        # stream=False: each request is answered whole (its tokens all
+        # "arrive" at its end): the server's engine then spends its time
+        # generating rather than waiting for the API server to stream.
+        self.stream = stream
+        # One length for every stream, or one per stream (streams of
+        # different lengths do not start and end their requests together).
+        self.server = server
+        self.max_tokens = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else (
+            [max_tokens] * streams)
+        assert len(self.max_tokens) == streams, (max_tokens, streams)
+        self.requests: list = []   # per request: _one's entry
         self.errors: list = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -637,15 +719,30 @@ class StreamingLoad:
             t.start()
         self._started.wait(timeout=120)
 
-    def _one(self, first: list) -> None:
+    def _one(self, first: list, max_tokens: int) -> None:
         import requests
 
-        entry: list = [None, []]  # [finish reason, token times], filled as it streams
+        # [finish reason, chunk times, token ids, start time, token times],
+        # filled as it streams
+        entry: list = [None, [], [], time.monotonic(), []]
         with self._lock:
             self.requests.append(entry)
-        times = entry[1]
-        body = {"model": self.server.path, "prompt": self.PROMPT, "max_tokens": self.max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        times, ids, arrived = entry[1], entry[2], entry[4]
+        body = {"model": self.server.path, "prompt": self.PROMPT, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": self.stream,
+                "return_token_ids": True}
+        if not self.stream:
+            r = requests.post(self.server.url + "/v1/completions", json=body, timeout=300)
+            r.raise_for_status()
+            choice = r.json()["choices"][0]
+            now = time.monotonic()
+            ids.extend(choice["token_ids"])
+            times.append(now)
+            arrived.extend([now] * len(ids))
+            entry[0] = choice.get("finish_reason")
+            if first:
+                first.pop().wait(timeout=120)
+            return
         with requests.post(self.server.url + "/v1/completions", json=body, stream=True,
                            timeout=300) as r:
             r.raise_for_status()
@@ -655,7 +752,11 @@ class StreamingLoad:
                 chunk = json.loads(line[len(b"data: "):])
                 for choice in chunk.get("choices", []):
                     if choice.get("token_ids") or choice.get("text"):  # a chunk of tokens
-                        times.append(time.monotonic())
+                        now = time.monotonic()
+                        got = choice.get("token_ids") or []
+                        times.append(now)
+                        ids.extend(got)
+                        arrived.extend([now] * len(got))  # each token of the chunk
                         if first:
                             first.pop().wait(timeout=120)  # this stream is running
                     entry[0] = choice.get("finish_reason") or entry[0]
@@ -664,7 +765,7 @@ class StreamingLoad:
         first = [self._started]
         try:
             while not self._stop.is_set():
-                self._one(first)
+                self._one(first, self.max_tokens[i])
         except Exception as e:  # noqa: BLE001 - reported by stop()
             self.errors.append(f"stream {i}: {e!r}")
             if first:
@@ -676,7 +777,13 @@ class StreamingLoad:
         for t in self._threads:
             t.join(timeout=300)
         assert not self.errors, self.errors
-        return [(reason, times) for reason, times in self.requests]
+        return [(entry[0], entry[1]) for entry in self.requests]
+
+    def streams(self) -> list:
+        """[(start time, [token ids], [their arrival times], finish reason)]
+        of every request so far."""
+        with self._lock:
+            return [(e[3], list(e[2]), list(e[4]), e[0]) for e in self.requests]
 
     def gaps(self, since: float, until: float) -> tuple:
         """(the longest gap between two tokens of one request that overlaps
@@ -688,7 +795,7 @@ class StreamingLoad:
         one request that overlaps [since, until] ((0, since, since): none)."""
         best = (0.0, since, since)
         with self._lock:
-            requests = [list(times) for _, times in self.requests]
+            requests = [list(entry[1]) for entry in self.requests]
         for times in requests:
             for a, b in zip(times, times[1:]):
                 if b >= since and a <= until and b - a > best[0]:
@@ -699,7 +806,7 @@ class StreamingLoad:
         """The median gap between two tokens outside [since, until]."""
         outside = []
         with self._lock:
-            requests = [list(times) for _, times in self.requests]
+            requests = [list(entry[1]) for entry in self.requests]
         for times in requests:
             outside += [b - a for a, b in zip(times, times[1:]) if b < since or a > until]
         outside.sort()
