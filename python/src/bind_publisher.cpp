@@ -179,6 +179,23 @@ void bind_coordinator(nb::module_& m) {
       .def("members", &PyCoordinator::members)
       .def("close", &PyCoordinator::close, ReleaseGil())
       .def_prop_ro("closed", [](const PyCoordinator& c) { return !c.open(); });
+  // What `weightsync status --json` prints, asked as an observer (it takes
+  // no part in steps) that leaves at once.
+  m.def(
+      "coordinator_status",
+      [](const std::string& address, const std::string& token, double timeout) {
+        control::ClientOptions c;
+        c.address = address;
+        c.token = token;
+        c.role = control::Role::observer;
+        c.connect_timeout = millis(timeout, "timeout");
+        c.request_timeout = c.connect_timeout;
+        control::Client client(c);
+        std::string out = client.status_json();
+        client.leave();
+        return out;
+      },
+      nb::arg("address"), nb::arg("token"), nb::arg("timeout"), ReleaseGil());
 }
 
 // What a push, save_hf and load_hf return.

@@ -57,6 +57,7 @@ from ._api import (
     Subscriber,
     SubscriberOptions,
     engine_params,
+    status,
 )
 from ._cli import cli_path
 from ._ucx import ucx_library
@@ -93,5 +94,6 @@ __all__ = [
     "cli_path",
     "engine_params",
     "error_class",
+    "status",
     "ucx_library",
 ]

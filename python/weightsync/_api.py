@@ -13,7 +13,7 @@ options (_options.py), the results (_results.py) and what both sides share
 from __future__ import annotations
 
 from ._common import EngineLike, LayoutLike, engine_params, load_json
-from ._coordinator import Coordinator, CoordinatorLike
+from ._coordinator import Coordinator, CoordinatorLike, status
 from ._options import PublisherOptions, SubscriberOptions
 from ._publisher import Publisher
 from ._results import LoadReport, ParamInfo, PushResult, SaveHfResult, StepOutcome
@@ -35,4 +35,5 @@ __all__ = [
     "SubscriberOptions",
     "engine_params",
     "load_json",
+    "status",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Union
 
 from . import _core
+from ._errors import InvalidArgument
 
 
 class Coordinator:
@@ -66,3 +68,23 @@ class Coordinator:
 
 #: Where the coordinator is: "HOST:PORT", or a Coordinator of this process.
 CoordinatorLike = Union[str, Coordinator]
+
+
+def status(coordinator: CoordinatorLike, *, token: Optional[str] = None,
+           timeout: float = 10.0) -> dict[str, Any]:
+    """The job as its coordinator sees it: what `weightsync status --json`
+    prints (docs/metrics.md). "members" (each engine rank with its
+    "version", "lag", "torn" and "parity"), "newest" (the newest committed
+    version), "open_step" (None between steps) and the last decided
+    "steps". Asked as an observer, which takes no part in steps; any rank or
+    process may call it (a trainer, a router). `timeout`: seconds to connect
+    and be answered (weightsync.TimeoutError or PeerFailure past it)."""
+    address = getattr(coordinator, "address", coordinator)
+    if not isinstance(address, str) or ":" not in address:
+        raise InvalidArgument(
+            f"coordinator: expected 'HOST:PORT' or a Coordinator, got {coordinator!r}")
+    if not timeout > 0:
+        raise InvalidArgument(f"timeout must be positive, got {timeout!r}")
+    answer: dict[str, Any] = json.loads(
+        _core.coordinator_status(address, token or "", float(timeout)))
+    return answer

@@ -171,3 +171,50 @@ def test_metrics_follow_a_real_sync(tmp_path):
                   reason="failed") == 1
     assert _value(last, "weightsync_plan_changes_total") == 0
     coord.close()
+
+
+def test_status_is_a_python_call_too():
+    """ws.status(): what `weightsync status --json` prints, from Python (a
+    trainer, a router): every engine rank's version, lag, torn flag and
+    parity line; a coordinator nobody serves, a malformed address and a
+    missing token fail at once, naming what is wrong."""
+    engine = {"framework": "vllm", "hf_config": model_config("tiny-llama") + "/config.json",
+              "tp": 1, "replicas": 2, "dtype": "BF16"}
+    with ws.Coordinator(token="s3cret") as coord:
+        subs = [ws.Subscriber(coordinator=coord, engine=engine, replica=r, rank=0,
+                              token="s3cret", parity=f"line {r}") for r in range(2)]
+        try:
+            got = ws.status(coord, token="s3cret")
+            engines = sorted((m for m in got["members"] if m["role"] == "engine"),
+                             key=lambda m: m["rank"])
+            assert [(m["rank"], m["replica"], m["version"], m["lag"], m["torn"], m["parity"])
+                    for m in engines] == [(0, 0, -1, 0, False, "line 0"),
+                                          (1, 1, -1, 0, False, "line 1")], got
+            assert got["newest"] == -1 and got["open_step"] is None and got["steps"] == []
+            token_file = os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                      f"ws-status-token-{os.getpid()}")
+            with open(token_file, "w") as f:
+                f.write("s3cret")
+            try:
+                text = cli("status", "--coordinator", coord.address, "--token-file", token_file,
+                           "--json").stdout
+            finally:
+                os.unlink(token_file)
+            by_cli = json.loads(text)
+            strip = [{k: v for k, v in m.items() if k != "id"}
+                     for m in by_cli["members"] if m["role"] == "engine"]
+            assert strip == [{k: v for k, v in m.items() if k != "id"} for m in engines], (
+                by_cli, got)
+            with pytest.raises(ws.Error, match="token"):
+                ws.status(coord, timeout=5.0)
+        finally:
+            for s in subs:
+                s.close()
+    with pytest.raises(ws.InvalidArgument, match="HOST:PORT"):
+        ws.status("nowhere")
+    with pytest.raises(ws.InvalidArgument, match="timeout"):
+        ws.status("127.0.0.1:1", timeout=0)
+    started = time.monotonic()
+    with pytest.raises(ws.Error):
+        ws.status("127.0.0.1:1", timeout=1.0)
+    assert time.monotonic() - started < 5.0
