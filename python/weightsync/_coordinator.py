@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 from . import _core
 from ._errors import InvalidArgument
+from ._options import _address
 
 
 class Coordinator:
@@ -79,10 +80,7 @@ def status(coordinator: CoordinatorLike, *, token: Optional[str] = None,
     "steps". Asked as an observer, which takes no part in steps; any rank or
     process may call it (a trainer, a router). `timeout`: seconds to connect
     and be answered (weightsync.TimeoutError or PeerFailure past it)."""
-    address = getattr(coordinator, "address", coordinator)
-    if not isinstance(address, str) or ":" not in address:
-        raise InvalidArgument(
-            f"coordinator: expected 'HOST:PORT' or a Coordinator, got {coordinator!r}")
+    address = _address(coordinator)
     if not timeout > 0:
         raise InvalidArgument(f"timeout must be positive, got {timeout!r}")
     answer: dict[str, Any] = json.loads(

@@ -45,9 +45,15 @@ class StateTest : public ::testing::Test {
     body["v"] = 1;
     state_.on_message(conn, wire::parse_message(body.dump()), now_);
   }
-  void join(ConnId conn, const std::string& role, int rank, int world) {
+  // Connects `conn` and sends its hello, with `extra` fields.
+  void hello(ConnId conn, const std::string& role, int rank, int world, Json extra = {}) {
     state_.on_connect(conn, now_);
-    message(conn, {{"kind", "hello"}, {"id", 1}, {"role", role}, {"rank", rank}, {"world", world}});
+    Json body = {{"kind", "hello"}, {"id", 1}, {"role", role}, {"rank", rank}, {"world", world}};
+    for (const auto& [k, v] : extra.items()) body[k] = v;
+    message(conn, std::move(body));
+  }
+  void join(ConnId conn, const std::string& role, int rank, int world, Json extra = {}) {
+    hello(conn, role, rank, world, std::move(extra));
     ASSERT_EQ(out_.take(conn), std::vector<std::string>{"welcome"});
   }
   void request(ConnId conn, const std::string& kind, Json fields) {
@@ -254,28 +260,15 @@ TEST_F(StateTest, ARankRestoredBeforeTheDecisionStaysWhole) {
 // per rank by status; a trainer's is refused, naming the rank.
 TEST_F(StateTest, StatusShowsEachEngineRanksParityLine) {
   const std::string line = "14 of 16 linear weights FP8, scales fp32; matches the engine";
-  state_.on_connect(1, now_);
-  message(1, {{"kind", "hello"},
-              {"id", 1},
-              {"role", "engine"},
-              {"rank", 0},
-              {"world", 2},
-              {"parity", line}});
-  ASSERT_EQ(out_.take(1), std::vector<std::string>{"welcome"});
+  join(1, "engine", 0, 2, {{"parity", line}});
   join(2, "engine", 1, 2);
   const Json status = state_.status();
   std::map<int, std::string> shown;
   for (const Json& m : status.at("members"))
     shown[m.at("rank").get<int>()] = m.at("parity").get<std::string>();
   EXPECT_EQ(shown, (std::map<int, std::string>{{0, line}, {1, ""}})) << status.dump(1);
-  state_.on_connect(3, now_);
   try {
-    message(3, {{"kind", "hello"},
-                {"id", 1},
-                {"role", "trainer"},
-                {"rank", 0},
-                {"world", 1},
-                {"parity", line}});
+    hello(3, "trainer", 0, 1, {{"parity", line}});
     ADD_FAILURE() << "a trainer's parity line was taken";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::protocol);
