@@ -762,6 +762,10 @@ void Subscriber::restored(int64_t step) {
   impl_->client->restored(step);
 }
 
+void Subscriber::applied(int64_t step, const std::map<std::string, int64_t>& requests) {
+  impl_->client->applied(step, requests);
+}
+
 void Subscriber::set_coordinator(const std::string& address) {
   impl_->client->set_address(address);
 }

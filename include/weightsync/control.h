@@ -300,6 +300,10 @@ class Client final : public Store {
   // version whole again (the engine put it back by its own means): the
   // coordinator stops reporting it torn (status, weightsync_engine_torn).
   void restored(int64_t step);
+  // This engine rank serves committed step `step` from now on (its apply
+  // ended): status shows it, with `requests` (each request running at the
+  // swap, by the engine's id -> the index of its first token `step` made).
+  void applied(int64_t step, const std::map<std::string, int64_t>& requests);
 
   // Next queued event, in arrival order. A StepResult already taken by
   // wait_step_result is not returned again (and vice versa). Errc::timeout if none arrives in time;

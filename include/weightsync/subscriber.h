@@ -39,6 +39,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -175,6 +176,13 @@ class Subscriber {
   // the thread that runs run_step. Errc::peer_failure when the coordinator
   // cannot be told (torn() is false here all the same).
   void restored(int64_t step);
+  // The engine now serves committed step `step` (a staged version's apply
+  // ended): the coordinator's status shows it and since when, with
+  // `requests`, each request running at the swap (the engine's request id)
+  // -> the index of its first token made by `step`. Errc::peer_failure when
+  // the coordinator cannot be told; Errc::protocol when `step` is not a
+  // step this rank committed.
+  void applied(int64_t step, const std::map<std::string, int64_t>& requests = {});
   // The coordinator moved (a restarted one on another address): the rank
   // reconnects there. coordinator(): where it connects now.
   void set_coordinator(const std::string& address);

@@ -6,6 +6,7 @@
 #include <weightsync/subscriber.h>
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -13,6 +14,7 @@
 
 #include <array>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <tuple>
 
@@ -271,6 +273,12 @@ void bind_subscriber(nb::module_& m) {
       .def(
           "restored", [](PySubscriber& s, int64_t step) { s.get("subscriber").restored(step); },
           nb::arg("step"), ReleaseGil())
+      .def(
+          "applied",
+          [](PySubscriber& s, int64_t step, const std::map<std::string, int64_t>& requests) {
+            s.get("subscriber").applied(step, requests);
+          },
+          nb::arg("step"), nb::arg("requests"), ReleaseGil())
       .def(
           "set_coordinator",
           [](PySubscriber& s, const std::string& address) {

@@ -3,6 +3,7 @@ and SGLang integrations share. The engine is never imported here."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -12,6 +13,8 @@ from . import _parity
 from ._api import Subscriber
 from ._errors import Error
 from ._staged import StagedSteps, require_staged_protocol
+
+logger = logging.getLogger("weightsync")
 
 MODES = ("direct", "load_weights")
 
@@ -212,6 +215,13 @@ class EngineSync:
         self._restored: Optional[tuple] = None  # (failed step, what was restored), last one
         self._stager: Optional[StagedSteps] = None
         self._agree = agree
+        #: Set by the engine integration: {request id: output tokens so far}
+        #: of the requests the engine runs, read at the swap (vLLM: inside
+        #: update_weights, between two engine steps). Each committed step's
+        #: result then has "requests", the index of each one's first token
+        #: made by the step, and the coordinator is told (`weightsync
+        #: status`: "applied").
+        self.live_requests: Optional[Callable[[], dict]] = None
         if mode == "direct":
             if protocol is None and aliases:
                 # Layout names the engine holds under other names (aliases:
@@ -491,7 +501,29 @@ class EngineSync:
             if result["committed"] and self._version != result["step"]:
                 result["committed"] = False
                 result["reason"] = result["reason"] or "the engine did not take the step"
+        if result is not None and result["committed"]:
+            self._applied(result)
         return result
+
+    def _applied(self, result: dict) -> None:
+        """The engine serves the committed step of `result` from now on:
+        "requests" (with live_requests: each request running at the swap ->
+        the index of its first token made by the step), and the coordinator
+        is told, so that `weightsync status` says since when. A coordinator
+        that cannot be told is logged, and the step stands."""
+        requests: dict = {}
+        if self.live_requests is not None:
+            try:
+                requests = {str(k): int(v) for k, v in self.live_requests().items()}
+            except Exception as e:  # noqa: BLE001 - the step stands without them
+                logger.warning("weightsync: the engine's running requests could not be read "
+                               "at step %d: %s", result["step"], e)
+            result["requests"] = requests
+        try:
+            self.sub.applied(result["step"], requests)
+        except Error as e:
+            logger.warning("weightsync: could not tell the coordinator that engine rank %d "
+                           "serves step %d: %s", self.sub.global_rank, result["step"], e)
 
     def _apply_staged(self, timeout: float, step: Optional[int]) -> Optional[dict]:
         assert self._stager is not None
@@ -504,6 +536,8 @@ class EngineSync:
             self._apply_version(result, tensors)
             result["apply_seconds"] = time.monotonic() - start
         self._report(result)
+        if tensors is not None and result["committed"]:
+            self._applied(result)
         return result
 
     def _report(self, result: dict) -> None:

@@ -243,8 +243,11 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     {"step", "seconds" (the whole round trip), "push_seconds", "bytes_sent"
     (this rank's), "committed", "prefix_cache_reset" (rank 0: True, False
     when the server refused, None when not done); rank 0 also "staged",
-    "in_flight" and "pause_seconds" (from the pause request to the resume's
-    answer: the server stopped serving within it)}."""
+    "in_flight", "pause_seconds" (from the pause request to the resume's
+    answer: the server stopped serving within it) and "requests" (each
+    request running at the swap, by the engine's request id -> the index of
+    its first output token made by this step; None when the workers did not
+    report)}."""
 
     init_info_cls = WeightsyncTrainerInitInfo
 
@@ -512,8 +515,32 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                      "committed": list(res.committed), "prefix_cache_reset": None}
         if swapped is not None:
             self.last.update(swapped, staged=bool(self.init_info.staged),
-                             in_flight=self.init_info.in_flight)
+                             in_flight=self.init_info.in_flight,
+                             requests=self._applied_requests(k))
         return self.last
+
+    def _applied_requests(self, k: int) -> Optional[dict]:
+        """What the server's workers reported when they applied step k: each
+        request running at the swap (the engine's request id) -> the index
+        of its first token made by k; from the lowest engine rank that
+        reported k (the ranks of a replica run the same requests). None when
+        none did (a server without weightsync's workers, or the coordinator
+        could not be asked)."""
+        from ._coordinator import status
+
+        if self.address is None:
+            return None
+        try:
+            members = status(self.address, token=self.init_info.token)["members"]
+        except Error as e:
+            logger.warning("weightsync: step %d: the coordinator could not say which requests "
+                           "ran across the swap: %s", k, e)
+            return None
+        for m in sorted(members, key=lambda m: m.get("rank", 0)):
+            applied = m.get("applied")
+            if m.get("role") == "engine" and applied and applied.get("step") == k:
+                return dict(applied["requests"])
+        return None
 
     # -- shutdown -------------------------------------------------------------
 

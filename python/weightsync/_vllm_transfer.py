@@ -204,6 +204,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         else:
             sync = self._connected()
             who = self._who(sync)
+        worker = _worker_of(self)
+        if worker is not None and update_info.adapter is None:
+            sync.live_requests = lambda: _live_requests(worker)
         out = sync.update(update_info.timeout, step=update_info.step)
         if out is None:
             raise Error("timeout", f"weightsync: {who}: no weight update began within "
@@ -253,18 +256,44 @@ def _executor_group() -> Any:
     return tp if pp.world_size == 1 and tp.world_size > 1 else None
 
 
-def _end_worker_session(engine: Any) -> bool:
-    """Ends the update session of the vLLM worker whose update_weights is
-    running `engine`, as vLLM 0.32's Worker.update_weights does when the
-    engine raises (the worker is the caller up the stack holding `engine`).
-    False when no such caller is found."""
+def _worker_of(engine: Any) -> Any:
+    """The vLLM worker whose update_weights is running `engine`: the caller
+    up the stack holding it (vLLM 0.32's Worker), or None."""
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         owner: Any = frame.f_locals.get("self")
         if (owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine
                 and hasattr(owner, "_weight_update_active")):
-            owner._weight_update_active = False
-            owner.weight_transfer_engine.reset_weight_update_target()
-            return True
+            return owner
         frame = frame.f_back
-    return False
+    return None
+
+
+def _live_requests(worker: Any) -> dict:
+    """{request id: output tokens so far} of every request the worker's
+    model runner holds, read inside update_weights: the engine core runs it
+    between two engine steps with the scheduler paused, so no token is being
+    made, and (CPU and synchronous scheduling) every token sampled is in
+    output_token_ids. Requests that ended at the pause (finished, or aborted
+    by /pause?mode=abort) are still held until the next engine step: listed
+    with all their tokens, none after. The ids are the engine's: vLLM adds
+    "-" and 8 random characters to the id the API server gave (an OpenAI
+    completion: its response id, "-", the prompt's index)."""
+    runner = getattr(worker, "model_runner", None)
+    requests = getattr(runner, "requests", None)
+    if not isinstance(requests, dict):
+        return {}
+    return {str(rid): len(getattr(state, "output_token_ids", None) or ())
+            for rid, state in list(requests.items())}
+
+
+def _end_worker_session(engine: Any) -> bool:
+    """Ends the update session of the vLLM worker whose update_weights is
+    running `engine`, as vLLM 0.32's Worker.update_weights does when the
+    engine raises. False when no such worker is found."""
+    owner = _worker_of(engine)
+    if owner is None:
+        return False
+    owner._weight_update_active = False
+    owner.weight_transfer_engine.reset_weight_update_target()
+    return True

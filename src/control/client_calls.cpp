@@ -191,6 +191,14 @@ void Client::restored(int64_t step) {
   impl_->request(m, impl_->options.request_timeout, cat("restored after step ", step));
 }
 
+void Client::applied(int64_t step, const std::map<std::string, int64_t>& requests) {
+  Json m = wire::make(Kind::applied);
+  m["step"] = step;
+  m["requests"] = Json::object();
+  for (const auto& [name, index] : requests) m["requests"][name] = index;
+  impl_->request(m, impl_->options.request_timeout, cat("applied for step ", step));
+}
+
 void Client::ack(const StepAck& a, Millis wait) {
   Json m = wire::make(Kind::ack);
   m["step"] = a.step;

@@ -321,6 +321,8 @@ void CoordinatorState::handle_request(ConnId conn, Conn& c, const wire::Message&
       return record_send_failure(conn, c, id, b);
     case Kind::restored:
       return record_restored(conn, c, id, b);
+    case Kind::applied:
+      return record_applied(conn, c, id, b);
     default:
       fail(Errc::internal, "unhandled request kind '", wire::kind_name(m.kind), "'");
   }

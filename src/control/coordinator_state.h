@@ -150,6 +150,8 @@ class CoordinatorState {
   void mark_torn(int rank);  // torn_ and its metric
   // An engine rank put its last committed version back whole: not torn.
   void record_restored(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
+  // An engine rank serves committed step "step" from now (its apply ended).
+  void record_applied(ConnId conn, const Conn& c, uint64_t id, const wire::Json& body);
   void participant_lost(uint64_t member_id, const std::string& reason);
   void try_decide();
   void decide();
@@ -186,6 +188,9 @@ class CoordinatorState {
   // Engine ranks whose params hold part of a step that did not commit
   // (StepAck::landed), until their next commit: status() and the metrics.
   std::set<int> torn_;
+  // Engine rank -> its last "applied" report: {"step", "at" (seconds since
+  // the epoch, the coordinator's clock), "requests"}; status() shows it.
+  std::map<int, wire::Json> applied_;
   Metrics* metrics_ = nullptr;
   std::deque<wire::Json> recent_steps_;  // the last decided steps, for status()
 };

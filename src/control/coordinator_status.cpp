@@ -105,6 +105,10 @@ Json CoordinatorState::status() const {
       j["torn"] = torn_.count(m.rank) > 0;
       // What its FP8 parity check at connect found ("" when not checked).
       j["parity"] = m.parity;
+      // What it serves since when (its last apply), null before its first
+      // report (engines that take each version at commit do not report).
+      auto a = applied_.find(m.rank);
+      j["applied"] = a == applied_.end() ? Json(nullptr) : a->second;
     }
     members.push_back(std::move(j));
   }

@@ -21,6 +21,8 @@ namespace {
 using wire::Json;
 using wire::Kind;
 
+constexpr size_t kMaxRequestIdBytes = 1024;  // an engine's request id, in "applied"
+
 std::string who(const Member& m) {
   return cat(role_name(m.role), " rank ", m.rank);
 }
@@ -298,6 +300,36 @@ void CoordinatorState::record_restored(ConnId conn, const Conn& c, uint64_t id, 
     }
   }
   if (torn_.erase(c.member.rank) > 0 && metrics_) metrics_->engine_torn(c.member.rank, false);
+  reply(conn, id);
+}
+
+// The engine rank reports after its apply ends: from then on it serves
+// "step", which must be a step it committed. "requests" maps each request
+// running at the swap (the engine's own id) to the index of its first token
+// made by "step"; the rank's last report is kept, whole, for status().
+void CoordinatorState::record_applied(ConnId conn, const Conn& c, uint64_t id, const Json& body) {
+  if (c.member.role != Role::engine)
+    return reply_error(conn, id, Errc::protocol,
+                       cat("applied from ", who(c.member), ": engines only"));
+  const int64_t step = body.at("step").get<int64_t>();
+  const int64_t committed = committed_version(c.member.rank);
+  if (step < 0 || step > committed)
+    return reply_error(
+        conn, id, Errc::protocol,
+        cat("applied from ", who(c.member), ": step ", step,
+            " is not a step it committed (its committed version is ", committed, ")"));
+  const Json& requests = body.at("requests");
+  for (const auto& [name, index] : requests.items())
+    if (name.empty() || name.size() > kMaxRequestIdBytes || !index.is_number_integer() ||
+        index.get<int64_t>() < 0)
+      return reply_error(
+          conn, id, Errc::protocol,
+          cat("applied from ", who(c.member), " for step ", step, ": request '", name.substr(0, 64),
+              "' must map to a token index >= 0 (request ids of ", "1 to ", kMaxRequestIdBytes,
+              " bytes)"));
+  const double at =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  applied_[c.member.rank] = Json{{"step", step}, {"at", at}, {"requests", requests}};
   reply(conn, id);
 }
 

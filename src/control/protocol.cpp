@@ -143,6 +143,13 @@ std::vector<KindSpec> step_requests() {
       // An engine rank whose params a failed step wrote put its last
       // committed version back whole (the engine's own restore): not torn.
       {Kind::restored, "restored", true, {{"id", Type::u64}, {"step", Type::i64}}},
+      // An engine rank now serves committed step `step` (a staged one
+      // applied between engine steps): since when, and the index of the
+      // first token step `step` made in each request running at the swap.
+      {Kind::applied,
+       "applied",
+       true,
+       {{"id", Type::u64}, {"step", Type::i64}, {"requests", Type::object}}},
       {Kind::version, "version", true, {{"id", Type::u64}, {"engine_rank", Type::count}}},
       {Kind::status, "status", true, {{"id", Type::u64}}},
   };

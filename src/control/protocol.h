@@ -67,6 +67,7 @@ enum class Kind {
   sent,
   send_failed,
   restored,
+  applied,
   version,
   status,
   // coordinator -> client

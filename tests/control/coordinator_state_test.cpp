@@ -256,6 +256,56 @@ TEST_F(StateTest, ARankRestoredBeforeTheDecisionStaysWhole) {
   EXPECT_FALSE(torn(0)) << "the decision marked the restored rank torn again";
 }
 
+// An engine rank that applied a committed step (a staged version swapped in
+// between engine steps) says so, with the first token index of each request
+// running at the swap: status shows its last report and since when. A step
+// it did not commit, a bad index and a trainer's report are refused.
+TEST_F(StateTest, StatusShowsWhatEachEngineRankAppliedAndSinceWhen) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 1);
+  auto applied = [&] {
+    const Json status = state_.status();
+    for (const Json& m : status.at("members"))
+      if (m.at("role") == "engine") return m.at("applied");
+    ADD_FAILURE() << "no engine in " << state_.status().dump();
+    return Json();
+  };
+  auto refused = [&](ConnId conn, const char* part) {
+    ASSERT_EQ(out_.sent[conn].size(), 1u);
+    EXPECT_EQ(out_.sent[conn][0].at("kind"), "error");
+    const auto message = out_.sent[conn][0].at("message").get<std::string>();
+    EXPECT_NE(message.find(part), std::string::npos) << message;
+    out_.take(conn);
+  };
+  EXPECT_TRUE(applied().is_null()) << "no report yet";
+  request(2, "applied", {{"step", 1}, {"requests", Json::object()}});
+  refused(2, "not a step it committed (its committed version is -1)");
+  request(1, "begin_step", {{"step", 1}, {"plan_id", "p"}});
+  request(2, "ack", {{"step", 1}, {"ok", true}, {"bytes", 1}, {"checksum", 1}});
+  request(1, "sent", {{"step", 1}, {"ok", true}});
+  ASSERT_EQ(state_.committed_version(0), 1);
+  out_.take(1);
+  out_.take(2);
+  request(2, "applied", {{"step", 1}, {"requests", {{"cmpl-a-0-1f2e3d4c", -1}}}});
+  refused(2, "request 'cmpl-a-0-1f2e3d4c' must map to a token index >= 0");
+  request(2, "applied", {{"step", 1}, {"requests", {{"r", "7"}}}});
+  refused(2, "request 'r' must map to a token index");
+  request(1, "applied", {{"step", 1}, {"requests", Json::object()}});
+  refused(1, "engines only");
+  EXPECT_TRUE(applied().is_null()) << "refused reports leave nothing";
+  const double before =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const Json requests = {{"cmpl-a-0-1f2e3d4c", 117}, {"cmpl-b-0-99aa88bb", 0}};
+  request(2, "applied", {{"step", 1}, {"requests", requests}});
+  EXPECT_EQ(out_.take(2), std::vector<std::string>{"reply"});
+  const Json a = applied();
+  ASSERT_TRUE(a.is_object()) << state_.status().dump(1);
+  EXPECT_EQ(a.at("step"), 1);
+  EXPECT_EQ(a.at("requests"), requests);
+  EXPECT_GE(a.at("at").get<double>(), before);
+  EXPECT_LE(a.at("at").get<double>(), before + 60);
+}
+
 // An engine rank's parity line (its FP8 parity check at connect) is shown
 // per rank by status; a trainer's is refused, naming the rank.
 TEST_F(StateTest, StatusShowsEachEngineRanksParityLine) {

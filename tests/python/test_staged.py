@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -157,6 +158,54 @@ def test_staged_update_applies_the_newest_committed_version(job):
     assert protocol.calls.count("begin") == 1  # one apply: version 1 was superseded
     assert_serves(model, v[2])
     assert sync.update(timeout=0.5) is None
+
+
+def engine_member(coord) -> dict:
+    return next(m for m in ws.status(coord)["members"] if m["role"] == "engine")
+
+
+def test_each_apply_reports_the_requests_across_it_and_since_when(job):
+    """The engine says, at each apply, which requests it runs and how many
+    tokens each made before it (live_requests); the step's result has the
+    index of each one's first token of the new version ("requests"), and
+    the coordinator's status shows the rank's last apply and since when. A
+    step that failed reports nothing; an engine without live_requests
+    reports the apply with no requests."""
+    coord, layout, engine, sync, protocol, model = job
+    v = {s: version(layout, 20 + s) for s in (1, 2, 3)}
+    running = {"cmpl-a-0-1f2e3d4c": 117, "cmpl-b-0-99aa88bb": 0}
+    sync.live_requests = lambda: dict(running)
+    assert engine_member(coord)["applied"] is None
+    assert push(coord, layout, engine, v[1], 1).committed == [0]
+    # Committed, not applied: the rank still serves what it served.
+    assert engine_member(coord)["applied"] is None
+    before = time.time()
+    out = sync.update(timeout=30, step=1)
+    assert out["committed"] and out["requests"] == running, out
+    applied = engine_member(coord)["applied"]
+    assert applied["step"] == 1 and applied["requests"] == running, applied
+    assert before - 1 <= applied["at"] <= time.time() + 1, (before, applied)
+
+    # A step that fails before the apply: the rank serves step 1 still.
+    try:
+        res = push(coord, layout, engine, v[2], 2,
+                   transport="fault:ucx?corrupt_send=1&after=1&count=1",
+                   bucket_bytes=64 << 10, checksums=True)
+        assert res.failed and not res.committed, res
+    except ws.Error:
+        pass
+    running["cmpl-c-0-00000000"] = 5
+    out = sync.update(timeout=30, step=2)
+    assert not out["committed"] and "requests" not in out, out
+    assert engine_member(coord)["applied"] == applied
+
+    # Without live_requests: the apply is reported, with no requests.
+    sync.live_requests = None
+    assert push(coord, layout, engine, v[3], 3).committed == [0]
+    out = sync.update(timeout=30, step=3)
+    assert out["committed"] and "requests" not in out, out
+    now = engine_member(coord)["applied"]
+    assert now["step"] == 3 and now["requests"] == {} and now["at"] >= applied["at"], now
 
 
 def test_staged_needs_a_protocol():

@@ -122,7 +122,8 @@ def test_every_token_across_staged_swaps_comes_from_one_whole_version(tmp_path):
         load = vs.StreamingLoad(server, streams=4, max_tokens=[900, 700, 800, 600],
                                 stream=False)
         time.sleep(2.0)  # the load runs on v0 a while
-        swaps = {}
+        swaps: dict = {}
+        reported: dict = {}  # step -> its "requests": engine request id -> first index of k
         for step in range(1, STEPS + 1):
             began = time.monotonic()
             outs = trainers.call("send", versions[step])
@@ -133,6 +134,8 @@ def test_every_token_across_staged_swaps_comes_from_one_whole_version(tmp_path):
             assert rank0["staged"] is True and rank0["in_flight"] == "recompute", rank0
             assert rank0["prefix_cache_reset"] is True, rank0
             swaps[step] = (began, ended)
+            reported[step] = rank0["requests"]
+            assert isinstance(reported[step], dict), rank0
             # Started after the swap, the load still running: k alone.
             got = server.tokens()
             assert got == [[vs.revealing_token(step, step)] * vs.MAX_TOKENS] * len(vs.PROMPTS), (
@@ -154,10 +157,26 @@ def test_every_token_across_staged_swaps_comes_from_one_whole_version(tmp_path):
         server.stop()
 
     across = {step: 0 for step in swaps}
-    checked = 0
-    for start, tokens, times, _ in streams:
+    checked = bounded = 0
+    for start, tokens, times, _, rid in streams:
         assert len(tokens) == len(times), (len(tokens), len(times))
         seen = _versions_of(tokens)
+        # The reported boundary is where the tokens change: each swap that
+        # listed the request gives the index of its first token of k (its
+        # length: it ended at the swap), and every change of version in it
+        # was reported.
+        for k, requests in reported.items():
+            key = vs.engine_request(requests, rid)
+            changes = [i for i in range(len(seen)) if seen[i] == k and (i == 0 or seen[i - 1] < k)]
+            if key is None:
+                assert not changes or changes == [0], (
+                    f"{rid}: its tokens turn to v{k} at {changes}, step {k} did not list it")
+                continue
+            i = requests[key]
+            assert i <= len(seen), (rid, k, i, len(seen))
+            assert all(v < k for v in seen[:i]), f"{rid}: v{k}'s tokens before its boundary {i}"
+            assert all(v >= k for v in seen[i:]), f"{rid}: tokens older than v{k} after {i}"
+            bounded += 0 < i < len(seen)
         checked += len(seen)
         assert seen == sorted(seen), f"a request's versions went back: {seen}"
         # Arrival times bound a version from below only: the server may
@@ -173,5 +192,6 @@ def test_every_token_across_staged_swaps_comes_from_one_whole_version(tmp_path):
             if b > a:
                 across[b] += 1
     print(f"\n{checked} tokens of {len(streams)} requests, each of one whole version; "
-          f"requests across each swap: {across}")
+          f"requests across each swap: {across}; reported boundaries checked: {bounded}")
     assert all(n > 0 for n in across.values()), f"no request ran across some swap: {across}"
+    assert bounded == sum(across.values()), (bounded, across)

@@ -187,10 +187,12 @@ def _steps_under_load(server, trainers, versions, want, timings) -> None:
     stream runs across the swap: those in flight end at the pause); step 7:
     blocking (the workers receive inside update_weights)."""
     plan = [(5, 1, {}), (6, 2, {"in_flight": "abort"}), (7, 0, {"staged": False})]
+    prompt, length = vs.StreamingLoad.PROMPT, 200
     for step, v, options in plan:
         trainers.call("init", dict(options, first_step=step))
         assert server.tokens() == want[(v + 2) % 3]  # the long prompt's block cached, old KV
-        load = vs.StreamingLoad(server)
+        before = server.continuation(prompt, length)  # what a stream gets from the old version
+        load = vs.StreamingLoad(server, max_tokens=length)
         try:
             began = time.monotonic()
             outs = trainers.call("send", versions[v])
@@ -206,18 +208,47 @@ def _steps_under_load(server, trainers, versions, want, timings) -> None:
             finished = load.stop()
         assert got == want[v], f"step {step} under load: the tokens are not v{v}'s: {got} {want[v]}"
         reasons = {r for r, _ in finished}
-        if options.get("in_flight") == "abort":
-            # No stream runs across the swap: one in flight at the pause ends
-            # there, none streams on after the resume. (The finish reasons
-            # are not asserted: on earlier machines the streams in flight
-            # ended with "abort"; on this AMD EPYC, in two runs of two, every
-            # stream of the step reported "length". Why is not known.)
-            paused_at = ended - rank0["pause_seconds"]
-            across = [t for _, t in finished if t and t[0] < paused_at and t[-1] > ended]
-            assert not across, f"{len(across)} streams ran across the abort-mode swap"
+        # The requests the workers ran at the swap, each with the index of
+        # its first token made by the new version: the streams in flight.
+        # Told by the engine, not by arrival times: under load the API server
+        # delivers a stream's tokens in bursts, late (a CI run saw a stream
+        # that had ended before the pause deliver its last tokens after
+        # send_weights returned).
+        # (Abort mode: none; the engine dropped the aborted ones at the pause.)
+        reported = rank0["requests"]
+        abort = options.get("in_flight") == "abort"
+        assert isinstance(reported, dict) and (abort or reported), (step, reported)
+        across, streams = {}, load.streams()
+        for _, ids, _, reason, rid in streams:
+            key = vs.engine_request(reported, rid)
+            if key is None:
+                continue
+            index = reported[key]
+            assert index <= len(ids), (step, rid, index, len(ids))
+            # Up to the boundary, the old version's answer.
+            assert ids[:index] == before[:index], f"step {step}: {rid} before its boundary"
+            across[rid] = (index, len(ids), reason)
+        after = server.continuation(prompt, length)
+        assert after != before, "the two versions answer the load's prompt alike"
+        went_on = {rid: a for rid, a in across.items() if a[0] < a[1]}
+        if abort:
+            # No stream runs across the swap: the ones in flight end there
+            # (aborted, or "length" when they had just finished): the engine
+            # ran no request at the apply; and every stream is the start of
+            # one version's answer, never the old's and then more.
+            assert reported == {}, f"requests ran across the abort-mode swap: {reported}"
+            cut = [a for _, ids, _, a, _ in streams if len(ids) < length]
+            print(f"\nstep {step}: {len(cut)} streams cut short by the pause: {cut}")
+            mixed = [(len(ids), reason) for _, ids, _, reason, _ in streams
+                     if ids != before[:len(ids)] and ids != after[:len(ids)]]
+            assert not mixed, f"streams of both versions in abort mode: {mixed}"
             assert reasons <= {"abort", "length"}, reasons
         else:
             assert reasons == {"length"}, reasons  # every stream ran to its end
+            assert across, f"step {step}: no stream of the load was reported: {sorted(reported)}"
+            assert went_on, f"step {step}: no stream went on across the swap: {across}"
+        print(f"\nstep {step}: {len(reported)} requests at the swap, {len(across)} of them the "
+              f"load's streams, {len(went_on)} went on after it")
         assert server.weight_version() == str(step)
         longest, steady = load.gaps(began, ended)
         timings.append((f"under load, step {step} {options or 'staged, recompute'}",

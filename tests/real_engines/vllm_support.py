@@ -651,6 +651,16 @@ class Server:
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return [list(c["token_ids"]) for c in choices]
 
+    def continuation(self, prompt: list, max_tokens: int) -> list:
+        """The greedy token ids the server answers `prompt` with, alone (on
+        this CPU engine a request's greedy tokens do not depend on what it
+        is batched with: 70 streams of 150-200 tokens under the load of
+        StreamingLoad and tokens() each equalled the request alone)."""
+        out = self.post("/v1/completions", {
+            "model": self.path, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+        return list(out["choices"][0]["token_ids"])
+
     def weight_version(self) -> str:
         import requests
 
@@ -722,9 +732,9 @@ class StreamingLoad:
     def _one(self, first: list, max_tokens: int) -> None:
         import requests
 
-        # [finish reason, chunk times, token ids, start time, token times],
-        # filled as it streams
-        entry: list = [None, [], [], time.monotonic(), []]
+        # [finish reason, chunk times, token ids, start time, token times,
+        # response id], filled as it streams
+        entry: list = [None, [], [], time.monotonic(), [], None]
         with self._lock:
             self.requests.append(entry)
         times, ids, arrived = entry[1], entry[2], entry[4]
@@ -734,7 +744,9 @@ class StreamingLoad:
         if not self.stream:
             r = requests.post(self.server.url + "/v1/completions", json=body, timeout=300)
             r.raise_for_status()
-            choice = r.json()["choices"][0]
+            answer = r.json()
+            choice = answer["choices"][0]
+            entry[5] = answer.get("id")
             now = time.monotonic()
             ids.extend(choice["token_ids"])
             times.append(now)
@@ -750,6 +762,7 @@ class StreamingLoad:
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[len(b"data: "):])
+                entry[5] = entry[5] or chunk.get("id")
                 for choice in chunk.get("choices", []):
                     if choice.get("token_ids") or choice.get("text"):  # a chunk of tokens
                         now = time.monotonic()
@@ -780,10 +793,11 @@ class StreamingLoad:
         return [(entry[0], entry[1]) for entry in self.requests]
 
     def streams(self) -> list:
-        """[(start time, [token ids], [their arrival times], finish reason)]
-        of every request so far."""
+        """[(start time, [token ids], [their arrival times], finish reason,
+        response id)] of every request so far."""
         with self._lock:
-            return [(e[3], list(e[2]), list(e[4]), e[0]) for e in self.requests]
+            return [(e[3], list(e[2]), list(e[4]), e[0], e[5]) for e in self.requests]
+
 
     def gaps(self, since: float, until: float) -> tuple:
         """(the longest gap between two tokens of one request that overlaps
@@ -957,3 +971,15 @@ class ApiTrainers:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+
+
+def engine_request(reported: dict, response_id: Optional[str]) -> Optional[str]:
+    """The key of `reported` (a step's "requests": the engine's request ids)
+    that is the request of an OpenAI completion answered with `response_id`
+    (one prompt): vLLM's id for it is the response id, "-0", then "-" and 8
+    random characters. None when it is not there."""
+    if not response_id:
+        return None
+    found = [k for k in reported if k.startswith(f"{response_id}-0-")]
+    assert len(found) <= 1, (response_id, found)
+    return found[0] if found else None
