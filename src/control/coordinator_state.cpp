@@ -435,6 +435,14 @@ void CoordinatorState::reply_error(ConnId conn, uint64_t id, Errc code, const st
 }
 
 void CoordinatorState::on_tick(Clock::time_point now) {
+  if (last_tick_ && now - *last_tick_ > kStalled) {
+    const auto missed = now - *last_tick_;
+    for (auto& [id, c] : conns_) {
+      c.last_seen = std::min(now, c.last_seen + missed);
+      c.opened = std::min(now, c.opened + missed);
+    }
+  }
+  last_tick_ = now;
   std::vector<std::pair<ConnId, std::string>> expired;
   for (const auto& [id, c] : conns_) {
     if (!c.registered && now - c.opened > options_.hello_timeout)

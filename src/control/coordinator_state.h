@@ -49,8 +49,13 @@ class CoordinatorState {
   // replies instead.
   void on_message(ConnId conn, const wire::Message& message, Clock::time_point now);
   void on_disconnect(ConnId conn, const std::string& reason);
-  // Expires hello, heartbeat, waiter and step deadlines.
+  // Expires hello, heartbeat, waiter and step deadlines. Ticks come often
+  // (every 100 ms at most); one that comes more than kStalled after the one
+  // before finds a coordinator that was not running (its process stopped,
+  // or starved on a loaded machine): the time it missed does not count as
+  // any member's silence (their heartbeats may be waiting unread).
   void on_tick(Clock::time_point now);
+  static constexpr Millis kStalled{2000};
 
   std::vector<Member> members() const;
   int64_t committed_version(int engine_rank) const;
@@ -171,6 +176,7 @@ class CoordinatorState {
   CoordinatorOptions options_;
   Outbox& outbox_;
   std::map<ConnId, Conn> conns_;
+  std::optional<Clock::time_point> last_tick_;
   // This coordinator's start time (microseconds since the epoch): welcome's
   // "coordinator", and the first member id (so that a restarted one never
   // hands out an id its predecessor gave, which the members keep).

@@ -390,6 +390,34 @@ TEST_F(StateTest, HeartbeatTimeoutDropsTheMemberAndTellsTheOthers) {
   EXPECT_EQ(state_.members().size(), 1u);
 }
 
+// A coordinator that did not run for a while (its process stopped, or
+// starved on a loaded machine: a CI run lost an engine rank so during a 6 s
+// swap) does not drop the members it could not hear: silence counts only
+// while it ticks. Silent for the timeout after that, a member goes.
+TEST_F(StateTest, TimeTheCoordinatorDidNotRunIsNoMembersSilence) {
+  join(1, "trainer", 0, 1);
+  join(2, "engine", 0, 1);
+  state_.on_connect(9, now_);  // never says hello
+  state_.on_tick(now_ + 500ms);
+  now_ += 12s;  // no tick for 11.5 s: the coordinator was not running
+  state_.on_tick(now_);
+  EXPECT_TRUE(out_.closed.empty()) << "dropped for silence it could not hear";
+  EXPECT_EQ(state_.members().size(), 2u);
+  message(1, {{"kind", "heartbeat"}});
+  for (int i = 0; i < 2; ++i) {  // ticking every 500 ms: engine rank 0 stays silent
+    now_ += 500ms;
+    message(1, {{"kind", "heartbeat"}});
+    state_.on_tick(now_);
+  }
+  EXPECT_EQ(out_.closed, (std::map<ConnId, std::string>{{9, "timeout"}}))
+      << "silent 0.5 s before the stall and 1 s after: the heartbeat timeout is 2 s (the "
+         "hello timeout, 1 s, counts the same way)";
+  now_ += 600ms;
+  state_.on_tick(now_);
+  EXPECT_EQ(out_.closed.count(2), 1u) << "2.1 s silent while the coordinator ran";
+  EXPECT_EQ(out_.closed.count(1), 0u);
+}
+
 TEST_F(StateTest, LeaveRepliesThenClosesQuietly) {
   join(1, "engine", 0, 1);
   join(2, "observer", 0, 1);
