@@ -330,6 +330,7 @@ void CoordinatorState::record_applied(ConnId conn, const Conn& c, uint64_t id, c
   const double at =
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   applied_[c.member.rank] = Json{{"step", step}, {"at", at}, {"requests", requests}};
+  if (metrics_) metrics_->engine_applied(c.member.rank, step, at);
   reply(conn, id);
 }
 

@@ -93,6 +93,20 @@ struct Metrics::Impl {
           .Name("weightsync_engine_torn")
           .Help("1 while an engine rank's params hold part of a step that did not commit")
           .Register(r);
+  prometheus::Family<prometheus::Gauge>& applied =
+      BuildGauge()
+          .Name("weightsync_engine_applied_step")
+          .Help(
+              "The committed step each engine rank serves, from the end of its apply (staged "
+              "ranks serve a committed step only once applied)")
+          .Register(r);
+  prometheus::Family<prometheus::Gauge>& applied_at =
+      BuildGauge()
+          .Name("weightsync_engine_applied_timestamp_seconds")
+          .Help(
+              "When each engine rank's apply of weightsync_engine_applied_step ended (seconds "
+              "since the epoch, the coordinator's clock)")
+          .Register(r);
   prometheus::Family<prometheus::Counter>& plan_changes =
       BuildCounter()
           .Name("weightsync_plan_changes_total")
@@ -207,6 +221,12 @@ void Metrics::engine_torn(int rank, bool torn) {
   impl_->torn.Add({{"engine_rank", std::to_string(rank)}}).Set(torn ? 1.0 : 0.0);
 }
 
+void Metrics::engine_applied(int rank, int64_t step, double at) {
+  const Labels l{{"engine_rank", std::to_string(rank)}};
+  impl_->applied.Add(l).Set(static_cast<double>(step));
+  impl_->applied_at.Add(l).Set(at);
+}
+
 void Metrics::rank_stats(Role role, int rank, const nlohmann::json& stats) {
   if (!stats.is_object()) return;
   const Labels who = rank_labels(role, rank);
@@ -242,6 +262,7 @@ void Metrics::step_decided(double, uint64_t, bool, const std::string&) {}
 void Metrics::engine_step_failed(int, const std::string&) {}
 void Metrics::engine_version(int, int64_t, int64_t) {}
 void Metrics::engine_torn(int, bool) {}
+void Metrics::engine_applied(int, int64_t, double) {}
 void Metrics::rank_stats(Role, int, const nlohmann::json&) {}
 
 #endif

@@ -44,6 +44,9 @@ class Metrics {
   // 1 while an engine rank's params hold part of a step that did not commit
   // (no staging), until its next commit.
   void engine_torn(int rank, bool torn);
+  // An engine rank serves committed step `step` since `at` (seconds since
+  // the epoch): its apply ended (the "applied" report).
+  void engine_applied(int rank, int64_t step, double at);
   // A rank's own report of its step (RankStepStats as JSON).
   void rank_stats(Role role, int rank, const nlohmann::json& stats);
 

@@ -53,6 +53,8 @@ def _job(rank: int, world: int, address: str, layout: dict, engine: dict, flags:
             out = sub.run_step(timeout=60.0)
             assert out is not None, "no step began within 60 s"
             outcomes.append((out.step, out.committed))
+            if out.committed:  # the engine serves it (as a staged one would after its apply)
+                sub.applied(out.step, {f"req-{out.step}": 10 * out.step})
         _wait_for(os.path.join(flags, f"go-{STEPS}"))  # a member until the last scrape
         sub.close()
         return outcomes
@@ -117,6 +119,9 @@ def test_metrics_follow_a_real_sync(tmp_path):
             engines = [m for m in status["members"] if m["role"] == "engine"]
             assert [m["rank"] for m in engines] == [0], status
             assert engines[0]["version"] == min(step, 2), status
+            applied = engines[0]["applied"]
+            v = min(step, 2)
+            assert applied["step"] == v and applied["requests"] == {f"req-{v}": 10 * v}, status
             assert status["steps"][-1]["step"] == step
             if step == 2:
                 # The person's view (--watch on a terminal refreshes in place;
@@ -154,6 +159,10 @@ def test_metrics_follow_a_real_sync(tmp_path):
         # The engine's committed version and lag, per engine rank.
         assert _value(m, "weightsync_engine_version", engine_rank="0") == min(step, 2)
         assert _value(m, "weightsync_engine_version_lag", engine_rank="0") == 0
+        # What it serves since when (its "applied" reports).
+        assert _value(m, "weightsync_engine_applied_step", engine_rank="0") == min(step, 2)
+        assert abs(_value(m, "weightsync_engine_applied_timestamp_seconds", engine_rank="0")
+                   - time.time()) < 600
         # The ranks' own reports, with rank labels.
         assert _value(m, "weightsync_rank_bytes_total", role="trainer", rank="0") > 0
         assert _value(m, "weightsync_rank_phase_seconds", role="trainer", rank="0",
