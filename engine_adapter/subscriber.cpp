@@ -762,8 +762,9 @@ void Subscriber::restored(int64_t step) {
   impl_->client->restored(step);
 }
 
-void Subscriber::applied(int64_t step, const std::map<std::string, int64_t>& requests) {
-  impl_->client->applied(step, requests);
+bool Subscriber::applied(int64_t step, const std::map<std::string, int64_t>& requests,
+                         std::chrono::milliseconds wait) {
+  return impl_->client->applied(step, requests, wait);
 }
 
 void Subscriber::set_coordinator(const std::string& address) {

@@ -303,7 +303,10 @@ class Client final : public Store {
   // This engine rank serves committed step `step` from now on (its apply
   // ended): status shows it, with `requests` (each request running at the
   // swap, by the engine's id -> the index of its first token `step` made).
-  void applied(int64_t step, const std::map<std::string, int64_t>& requests);
+  // False, sending nothing, where the coordinator is older than the
+  // request; `wait` as for sent (zero: request_timeout).
+  bool applied(int64_t step, const std::map<std::string, int64_t>& requests,
+               Millis wait = Millis(0));
 
   // Next queued event, in arrival order. A StepResult already taken by
   // wait_step_result is not returned again (and vice versa). Errc::timeout if none arrives in time;

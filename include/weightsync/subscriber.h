@@ -181,8 +181,11 @@ class Subscriber {
   // `requests`, each request running at the swap (the engine's request id)
   // -> the index of its first token made by `step`. Errc::peer_failure when
   // the coordinator cannot be told; Errc::protocol when `step` is not a
-  // step this rank committed.
-  void applied(int64_t step, const std::map<std::string, int64_t>& requests = {});
+  // step this rank committed. False, telling nothing, where the coordinator
+  // is older than the request. Waits at most `wait` for the answer (the
+  // engine may be paused meanwhile).
+  bool applied(int64_t step, const std::map<std::string, int64_t>& requests = {},
+               std::chrono::milliseconds wait = std::chrono::milliseconds(2000));
   // The coordinator moved (a restarted one on another address): the rank
   // reconnects there. coordinator(): where it connects now.
   void set_coordinator(const std::string& address);

@@ -276,7 +276,7 @@ void bind_subscriber(nb::module_& m) {
       .def(
           "applied",
           [](PySubscriber& s, int64_t step, const std::map<std::string, int64_t>& requests) {
-            s.get("subscriber").applied(step, requests);
+            return s.get("subscriber").applied(step, requests);
           },
           nb::arg("step"), nb::arg("requests"), ReleaseGil())
       .def(

@@ -509,8 +509,9 @@ class EngineSync:
         """The engine serves the committed step of `result` from now on:
         "requests" (with live_requests: each request running at the swap ->
         the index of its first token made by the step), and the coordinator
-        is told, so that `weightsync status` says since when. A coordinator
-        that cannot be told is logged, and the step stands."""
+        is told, so that `weightsync status` says since when (waiting at most
+        2 s for it: the engine may be paused). A coordinator that cannot be
+        told is logged, and the step stands."""
         requests: dict = {}
         if self.live_requests is not None:
             try:
@@ -521,7 +522,7 @@ class EngineSync:
             result["requests"] = requests
         try:
             self.sub.applied(result["step"], requests)
-        except Error as e:
+        except Exception as e:  # noqa: BLE001 - the step stands; status shows the last report
             logger.warning("weightsync: could not tell the coordinator that engine rank %d "
                            "serves step %d: %s", self.sub.global_rank, result["step"], e)
 

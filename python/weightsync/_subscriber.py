@@ -247,15 +247,17 @@ class Subscriber:
         between steps, on the thread that runs `run_step`."""
         self._core.restored(step)
 
-    def applied(self, step: int, requests: Optional[dict[str, int]] = None) -> None:
+    def applied(self, step: int, requests: Optional[dict[str, int]] = None) -> bool:
         """The engine serves committed step `step` from now on: a staged
         version's apply ended (engines that take each version at commit need
         not call it). `weightsync status` then shows the step and since when
         ("applied": {"step", "at", "requests"}), with `requests`: each
         request running at the swap, by the engine's request id -> the index
         of its first output token made by `step` (docs/integrations/vllm.md). Call it
-        between steps; PeerFailure when the coordinator cannot be told."""
-        self._core.applied(step, dict(requests or {}))
+        between steps. Waits at most 2 s for the coordinator (the engine may
+        be paused): TimeoutError, PeerFailure when it cannot be told; False,
+        telling nothing, where the coordinator is older than the report."""
+        return self._core.applied(step, dict(requests or {}))
 
     @property
     def coordinator(self) -> str:

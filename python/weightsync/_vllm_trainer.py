@@ -522,10 +522,11 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     def _applied_requests(self, k: int) -> Optional[dict]:
         """What the server's workers reported when they applied step k: each
         request running at the swap (the engine's request id) -> the index
-        of its first token made by k; from the lowest engine rank that
-        reported k (the ranks of a replica run the same requests). None when
-        none did (a server without weightsync's workers, or the coordinator
-        could not be asked)."""
+        of its first token made by k; from the lowest engine rank of this
+        server's replica that reported k (its ranks run the same requests;
+        other servers may share the coordinator). None when none did (a
+        server without weightsync's workers, or the coordinator could not
+        be asked)."""
         from ._coordinator import status
 
         if self.address is None:
@@ -538,7 +539,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             return None
         for m in sorted(members, key=lambda m: m.get("rank", 0)):
             applied = m.get("applied")
-            if m.get("role") == "engine" and applied and applied.get("step") == k:
+            if (m.get("role") == "engine" and m.get("replica") == self.init_info.replica
+                    and applied and applied.get("step") == k):
                 return dict(applied["requests"])
         return None
 

@@ -23,6 +23,16 @@ std::pair<std::string, std::string> split_address(const std::string& address) {
   return {host, address.substr(colon + 1)};
 }
 
+// A welcome's "features": the requests the coordinator knows beyond the
+// first set (absent in coordinators older than the field).
+std::set<std::string> features_of(const Json& welcome) {
+  std::set<std::string> out;
+  if (auto f = welcome.find("features"); f != welcome.end() && f->is_array())
+    for (const auto& name : *f)
+      if (name.is_string()) out.insert(name.get<std::string>());
+  return out;
+}
+
 }  // namespace
 
 void Client::Impl::connect() {
@@ -116,6 +126,7 @@ void Client::Impl::on_payload(const std::string& payload) {
     }
     self = wire::member_from_json(m.body.at("member"));
     coordinator = m.body.contains("coordinator") ? wire::get_u64(m.body, "coordinator") : 0;
+    features = features_of(m.body);
     lock.unlock();
     return on_reconnected();
   }
@@ -400,6 +411,7 @@ Client::Client(ClientOptions options) : impl_(std::make_unique<Impl>(std::move(o
     std::lock_guard lock(impl_->mu);
     impl_->coordinator =
         welcome.contains("coordinator") ? wire::get_u64(welcome, "coordinator") : 0;
+    impl_->features = features_of(welcome);
   } catch (...) {
     asio::post(impl_->io, [impl = impl_.get()] { impl->close_on_io(); });
     impl_->thread.join();

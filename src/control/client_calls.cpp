@@ -191,12 +191,18 @@ void Client::restored(int64_t step) {
   impl_->request(m, impl_->options.request_timeout, cat("restored after step ", step));
 }
 
-void Client::applied(int64_t step, const std::map<std::string, int64_t>& requests) {
+bool Client::applied(int64_t step, const std::map<std::string, int64_t>& requests, Millis wait) {
+  {
+    std::lock_guard lock(impl_->mu);
+    if (!impl_->features.count("applied")) return false;
+  }
   Json m = wire::make(Kind::applied);
   m["step"] = step;
   m["requests"] = Json::object();
   for (const auto& [name, index] : requests) m["requests"][name] = index;
-  impl_->request(m, impl_->options.request_timeout, cat("applied for step ", step));
+  impl_->request(m, or_default(wait, impl_->options.request_timeout),
+                 cat("applied for step ", step));
+  return true;
 }
 
 void Client::ack(const StepAck& a, Millis wait) {

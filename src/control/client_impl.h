@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 namespace weightsync::control {
@@ -105,6 +106,9 @@ struct Client::Impl {
   uint64_t losses = 0;
   uint64_t resume_hello = 0;  // the request id of a reconnection's hello
   uint64_t coordinator = 0;   // the coordinator instance registered with (its welcome)
+  // The requests it knows beyond protocol version 1's first set (its
+  // welcome's "features"; a coordinator older than the field: none).
+  std::set<std::string> features;
   ResumeState resume;
   // What this client wrote to the store, written again after a reconnection.
   std::map<std::string, std::vector<uint8_t>> kv_written;

@@ -127,6 +127,9 @@ void CoordinatorState::handle_hello(ConnId conn, Conn& c, const Json& body) {
   welcome["member"] = wire::member_to_json(m);
   welcome["members"] = members_json();
   welcome["coordinator"] = instance_;
+  // Requests a client may send only where the coordinator knows them (an
+  // older one closes the connection on an unknown kind).
+  welcome["features"] = Json::array({"applied"});
   outbox_.send(conn, welcome);
   record_membership();
   if (open_step_ && !open_step_->failure.empty()) decide();
@@ -216,9 +219,10 @@ void CoordinatorState::drop(ConnId conn, const std::string& reason) {
   std::erase_if(member_waiters_, [&](const MemberWaiter& w) { return w.conn == conn; });
   std::erase_if(followers_, [&](const Follower& w) { return w.conn == conn; });
   if (!c.registered) return;
-  // A new process for the rank holds none of the mix.
+  // A new process for the rank holds none of the mix, and has applied nothing yet.
   if (c.member.role == Role::engine && torn_.erase(c.member.rank) > 0 && metrics_)
     metrics_->engine_torn(c.member.rank, false);
+  if (c.member.role == Role::engine) applied_.erase(c.member.rank);
   Json left = wire::make(Kind::member_left);
   left["member"] = wire::member_to_json(c.member);
   left["reason"] = reason;

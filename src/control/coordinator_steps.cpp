@@ -21,7 +21,8 @@ namespace {
 using wire::Json;
 using wire::Kind;
 
-constexpr size_t kMaxRequestIdBytes = 1024;  // an engine's request id, in "applied"
+constexpr size_t kMaxRequestIdBytes = 1024;   // an engine's request id, in "applied"
+constexpr size_t kMaxAppliedRequests = 4096;  // requests per "applied" report
 
 std::string who(const Member& m) {
   return cat(role_name(m.role), " rank ", m.rank);
@@ -319,6 +320,11 @@ void CoordinatorState::record_applied(ConnId conn, const Conn& c, uint64_t id, c
         cat("applied from ", who(c.member), ": step ", step,
             " is not a step it committed (its committed version is ", committed, ")"));
   const Json& requests = body.at("requests");
+  if (requests.size() > kMaxAppliedRequests)
+    return reply_error(
+        conn, id, Errc::invalid_argument,
+        cat("applied from ", who(c.member), " for step ", step, ": ", requests.size(),
+            " requests, above the limit of ", kMaxAppliedRequests, " per report"));
   for (const auto& [name, index] : requests.items())
     if (name.empty() || name.size() > kMaxRequestIdBytes || !index.is_number_integer() ||
         index.get<int64_t>() < 0)

@@ -166,7 +166,9 @@ std::vector<KindSpec> coordinator_messages() {
         {"members", Type::array},
         // Which coordinator this is (its start time in microseconds): a
         // client that comes back to the same one was dropped by it.
-        {"coordinator", Type::u64, false}}},
+        {"coordinator", Type::u64, false},
+        // The requests it knows beyond the first set ("applied").
+        {"features", Type::array, false}}},
       {Kind::reply, "reply", false, {{"id", Type::u64}}},
       {Kind::error,
        "error",

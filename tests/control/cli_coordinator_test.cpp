@@ -65,39 +65,6 @@ TEST(CoordinatorProcess, SurvivesGarbageAndKeepsAccepting) {
   EXPECT_EQ(proc.terminate(), 0);
 }
 
-// A coordinator stopped for three times the heartbeat timeout (SIGSTOP, as
-// a process starved on a loaded machine) keeps its members when it runs
-// again: their heartbeats were waiting, unread; none is dropped, none loses
-// its connection. A member that then goes silent is dropped as before.
-TEST(CoordinatorProcess, StoppedForAWhileItKeepsItsMembers) {
-  CoordinatorProcess proc({"--heartbeat-timeout-ms", "1000"});
-  ASSERT_NE(proc.port(), 0) << proc.first_line();
-  ClientOptions e = client_to(proc.port());
-  e.role = Role::engine;
-  e.world = 2;
-  Client engine(e);
-  Client trainer(client_to(proc.port()));
-  ASSERT_EQ(trainer.members().size(), 2u);
-  proc.stop();
-  std::this_thread::sleep_for(3s);
-  proc.cont();
-  std::this_thread::sleep_for(1500ms);  // past the heartbeat timeout, running
-  EXPECT_EQ(trainer.members().size(), 2u);
-  EXPECT_EQ(engine.connection_losses(), 0u);
-  EXPECT_EQ(trainer.connection_losses(), 0u);
-  EXPECT_TRUE(engine.connected());
-  // The engine's process stops: the running coordinator drops it.
-  ClientOptions quiet = client_to(proc.port());
-  quiet.role = Role::engine;
-  quiet.rank = 1;
-  quiet.world = 2;
-  quiet.heartbeat_interval = 60s;  // as silent as a stopped process
-  Client silent(quiet);
-  ASSERT_EQ(trainer.members().size(), 3u);
-  std::this_thread::sleep_for(2500ms);
-  EXPECT_EQ(trainer.members().size(), 2u) << "a silent member was kept";
-}
-
 TEST(CoordinatorProcess, RequiresTheTokenFromItsTokenFile) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("ws_cp_token_" + std::to_string(::getpid()));

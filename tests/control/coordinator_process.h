@@ -58,10 +58,6 @@ class CoordinatorProcess {
                : static_cast<uint16_t>(std::stoi(first_line_.substr(colon + 1)));
   }
   bool alive() const { return pid_ > 0 && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
-  // SIGSTOP / SIGCONT: a process that does not run for a while (stopped, or
-  // starved on a loaded machine) and then goes on.
-  void stop() { ::kill(pid_, SIGSTOP); }
-  void cont() { ::kill(pid_, SIGCONT); }
   // SIGKILL, as a crash: nothing is flushed or said to the clients.
   void kill() {
     if (pid_ <= 0) return;

@@ -304,6 +304,18 @@ TEST_F(StateTest, StatusShowsWhatEachEngineRankAppliedAndSinceWhen) {
   EXPECT_EQ(a.at("requests"), requests);
   EXPECT_GE(a.at("at").get<double>(), before);
   EXPECT_LE(a.at("at").get<double>(), before + 60);
+  Json many = Json::object();
+  for (int i = 0; i <= 4096; ++i) many["r" + std::to_string(i)] = i;
+  request(2, "applied", {{"step", 1}, {"requests", many}});
+  refused(2, "4097 requests, above the limit of 4096 per report");
+  EXPECT_EQ(applied().at("requests"), requests) << "the refused report changed nothing";
+  // A new process for the rank has applied nothing yet; its welcome says
+  // the coordinator takes "applied" (an older one would close on it).
+  state_.on_disconnect(2, "connection lost");
+  hello(3, "engine", 0, 1);
+  ASSERT_EQ(out_.sent[3].size(), 1u);
+  EXPECT_EQ(out_.sent[3][0].at("features"), Json::array({"applied"}));
+  EXPECT_TRUE(applied().is_null()) << state_.status().dump(1);
 }
 
 // An engine rank's parity line (its FP8 parity check at connect) is shown

@@ -54,7 +54,8 @@ def _job(rank: int, world: int, address: str, layout: dict, engine: dict, flags:
             assert out is not None, "no step began within 60 s"
             outcomes.append((out.step, out.committed))
             if out.committed:  # the engine serves it (as a staged one would after its apply)
-                sub.applied(out.step, {f"req-{out.step}": 10 * out.step})
+                assert sub.applied(out.step, {f"req-{out.step}": 10 * out.step}) is True
+                open(os.path.join(flags, f"applied-{out.step}"), "w").close()
         _wait_for(os.path.join(flags, f"go-{STEPS}"))  # a member until the last scrape
         sub.close()
         return outcomes
@@ -114,6 +115,7 @@ def test_metrics_follow_a_real_sync(tmp_path):
         seen = []
         for step in range(1, STEPS + 1):
             _wait_for(os.path.join(flags, f"done-{step}"))
+            _wait_for(os.path.join(flags, f"applied-{min(step, 2)}"))  # the engine reported
             seen.append(_scrape(port))
             status = json.loads(cli("status", "--coordinator", coord.address, "--json").stdout)
             engines = [m for m in status["members"] if m["role"] == "engine"]
