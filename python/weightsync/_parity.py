@@ -100,3 +100,30 @@ def check(engine: EngineLike, replica: int, rank: int, held: Mapping[str, tuple[
             f"replica {replica} rank {rank}: weightsync's layout{fp8} and the {what}'s parameters "
             f"differ in {len(rows)} params; refused before any byte moves:\n{table(rows)}")
     return f"{summary}; matches the {what}" if summary else ""
+
+
+def check_load_weights(engine: EngineLike, replica: int, rank: int, serialized_fp8: bool,
+                       what: str = "engine") -> None:
+    """load_weights mode: weightsync hands engine rank `rank` of `replica`
+    the tensors of its layout, and the engine's own loaders copy them into
+    its params. An engine serving an FP8-serialized checkpoint
+    (`serialized_fp8`: its quantization_config stores the weights in FP8
+    with their scales) copies floats into its FP8 params numerically and
+    keeps the old scales: a wrong model, and no error. Refused
+    (MismatchError) before any byte moves unless the layout sends FP8
+    tensors too."""
+    if not serialized_fp8:
+        return
+    text, base = load_json(engine, "engine config")
+    layout = _core.engine_params(text, base, replica, rank)
+    if any(dtype.startswith("F8") for _, dtype, _ in layout):
+        return
+    dtypes = sorted({dtype for _, dtype, _ in layout})
+    raise MismatchError(
+        f"replica {replica} rank {rank}: the {what} serves an FP8 checkpoint (its "
+        "quantization_config stores the weights in FP8 with their scales), and weightsync's "
+        f"layout sends no FP8 tensor ({', '.join(dtypes)} only): the {what}'s loader would "
+        "copy them into its FP8 params without new scales, a wrong model with no error. "
+        "Refused before any byte moves. Use the engine config's framework 'vllm' (mode "
+        "'direct': weightsync quantizes as the engine does, from the checkpoint's "
+        "quantization_config; docs/fp8.md)")

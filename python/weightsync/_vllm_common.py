@@ -86,3 +86,23 @@ def worker_error(error: BaseException, call: str) -> Error:
     if found is None:
         return Error("internal", f"weightsync: vLLM's {call} failed: {error}")
     return Error(found.group(1), found.group(2))
+
+
+def _live_requests(worker: Any) -> dict:
+    """{request id: output tokens so far} of every request the worker's
+    model runner holds, read inside update_weights: the engine core runs it
+    between two engine steps with the scheduler paused, so no token is being
+    made, and (CPU: vLLM schedules synchronously there) every token sampled
+    is in output_token_ids. Requests aborted by /pause?mode=abort are gone
+    by then; one that finished in the engine step just before may still be
+    held: listed with all its tokens, none after. With asynchronous
+    scheduling (vLLM's default on GPUs) a sampled token may not be in the
+    list yet: not measured here. The ids are the engine's: vLLM adds
+    "-" and 8 random characters to the id the API server gave (an OpenAI
+    completion: its response id, "-", the prompt's index)."""
+    runner = getattr(worker, "model_runner", None)
+    requests = getattr(runner, "requests", None)
+    if not isinstance(requests, dict):
+        return {}
+    return {str(rid): len(getattr(state, "output_token_ids", None) or ())
+            for rid, state in list(requests.items())}

@@ -356,6 +356,11 @@ def connect(model: Any, model_config: Any, vllm_config: Any, coordinator: Any, e
         # replica agree on the apply (each update_weights gathers them).
         options.setdefault("agree", _agree_tp)
     if mode == "load_weights":
+        from ._parity import check_load_weights
+
+        quant = getattr(vllm_config, "quant_config", None)
+        check_load_weights(engine, replica, rank,
+                           bool(getattr(quant, "is_checkpoint_fp8_serialized", False)))
         protocol = VllmReload(model, model_config, vllm_config, load_kind="hf")
         return EngineSync(model, coordinator, engine, replica, rank, mode=mode, protocol=protocol,
                           keep_previous=keep_previous, **options)

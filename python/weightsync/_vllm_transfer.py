@@ -26,7 +26,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from ._errors import Error
-from ._vllm_common import _lora_close, _lora_connect, _lora_sync, marked
+from ._vllm_common import _live_requests, _lora_close, _lora_connect, _lora_sync, marked
 
 
 @dataclass
@@ -267,24 +267,6 @@ def _worker_of(engine: Any) -> Any:
             return owner
         frame = frame.f_back
     return None
-
-
-def _live_requests(worker: Any) -> dict:
-    """{request id: output tokens so far} of every request the worker's
-    model runner holds, read inside update_weights: the engine core runs it
-    between two engine steps with the scheduler paused, so no token is being
-    made, and (CPU and synchronous scheduling) every token sampled is in
-    output_token_ids. Requests that ended at the pause (finished, or aborted
-    by /pause?mode=abort) are still held until the next engine step: listed
-    with all their tokens, none after. The ids are the engine's: vLLM adds
-    "-" and 8 random characters to the id the API server gave (an OpenAI
-    completion: its response id, "-", the prompt's index)."""
-    runner = getattr(worker, "model_runner", None)
-    requests = getattr(runner, "requests", None)
-    if not isinstance(requests, dict):
-        return {}
-    return {str(rid): len(getattr(state, "output_token_ids", None) or ())
-            for rid, state in list(requests.items())}
 
 
 def _end_worker_session(engine: Any) -> bool:

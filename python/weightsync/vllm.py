@@ -70,8 +70,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ._errors import Error
-from ._vllm_common import (ENGINE_NAME, _lora_close, _lora_connect, _lora_sync,
-                           _tp_rank, marked, worker_error)
+from ._vllm_common import (ENGINE_NAME, _live_requests, _lora_close, _lora_connect,
+                           _lora_sync, _tp_rank, marked, worker_error)
 
 __all__ = ["WorkerExtension", "connect_lora", "lora_request", "receive", "receive_lora",
            "register_plugin", "register_weight_transfer_engine", "update",
@@ -108,6 +108,8 @@ class WorkerExtension:
                                    replica, self.weightsync_tp_rank(), mode,
                                    keep_previous=keep_previous, **options)
         sync = self._weightsync
+        # At each apply: the requests this worker runs, for "requests".
+        sync.live_requests = lambda: _live_requests(self)
         return {"global_rank": sync.sub.global_rank, "mode": sync.mode,
                 "protocol": sync.protocol is not None, "fallback": sync.fallback_reason}
 
@@ -261,7 +263,10 @@ def update(llm: Any, timeout: float = 120.0, reset_prefix_cache: bool = True) ->
     worker runs the next weightsync step; when all committed it, the prefix
     cache is reset (its KV came from the old weights) and vLLM's weight
     version set to the step. Returns {"step", "committed", "workers": [each
-    worker's outcome]}; raises weightsync.Error when no step began."""
+    worker's outcome], "requests"}; raises weightsync.Error when no step
+    began. "requests": each request the engine ran at the apply (vLLM's
+    request id) -> the index of its first output token made by the step
+    (the first worker's; docs/integrations/vllm.md)."""
     try:
         outs = llm.collective_rpc("weightsync_update", kwargs={"timeout": timeout})
     except Exception as e:  # noqa: BLE001 - turned into weightsync's own error
@@ -275,7 +280,8 @@ def update(llm: Any, timeout: float = 120.0, reset_prefix_cache: bool = True) ->
         llm.reset_prefix_cache()
     if committed:
         _set_version(llm, outs[0]["step"])
-    return {"step": outs[0]["step"], "committed": committed, "workers": outs}
+    return {"step": outs[0]["step"], "committed": committed, "workers": outs,
+            "requests": outs[0].get("requests")}
 
 
 def receive(llm: Any, step: Optional[int] = None, timeout: float = 120.0,

@@ -8,7 +8,9 @@ global config):
 
 prints one JSON object {model_dir: {param: [dtype, shape]}} of every FP8
 weight and every scale param beside one, or {model_dir: {"error": text}}
-where the engine refuses the model. Facts only: nothing of weightsync is
+where the engine refuses the model; for vLLM, also a line FP8-SERIALIZED
+{model_dir: what vLLM's quant config says of the checkpoint
+(is_checkpoint_fp8_serialized)}. Facts only: nothing of weightsync is
 imported here. SGLang on a CPU needs sglang_shim/ on PYTHONPATH
 (test_sglang_fp8.py puts it there)."""
 
@@ -50,9 +52,11 @@ def vllm_models(dirs: list) -> dict:
     # have none for FP8 (AMX): the params are all this needs.
     fp8.init_fp8_linear_kernel = lambda *a, **k: None
     out = {}
+    serialized = {}
     for i, d in enumerate(dirs):
         vc = EngineArgs(model=d, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                         load_format="dummy", dtype="bfloat16").create_engine_config()
+        serialized[d] = getattr(vc.quant_config, "is_checkpoint_fp8_serialized", None)
         with set_current_vllm_config(vc):
             if i == 0:
                 init_distributed_environment(
@@ -64,6 +68,7 @@ def vllm_models(dirs: list) -> dict:
                     out[d] = _fp8_of(initialize_model(vllm_config=vc))
             except ValueError as e:
                 out[d] = {"error": str(e)}
+    print("FP8-SERIALIZED " + json.dumps(serialized))
     return out
 
 

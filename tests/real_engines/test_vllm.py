@@ -193,10 +193,18 @@ def test_worker_extension_load_weights_dense_tp1(dense1):
         assert stale[0] != eng.reference(1)["tokens"][0], "the stale prefix cache did not show"
         eng.llm.reset_prefix_cache()
         eng.check(1, "step 1")
+        # Step 2 with a request in flight (paused after its first tokens):
+        # update() names it, with the index of its first token of step 2,
+        # and the request goes on to its end after the resume.
+        held = vs.HeldRequest(eng.llm, vs.PROMPTS[1])
         job.trainer.push(2, eng.versions[2])
         out = wsv.update(eng.llm, timeout=90)
         assert out["committed"], out
         assert job.trainer.pushed()["committed"] == [0]
+        index = out["requests"][held.key(out["requests"])]
+        assert held.seen <= index < held.max_tokens, (held.seen, out["requests"])
+        assert len(held.finish()) == held.max_tokens
+        eng.llm.reset_prefix_cache()  # refused by update() while the request held blocks
         eng.check(2, "step 2")
         assert eng.llm.collective_rpc("weightsync_version") == [2]
         assert eng.llm.get_weight_version() == "2"
@@ -380,8 +388,19 @@ def test_worker_extension_and_transfer_api_moe_tp2(moe2):
             coordinator=job.coord.address, engine=job.config, replica=0)})
         target = _other(eng)
         job.trainer.push(1, eng.versions[target])
+        held = vs.HeldRequest(eng.llm, vs.PROMPTS[1])
         wsv.receive(eng.llm, step=1, timeout=90)
         assert job.trainer.pushed()["committed"] == [0, 1]
+        # Both workers of the replica report the request in flight, alike
+        # (the transfer API's result is vLLM's: the coordinator has it).
+        applied = [m["applied"] for m in ws.status(job.coord)["members"]
+                   if m["role"] == "engine"]
+        assert [a["step"] for a in applied] == [1, 1], applied
+        assert applied[0]["requests"] == applied[1]["requests"], applied
+        index = applied[0]["requests"][held.key(applied[0]["requests"])]
+        assert held.seen <= index < held.max_tokens, (held.seen, applied)
+        assert len(held.finish()) == held.max_tokens
+        eng.llm.reset_prefix_cache()
         eng.check(target, "step 1 through the transfer API")
         eng.llm.shutdown_weight_transfer_engine()
     finally:

@@ -26,7 +26,11 @@ def built(tmp_path_factory):
     line = [x for x in run.stdout.splitlines() if x.startswith("FP8-MODELS ")]
     assert line, run.stdout[-2000:] + run.stderr[-4000:]
     got = json.loads(line[0][len("FP8-MODELS "):])
-    return {case: got[d] for case, d in dirs.items()}, dirs
+    serialized = [x for x in run.stdout.splitlines() if x.startswith("FP8-SERIALIZED ")]
+    assert serialized, run.stdout[-2000:]
+    facts = json.loads(serialized[0][len("FP8-SERIALIZED "):])
+    return ({case: got[d] for case, d in dirs.items()}, dirs,
+            {case: facts[d] for case, d in dirs.items()})
 
 
 def engine_names(params: dict) -> dict:
@@ -36,7 +40,7 @@ def engine_names(params: dict) -> dict:
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in expected_refusals("vllm")])
 def test_fp8_params_are_the_engines(built, case):
-    got, dirs = built
+    got, dirs, _ = built
     assert "error" not in got[case], got[case]
     theirs = engine_names(got[case])
     ours = weightsync_fp8(dirs[case], "vllm")
@@ -48,10 +52,36 @@ def test_fp8_params_are_the_engines(built, case):
 
 @pytest.mark.parametrize("case", sorted(expected_refusals("vllm")))
 def test_a_model_vllm_refuses_is_refused(built, case):
-    got, dirs = built
+    got, dirs, _ = built
     assert "Detected some but not all shards" in got[case].get("error", ""), got[case]
     with pytest.raises(ws.Error, match=expected_refusals("vllm")[case]):
         weightsync_fp8(dirs[case], "vllm")
+
+
+def test_load_weights_into_an_fp8_checkpoint_is_refused(built, tmp_path):
+    """load_weights mode (framework "hf": weightsync hands HF tensors to
+    vLLM's loaders) into a model vLLM loads from an FP8-serialized
+    checkpoint: vLLM would copy BF16 into its FP8 params without new scales.
+    The check vLLM workers run at connect refuses it, naming the way that
+    works; a BF16 checkpoint (no quantization_config) passes."""
+    from weightsync._parity import check_load_weights
+
+    got, dirs, serialized = built
+    for case in ("qwen3_moe", "deepseek_v3"):
+        assert serialized[case] is True, (case, serialized)  # vLLM's own reading
+        hf = {"framework": "hf", "hf_config": os.path.join(dirs[case], "config.json"), "tp": 1,
+              "replicas": 1, "dtype": "BF16"}
+        with pytest.raises(ws.MismatchError, match="serves an FP8 checkpoint") as refused:
+            check_load_weights(hf, 0, 0, serialized[case])
+        assert "BF16" in str(refused.value) and "framework 'vllm'" in str(refused.value)
+        check_load_weights(dict(hf, framework="vllm"), 0, 0, serialized[case])  # sends FP8
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    config = json.load(open(os.path.join(dirs["qwen3_moe"], "config.json")))
+    del config["quantization_config"]
+    (bf16 / "config.json").write_text(json.dumps(config))
+    check_load_weights({"framework": "hf", "hf_config": str(bf16 / "config.json"), "tp": 1,
+                        "replicas": 1, "dtype": "BF16"}, 0, 0, False)
 
 
 @pytest.mark.parametrize("scale", ["fp32", "ue8m0"])

@@ -983,3 +983,48 @@ def engine_request(reported: dict, response_id: Optional[str]) -> Optional[str]:
     found = [k for k in reported if k.startswith(f"{response_id}-0-")]
     assert len(found) <= 1, (response_id, found)
     return found[0] if found else None
+
+
+class HeldRequest:
+    """One greedy request in flight in an offline LLM while a weight update
+    runs: added, stepped until its first tokens came back (`seen` of them),
+    then the scheduler paused (sleep level 0, mode "keep": the request stays,
+    no engine step runs). finish() resumes it and runs it to its end, so
+    that a test can compare the update's reported boundary ("requests")
+    with what the request made before and after."""
+
+    def __init__(self, llm: Any, prompt: list, max_tokens: int = 200, rid: str = "held"):
+        from vllm import SamplingParams
+
+        self.llm, self.rid, self.max_tokens = llm, rid, max_tokens
+        llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        self.seen = 0
+        deadline = time.monotonic() + 120
+        while self.seen == 0:
+            assert time.monotonic() < deadline, "the held request made no token in 120 s"
+            for out in llm.llm_engine.step():
+                if out.request_id == rid:
+                    self.seen = len(out.outputs[0].token_ids)
+                    assert not out.finished, "the held request ended before the pause"
+        llm.sleep(level=0, mode="keep")
+
+    def key(self, reported: dict) -> str:
+        """Its key among an update's "requests" (vLLM's id: ours, "-", 8
+        random characters)."""
+        found = [k for k in reported if k.startswith(self.rid + "-")]
+        assert len(found) == 1, (self.rid, reported)
+        return found[0]
+
+    def finish(self) -> list:
+        """Resumes the engine and returns the request's tokens at its end."""
+        self.llm.wake_up(tags=["scheduling"])
+        tokens: list = []
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, "the held request did not end in 120 s"
+            for out in self.llm.llm_engine.step():
+                if out.request_id == self.rid:
+                    tokens = list(out.outputs[0].token_ids)
+                    if out.finished:
+                        return tokens
